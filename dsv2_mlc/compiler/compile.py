@@ -1,0 +1,182 @@
+"""``dsv2-mlc compile``: HF checkpoint -> compiled library + converted weights + JSON config.
+
+Everything is checked (config values, every checkpoint tensor's presence and shape) before any
+output is produced; the output is built in a temporary folder beside OUT_DIR and moved into place
+only when complete, so a failure leaves OUT_DIR exactly as it was.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..model.checkpoint import SafetensorsCheckpoint
+from ..model.config import DeepseekV2Config
+from ..model.weights import check_checkpoint, convert, weight_map
+from ..runtime.layout import (
+    BUILD_CONFIG,
+    FORMAT_VERSION,
+    LIBRARY,
+    PARAMS_DIR,
+    TOKENIZER_FILES,
+    BuildConfig,
+)
+
+DTYPES = ("float32", "float16")
+DEVICES = ("cpu",)
+
+
+class CompileError(ValueError):
+    """A compile request that cannot be honoured (the message says why and what to do)."""
+
+
+@dataclass(frozen=True)
+class CompileResult:
+    """Where the build went and what it cost."""
+
+    out_dir: Path
+    build: BuildConfig
+    seconds: float
+
+
+def make_target(device: str):  # -> tvm.target.Target
+    """The TVM target for ``device``."""
+    import tvm
+
+    if device == "cpu":
+        return tvm.target.Target({"kind": "llvm"})
+    raise CompileError(f"unsupported --device {device!r}; supported: {', '.join(DEVICES)}")
+
+
+def compile_model(
+    model_dir: str | Path,
+    out_dir: str | Path,
+    *,
+    device: str = "cpu",
+    dtype: str = "float32",
+    dump_ir: str | Path | None = None,
+    progress: bool = True,
+) -> CompileResult:
+    """Compile the HF checkpoint in ``model_dir`` for ``device`` into ``out_dir``."""
+    start = time.perf_counter()
+    if dtype not in DTYPES:
+        raise CompileError(f"unsupported --dtype {dtype!r}; supported: {', '.join(DTYPES)}")
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise CompileError(f"{model_dir}: model folder not found")
+    out_dir = Path(out_dir).resolve()
+    _check_out_dir(out_dir)
+
+    # 1. Everything that can be wrong with the input is found here, before any output exists.
+    cfg = DeepseekV2Config.from_file(model_dir)
+    ckpt = SafetensorsCheckpoint(model_dir)
+    convs = weight_map(cfg)
+    check_checkpoint(convs, ckpt)
+    target = make_target(device)
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=out_dir.parent))
+    try:
+        build = _build(cfg, ckpt, convs, target, device, dtype, tmp, dump_ir, progress)
+        for name in TOKENIZER_FILES:
+            if (model_dir / name).is_file():
+                shutil.copy2(model_dir / name, tmp / name)
+        _replace_dir(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        ckpt.close()
+    return CompileResult(out_dir, build, time.perf_counter() - start)
+
+
+def _build(
+    cfg: DeepseekV2Config,
+    ckpt: SafetensorsCheckpoint,
+    convs: list,
+    target,
+    device: str,
+    dtype: str,
+    tmp: Path,
+    dump_ir: str | Path | None,
+    progress: bool,
+) -> BuildConfig:
+    import tvm
+    import tvm_ffi
+    from tvm.contrib import tvmjs
+
+    from ..model.deepseek_v2 import DeepseekV2ForCausalLM
+    from ..passes.pipeline import build_pipeline
+
+    model = DeepseekV2ForCausalLM(cfg, dtype, target)
+    mod, named_params = model.export_tvm(spec=model.get_default_spec())
+    param_dtypes = {name: str(p.dtype) for name, p in named_params}
+    param_shapes = {name: tuple(int(s) for s in p.shape) for name, p in named_params}
+    produced = [t for conv in convs for t in conv.targets]
+    if produced != [name for name, _ in named_params]:
+        raise AssertionError("weight map and model parameters disagree (a bug in dsv2_mlc)")
+
+    with target:
+        executable = tvm.compile(mod, target=target, relax_pipeline=build_pipeline(target, dump_ir))
+    executable.export_library(str(tmp / LIBRARY))
+
+    def params() -> Iterator[tuple[str, np.ndarray]]:
+        stream = convert(convs, ckpt, param_dtypes)
+        if progress:
+            from tqdm import tqdm
+
+            stream = tqdm(stream, total=len(produced), desc="converting weights", unit="tensor")
+        for name, arr in stream:
+            if arr.shape != param_shapes[name]:
+                raise AssertionError(
+                    f"{name}: converted to {arr.shape}, model needs a different one"
+                )
+            yield name, arr
+
+    with contextlib.redirect_stdout(io.StringIO()):  # it prints its own progress lines
+        tvmjs.dump_tensor_cache(
+            params(), str(tmp / PARAMS_DIR), encode_format="raw", show_progress=False
+        )
+    build = BuildConfig(
+        format_version=FORMAT_VERSION,
+        model=cfg.to_dict(),
+        dtype=dtype,
+        device=device,
+        target=str(target.export()),
+        param_names=produced,
+        tvm_version=tvm.__version__,
+        tvm_ffi_version=tvm_ffi.__version__,
+    )
+    (tmp / BUILD_CONFIG).write_text(json.dumps(build.to_dict(), indent=1))
+    return build
+
+
+def _check_out_dir(out_dir: Path) -> None:
+    if out_dir.exists() and not out_dir.is_dir():
+        raise CompileError(f"{out_dir}: exists and is not a folder; choose another output path")
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / BUILD_CONFIG).is_file():
+        raise CompileError(
+            f"{out_dir}: folder is not empty and is not a dsv2-mlc build; "
+            "choose a new or empty output folder"
+        )
+
+
+def _replace_dir(new: Path, dest: Path) -> None:
+    """Move the finished build ``new`` to ``dest``, replacing an earlier build there."""
+    old = None
+    if dest.exists():
+        old = dest.with_name(f".{dest.name}.old-{os.getpid()}")
+        os.replace(dest, old)
+    os.replace(new, dest)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,281 @@
+"""The DeepSeek-V2 graph in ``tvm.relax.frontend.nn``: MLA (optional q-LoRA), DeepSeekMoE, YaRN.
+
+Entry points (all batched over sequences; the paged KV cache knows which sequences are in the
+batch from ``begin_forward``):
+
+* ``batch_prefill(input_ids[1, n], logit_positions[m], cache)``: new sequences only. Non-absorbed
+  attention over the new tokens (ragged, causal). Returns logits ``[1, m, vocab]`` (float32) at the
+  given flat token positions.
+* ``batch_extend(...)``: same signature, for batches where some sequence already has cached
+  tokens (chunked prefill, multi-turn): the ragged attention is merged with absorbed attention over
+  the cached latent pages.
+* ``batch_decode(input_ids[b, 1], cache)``: one new token per sequence; absorbed attention
+  (``q_nope . W_UK``, attention over latent pages, ``. W_UV``). Returns ``[b, 1, vocab]``.
+* ``create_paged_kv_cache(...)``: the MLA latent cache (only ``kv_lora_rank + rope`` values per
+  token per layer), in pages of 16 tokens.
+
+Parameter names are the Hugging Face names, except where a checkpoint tensor is stored
+transformed (see ``weights.py``): stacked routed experts and ``kv_b_proj`` split into
+``kv_b_proj.w_uk`` / ``kv_b_proj.w_uv``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from tvm import te, tirx
+from tvm.relax.frontend import nn
+from tvm.relax.frontend.nn import Tensor, op
+from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache
+from tvm.target import Target
+
+from .config import DeepseekV2Config
+from .kv_cache import MLAPagedKVCache
+from .moe import DeepseekV2MLP, DeepseekV2MoE
+from .rope import apply_rope
+
+Mode = Literal["prefill", "extend", "decode"]
+
+# DeepSeek's q_a_layernorm / kv_a_layernorm use a fixed epsilon, not rms_norm_eps.
+LORA_NORM_EPS = 1e-6
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm over the last axis in float32: ``weight * (x * rsqrt(mean(x^2) + eps))``."""
+
+    def __init__(self, dim: int, eps: float, dtype: str):
+        self.weight = nn.Parameter((dim,), dtype)
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        eps = self.eps
+
+        def compute(xt: te.Tensor, wt: te.Tensor) -> te.Tensor:
+            d = xt.shape[-1]
+            r = te.reduce_axis((0, d), name="r")
+            sq = te.compute(
+                xt.shape[:-1],
+                lambda *i: te.sum(xt(*i, r).astype("float32") * xt(*i, r).astype("float32"), r),
+                name="rms_sq",
+            )
+
+            def f(*i: tirx.PrimExpr) -> tirx.PrimExpr:
+                inv = tirx.rsqrt(sq(*i[:-1]) / d.astype("float32") + tirx.const(eps, "float32"))
+                normed = (xt(*i).astype("float32") * inv).astype(xt.dtype)
+                return wt[i[-1]] * normed
+
+            return te.compute(xt.shape, f, name="rms_norm")
+
+        return nn.tensor_expr_op(compute, "rms_norm", [x, self.weight])
+
+
+class KVBProj(nn.Module):
+    """``kv_b_proj`` split per head into the up-projections of the latent: W_UK and W_UV."""
+
+    def __init__(self, cfg: DeepseekV2Config, dtype: str):
+        h, c = cfg.num_attention_heads, cfg.kv_lora_rank
+        self.w_uk = nn.Parameter((h, cfg.qk_nope_head_dim, c), dtype)
+        self.w_uv = nn.Parameter((h, cfg.v_head_dim, c), dtype)
+
+
+class DeepseekV2Attention(nn.Module):
+    """Multi-head latent attention with the latent kept in a paged cache."""
+
+    def __init__(self, cfg: DeepseekV2Config, layer_id: int, dtype: str):
+        self.cfg = cfg
+        self.layer_id = layer_id
+        h, heads = cfg.hidden_size, cfg.num_attention_heads
+        if cfg.q_lora_rank is None:
+            self.q_proj = nn.Linear(h, heads * cfg.qk_head_dim, bias=False, dtype=dtype)
+        else:
+            self.q_a_proj = nn.Linear(h, cfg.q_lora_rank, bias=False, dtype=dtype)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, LORA_NORM_EPS, dtype)
+            self.q_b_proj = nn.Linear(
+                cfg.q_lora_rank, heads * cfg.qk_head_dim, bias=False, dtype=dtype
+            )
+        self.kv_a_proj_with_mqa = nn.Linear(h, cfg.latent_dim, bias=False, dtype=dtype)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, LORA_NORM_EPS, dtype)
+        self.kv_b_proj = KVBProj(cfg, dtype)
+        self.o_proj = nn.Linear(heads * cfg.v_head_dim, h, bias=False, dtype=dtype)
+
+    def forward(self, x: Tensor, cache: PagedKVCache, mode: Mode) -> tuple[Tensor, PagedKVCache]:
+        """x: [n, hidden] (all tokens of the batch) -> ([n, hidden], cache)."""
+        cfg = self.cfg
+        n = x.shape[0]
+        heads, nope, rope_dim = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+        lora, v_dim, scale = cfg.kv_lora_rank, cfg.v_head_dim, cfg.softmax_scale
+
+        if cfg.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = op.reshape(q, (n, heads, cfg.qk_head_dim))
+        q_nope, q_pe = op.split(q, [nope], axis=2)
+        c_kv, k_pe = op.split(self.kv_a_proj_with_mqa(x), [lora], axis=1)
+        c_kv = self.kv_a_layernorm(c_kv)
+
+        positions = cache.get_query_positions(n)
+        q_pe = apply_rope(q_pe, positions, cfg.rope, "rope_q")
+        k_pe = apply_rope(k_pe, positions, cfg.rope, "rope_k")
+        latent = op.concat([c_kv, k_pe], dim=1)
+        cache = cache.append_mla_kv(self.layer_id, op.reshape(latent, (1, n, 1, cfg.latent_dim)))
+
+        out = None
+        if mode != "decode":
+            # Non-absorbed (prefill) attention over the new tokens: decompress the latent.
+            k_nope = op.matmul(c_kv, op.permute_dims(op.reshape(self.kv_b_proj.w_uk, (-1, lora))))
+            value = op.matmul(c_kv, op.permute_dims(op.reshape(self.kv_b_proj.w_uv, (-1, lora))))
+            k_nope = op.reshape(k_nope, (n, heads, nope))
+            value = op.reshape(value, (1, n, heads, v_dim))
+            k_pe_heads = op.broadcast_to(op.reshape(k_pe, (n, 1, rope_dim)), (n, heads, rope_dim))
+            key = op.reshape(op.concat([k_nope, k_pe_heads], dim=2), (1, n, heads, cfg.qk_head_dim))
+            query = op.reshape(op.concat([q_nope, q_pe], dim=2), (1, n, heads, cfg.qk_head_dim))
+            out, lse = cache.self_attention(self.layer_id, query, key, value, scale)
+        if mode != "prefill":
+            # Absorbed attention over the cached latent pages.
+            q_abs = op.matmul(op.permute_dims(q_nope, [1, 0, 2]), self.kv_b_proj.w_uk)
+            q_abs = op.permute_dims(q_abs, [1, 0, 2])  # [n, heads, lora]
+            q_lat = op.reshape(op.concat([q_abs, q_pe], dim=2), (1, n, heads, cfg.latent_dim))
+            o_lat, lse_lat = cache.cross_attention(self.layer_id, q_lat, lora, scale)
+            o_lat = op.permute_dims(op.reshape(o_lat, (n, heads, lora)), [1, 0, 2])
+            o_cross = op.matmul(o_lat, op.permute_dims(self.kv_b_proj.w_uv, [0, 2, 1]))
+            o_cross = op.reshape(op.permute_dims(o_cross, [1, 0, 2]), (1, n, heads, v_dim))
+            if out is None:
+                out = o_cross
+            else:
+                out, _ = cache.merge_attn_output_inplace(out, lse, o_cross, lse_lat)
+        return self.o_proj(op.reshape(out, (n, heads * v_dim))), cache
+
+
+class DeepseekV2DecoderLayer(nn.Module):
+    """Pre-norm decoder layer: MLA, then the dense MLP or DeepSeekMoE."""
+
+    def __init__(self, cfg: DeepseekV2Config, layer_id: int, dtype: str):
+        self.self_attn = DeepseekV2Attention(cfg, layer_id, dtype)
+        if cfg.is_moe_layer(layer_id):
+            self.mlp = DeepseekV2MoE(cfg, dtype)
+        else:
+            self.mlp = DeepseekV2MLP(cfg.hidden_size, cfg.intermediate_size, dtype)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+    def forward(self, x: Tensor, cache: PagedKVCache, mode: Mode) -> tuple[Tensor, PagedKVCache]:
+        attn, cache = self.self_attn(self.input_layernorm(x), cache, mode)
+        x = x + attn
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return x, cache
+
+
+class DeepseekV2Model(nn.Module):
+    """Embedding, decoder layers, final norm (HF's ``model.*``)."""
+
+    def __init__(self, cfg: DeepseekV2Config, dtype: str):
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(
+            [DeepseekV2DecoderLayer(cfg, i, dtype) for i in range(cfg.num_hidden_layers)]
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+
+class DeepseekV2ForCausalLM(nn.Module):
+    """The whole model with its entry points (see the module docstring)."""
+
+    def __init__(self, cfg: DeepseekV2Config, dtype: str, target: Target):
+        self.cfg = cfg
+        self.dtype = dtype
+        self.target = target
+        self.model = DeepseekV2Model(cfg, dtype)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
+
+    def _body(self, input_ids: Tensor, cache: PagedKVCache, mode: Mode) -> tuple[Tensor, Any]:
+        n = input_ids.shape[0] * input_ids.shape[1]
+        x = op.reshape(self.model.embed_tokens(op.reshape(input_ids, (n,))), (n, -1))
+        for layer in self.model.layers:
+            x, cache = layer(x, cache, mode)
+        return x, cache
+
+    def _logits(self, x: Tensor) -> Tensor:
+        return self.lm_head(self.model.norm(x)).astype("float32")
+
+    def _prefill(
+        self, input_ids: Tensor, logit_positions: Tensor, cache: PagedKVCache, mode: Mode
+    ) -> tuple[Tensor, PagedKVCache]:
+        x, cache = self._body(input_ids, cache, mode)
+        x = op.take(x, logit_positions, axis=0)
+        logits = self._logits(x)
+        return op.reshape(logits, (1, logit_positions.shape[0], self.cfg.vocab_size)), cache
+
+    def batch_prefill(
+        self, input_ids: Tensor, logit_positions: Tensor, paged_kv_cache: PagedKVCache
+    ) -> tuple[Tensor, PagedKVCache]:
+        """Prefill of sequences with nothing cached yet (see module docstring)."""
+        return self._prefill(input_ids, logit_positions, paged_kv_cache, "prefill")
+
+    def batch_extend(
+        self, input_ids: Tensor, logit_positions: Tensor, paged_kv_cache: PagedKVCache
+    ) -> tuple[Tensor, PagedKVCache]:
+        """Prefill of a chunk for sequences that may already have cached tokens."""
+        return self._prefill(input_ids, logit_positions, paged_kv_cache, "extend")
+
+    def batch_decode(
+        self, input_ids: Tensor, paged_kv_cache: PagedKVCache
+    ) -> tuple[Tensor, PagedKVCache]:
+        """One token for each sequence of the batch (absorbed attention)."""
+        x, cache = self._body(input_ids, paged_kv_cache, "decode")
+        logits = self._logits(x)
+        return op.reshape(logits, (input_ids.shape[0], 1, self.cfg.vocab_size)), cache
+
+    def create_paged_kv_cache(
+        self,
+        max_batch_size: tirx.Var,
+        max_total_seq_len: tirx.Var,
+        prefill_chunk_size: tirx.Var,
+        page_size: tirx.Var,
+        support_sliding_window: tirx.Var,
+    ) -> PagedKVCache:
+        """The MLA latent cache for every layer."""
+        cfg = self.cfg
+        return MLAPagedKVCache(
+            max_batch_size=max_batch_size,
+            max_total_seq_len=max_total_seq_len,
+            prefill_chunk_size=prefill_chunk_size,
+            page_size=page_size,
+            support_sliding_window=support_sliding_window,
+            num_hidden_layers=cfg.num_hidden_layers,
+            num_attention_heads=cfg.num_attention_heads,
+            kv_lora_rank=cfg.kv_lora_rank,
+            qk_nope_head_dim=cfg.qk_nope_head_dim,
+            qk_rope_head_dim=cfg.qk_rope_head_dim,
+            v_head_dim=cfg.v_head_dim,
+            dtype=self.dtype,
+            target=self.target,
+        )
+
+    def get_default_spec(self) -> nn.spec.ModuleSpec:
+        """The export spec of the entry points."""
+        cache = nn.spec.Object(object_type=PagedKVCache)
+        packed = {"param_mode": "packed", "effect_mode": "none"}
+        prefill = {
+            "input_ids": nn.spec.Tensor([1, "seq_len"], "int32"),
+            "logit_positions": nn.spec.Tensor(["num_logits"], "int32"),
+            "paged_kv_cache": cache,
+            "$": packed,
+        }
+        spec = {
+            "batch_prefill": prefill,
+            "batch_extend": dict(prefill),
+            "batch_decode": {
+                "input_ids": nn.spec.Tensor(["batch_size", 1], "int32"),
+                "paged_kv_cache": cache,
+                "$": packed,
+            },
+            "create_paged_kv_cache": {
+                "max_batch_size": int,
+                "max_total_seq_len": int,
+                "prefill_chunk_size": int,
+                "page_size": int,
+                "support_sliding_window": int,
+                "$": {"param_mode": "none", "effect_mode": "none"},
+            },
+        }
+        return nn.spec.ModuleSpec.from_raw(spec, self)

@@ -1,0 +1,182 @@
+"""The paged KV cache for DeepSeek-V2 MLA (multi-head latent attention).
+
+Only the latent is cached: per token and layer one row ``[compressed_kv (kv_lora_rank) | k_pe
+(qk_rope_head_dim)]``. The cache object is TVM's C++ ``PagedAttentionKVCache``
+(``vm.builtin.paged_attention_kv_cache_create``); this module chooses its kernels:
+
+* LLVM target: the CPU kernels of :mod:`dsv2_mlc.schedules.mla_cpu` (TVM 0.27 has no MLA kernels
+  for LLVM) plus TVM's ``_attention_prefill_ragged_cpu`` for the non-absorbed self-attention.
+* CUDA target: TVM's own ``TIRPagedKVCache(attn_kind="mla")``.
+
+Use it through the fine-grained ``PagedKVCache`` API (the model applies RoPE itself):
+
+* ``append_mla_kv(layer, kv[b, s, 1, kv_lora_rank + rope])`` writes the rows at once;
+* ``self_attention(layer, q, k, v, sm_scale)``: causal, non-absorbed, over the new tokens only,
+  ``q/k[b, s, H, nope + rope]``, ``v[b, s, H, v_head_dim]``;
+* ``cross_attention(layer, q_absorbed[b, s, H, kv_lora_rank + rope], kv_lora_rank, sm_scale)``:
+  non-causal, over the cached pages; the output is in latent space (project it with W_UV);
+* ``merge_attn_output_inplace(o_self, lse_self, o_cross, lse_cross)`` at width ``v_head_dim``.
+
+Runtime rules (read from ``paged_kv_cache.cc``): cross-attention sees the new tokens only when
+the runtime decided to *append before attention* (``begin_forward`` with every append length 1,
+no sliding window, and the decode kernel chosen, which holds unless one block is shared by 32+
+sequences); then ``append_mla_kv`` must run before ``cross_attention``. Otherwise the page table
+is the one before the append and the new tokens must come from ``self_attention``. If no sequence
+in the batch has a cached page, ``cross_attention`` runs no kernel and its outputs are left
+uninitialised: do not call it for a batch of fresh sequences. ``lse`` is in base 2.
+"""
+
+from typing import Any
+
+import tvm
+from tvm import relax as rx
+from tvm import tirx
+from tvm.relax.frontend.nn.llm.kv_cache import (
+    AttnKind,
+    PagedKVCache,
+    RopeMode,
+    TIRPagedKVCache,
+    _attention_prefill_ragged_cpu,
+    _kv_cache_debug_get_kv_mla,
+)
+from tvm.relax.frontend.nn.llm.position_embedding import llama_rope_with_position_map
+from tvm.target import Target
+
+from dsv2_mlc.schedules.mla_cpu import (
+    compact_kv_copy_mla_cpu,
+    copy_single_page_mla_cpu,
+    kv_cache_transpose_append_mla_cpu,
+    merge_state_inplace_cpu,
+    mla_paged_attention_cpu,
+)
+
+__all__ = ["MLAPagedKVCache"]
+
+IntLike = int | tvm.ir.Expr
+
+
+class MLAPagedKVCache(PagedKVCache):  # pylint: disable=too-few-public-methods
+    """A paged MLA latent cache, built for an LLVM (CPU kernels) or a CUDA target.
+
+    Construct it inside the exported ``create_paged_kv_cache`` method. The first five arguments
+    are that method's runtime ints (``tirx.Var``) or Python ints. ``page_size`` must be 16 on
+    CUDA (TVM's kernels hard-code it); the CPU kernels read it from the page tensor.
+    ``support_sliding_window`` must be 0 at runtime (the C++ cache rejects sliding window for MLA).
+    """
+
+    def __init__(  # pylint: disable=too-many-arguments,too-many-locals
+        self,
+        *,
+        max_batch_size: IntLike,
+        max_total_seq_len: IntLike,
+        prefill_chunk_size: IntLike,
+        page_size: IntLike,
+        support_sliding_window: IntLike,
+        num_hidden_layers: int,
+        num_attention_heads: int,
+        kv_lora_rank: int,
+        qk_nope_head_dim: int,
+        qk_rope_head_dim: int,
+        v_head_dim: int,
+        dtype: str,
+        target: Target,
+        name: str = "paged_kv_cache",
+    ) -> None:
+        d_qk = kv_lora_rank + qk_rope_head_dim
+        if target.kind.name != "llvm":
+            tir_cache = TIRPagedKVCache(
+                attn_kind="mla",
+                max_batch_size=max_batch_size,
+                max_total_seq_len=max_total_seq_len,
+                prefill_chunk_size=prefill_chunk_size,
+                page_size=page_size,
+                support_sliding_window=support_sliding_window,
+                layer_partition=rx.ShapeExpr([0, num_hidden_layers]),
+                num_hidden_layers=num_hidden_layers,
+                num_attention_heads=num_attention_heads,
+                num_key_value_heads=1,
+                qk_head_dim=d_qk,
+                v_head_dim=kv_lora_rank,
+                mla_original_qk_head_dim=qk_nope_head_dim + qk_rope_head_dim,
+                mla_original_v_head_dim=v_head_dim,
+                rope_mode=RopeMode.NONE,
+                rope_scale=1,
+                rope_theta=10000,
+                rope_scaling={},
+                rope_ext_factors=rx.prim_value(0),
+                rotary_dim=qk_rope_head_dim,
+                enable_disaggregation=False,
+                dtype=dtype,
+                target=target,
+                name=name,
+            )
+            super().__init__(_expr=tir_cache._expr, _name=name)  # pylint: disable=protected-access
+            return
+
+        bb = rx.BlockBuilder.current()
+        heads = num_attention_heads
+
+        def tir(func: tirx.PrimFunc, func_name: str) -> rx.GlobalVar:
+            return bb.add_func(func, func_name)
+
+        def tir_slot(func: tirx.PrimFunc, func_name: str) -> rx.Tuple:
+            return rx.Tuple([tvm.ir.StringImm("tirx"), tir(func, func_name)])
+
+        ragged = _attention_prefill_ragged_cpu(
+            heads, heads, qk_nope_head_dim + qk_rope_head_dim, v_head_dim, dtype, {}
+        )
+        args: list[Any] = [
+            rx.ShapeExpr(
+                [
+                    max_batch_size,
+                    max_total_seq_len,
+                    prefill_chunk_size,
+                    page_size,
+                    support_sliding_window,
+                ]
+            ),
+            rx.ShapeExpr([0, num_hidden_layers]),  # layer_indptr (no pipeline parallelism)
+            rx.prim_value(heads),  # num_qo_heads
+            rx.prim_value(1),  # num_kv_heads: one shared latent "head"
+            rx.prim_value(d_qk),  # qk_head_dim: width of a cached row
+            rx.prim_value(kv_lora_rank),  # v_head_dim: width of the cross-attention output
+            rx.ShapeExpr([int(AttnKind.MLA)] * num_hidden_layers),
+            rx.prim_value(False),  # enable_kv_transfer
+            rx.prim_value(int(RopeMode.NONE)),  # the model applies RoPE itself
+            rx.prim_value(1.0),  # rotary_scale (unused)
+            rx.prim_value(10000.0),  # rotary_theta (unused)
+            rx.prim_value(0),  # rope_ext_factors: none
+            rx.op.zeros((), dtype),  # gives the cache its dtype and device
+            rx.prim_value(0),  # f_transpose_append_mha: none
+            tir(kv_cache_transpose_append_mla_cpu(d_qk, dtype), "kv_cache_append_mla_cpu"),
+            tir_slot(ragged, "tir_attention_prefill_ragged_mla_cpu"),
+            *[rx.Tuple([]) for _ in range(6)],  # MHA paged prefill/decode/sliding/tree slots
+            tir_slot(
+                mla_paged_attention_cpu(heads, kv_lora_rank, qk_rope_head_dim, dtype),
+                "tir_attention_paged_mla_cpu",
+            ),
+            rx.Tuple(
+                [
+                    # [0]: merges cross-attention depths (latent width),
+                    # [1]: merge_attn_output_inplace (v_head_dim width).
+                    tir(merge_state_inplace_cpu(dtype, kv_lora_rank), "tir_merge_state_latent_cpu"),
+                    tir(merge_state_inplace_cpu(dtype, v_head_dim), "tir_merge_state_v_cpu"),
+                ]
+            ),
+            # f_split_rotary: only used by attention_with_fused_qkv (MHA); never called for MLA.
+            tir(
+                llama_rope_with_position_map(
+                    10000.0, 1.0, d_qk, heads, 1, dtype, {}, qk_rope_head_dim
+                ),
+                "tir_split_rotary_unused",
+            ),
+            tir(copy_single_page_mla_cpu(d_qk, dtype), "kv_cache_copy_single_page_mla_cpu"),
+            tir(_kv_cache_debug_get_kv_mla(num_hidden_layers, d_qk, dtype), "kv_cache_debug_mla"),
+            tir(compact_kv_copy_mla_cpu(d_qk, dtype), "kv_cache_compact_kv_copy_mla_cpu"),
+        ]
+        super().__init__(
+            _expr=rx.call_pure_packed(
+                "vm.builtin.paged_attention_kv_cache_create", *args, ty_args=rx.AnyType()
+            ),
+            _name=name,
+        )

@@ -1,0 +1,178 @@
+"""Declarative map from Hugging Face checkpoint tensors to the compiled model's parameters.
+
+Each :class:`Conversion` names the checkpoint tensors it reads (with the shape the config implies),
+the parameters it produces, and the transform between them. Most are the identity under the same
+name; two are not:
+
+* routed experts ``mlp.experts.E.{gate,up,down}_proj.weight`` are stacked into
+  ``mlp.experts.gate_up_proj`` [E, 2I, H] and ``mlp.experts.down_proj`` [E, H, I];
+* ``self_attn.kv_b_proj.weight`` [heads * (nope + v), kv_lora_rank] is split per head into
+  ``kv_b_proj.w_uk`` [heads, nope, lora] and ``kv_b_proj.w_uv`` [heads, v, lora] (absorbed decode
+  multiplies by them; prefill decompresses with the same matrices).
+
+:func:`check_checkpoint` verifies, before anything is written, that every expected tensor is
+present with its shape and that every checkpoint tensor is consumed, listing all problems at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from .checkpoint import SafetensorsCheckpoint
+from .config import DeepseekV2Config
+
+Transform = Callable[[list[np.ndarray]], list[np.ndarray]]
+
+
+class WeightMapError(ValueError):
+    """The checkpoint does not match the config (every problem is listed in the message)."""
+
+
+@dataclass(frozen=True)
+class Conversion:
+    """Checkpoint tensors ``sources`` (name, expected shape) -> parameters ``targets``."""
+
+    sources: tuple[tuple[str, tuple[int, ...]], ...]
+    targets: tuple[str, ...]
+    transform: Transform | None = None
+
+    def apply(self, arrays: list[np.ndarray]) -> list[np.ndarray]:
+        """Run the transform (identity when there is none)."""
+        return arrays if self.transform is None else self.transform(arrays)
+
+
+def _same(name: str, shape: tuple[int, ...]) -> Conversion:
+    return Conversion(((name, shape),), (name,))
+
+
+def _stack_gate_up(arrays: list[np.ndarray]) -> list[np.ndarray]:
+    # arrays = [gate_0, up_0, gate_1, up_1, ...] -> [E, 2I, H] with gate rows first per expert.
+    pairs = [np.concatenate(arrays[i : i + 2], axis=0) for i in range(0, len(arrays), 2)]
+    return [np.stack(pairs)]
+
+
+def _stack(arrays: list[np.ndarray]) -> list[np.ndarray]:
+    return [np.stack(arrays)]
+
+
+def _split_kv_b(cfg: DeepseekV2Config) -> Transform:
+    heads, nope, v = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
+
+    def split(arrays: list[np.ndarray]) -> list[np.ndarray]:
+        w = arrays[0].reshape(heads, nope + v, cfg.kv_lora_rank)
+        return [np.ascontiguousarray(w[:, :nope]), np.ascontiguousarray(w[:, nope:])]
+
+    return split
+
+
+def _mlp(prefix: str, hidden: int, inter: int) -> list[Conversion]:
+    return [
+        _same(f"{prefix}.gate_proj.weight", (inter, hidden)),
+        _same(f"{prefix}.up_proj.weight", (inter, hidden)),
+        _same(f"{prefix}.down_proj.weight", (hidden, inter)),
+    ]
+
+
+def _attention(cfg: DeepseekV2Config, p: str) -> list[Conversion]:
+    h, heads = cfg.hidden_size, cfg.num_attention_heads
+    convs = []
+    if cfg.q_lora_rank is None:
+        convs.append(_same(f"{p}.q_proj.weight", (heads * cfg.qk_head_dim, h)))
+    else:
+        convs += [
+            _same(f"{p}.q_a_proj.weight", (cfg.q_lora_rank, h)),
+            _same(f"{p}.q_a_layernorm.weight", (cfg.q_lora_rank,)),
+            _same(f"{p}.q_b_proj.weight", (heads * cfg.qk_head_dim, cfg.q_lora_rank)),
+        ]
+    kv_b_shape = (heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank)
+    convs += [
+        _same(f"{p}.kv_a_proj_with_mqa.weight", (cfg.latent_dim, h)),
+        _same(f"{p}.kv_a_layernorm.weight", (cfg.kv_lora_rank,)),
+        Conversion(
+            ((f"{p}.kv_b_proj.weight", kv_b_shape),),
+            (f"{p}.kv_b_proj.w_uk", f"{p}.kv_b_proj.w_uv"),
+            _split_kv_b(cfg),
+        ),
+        _same(f"{p}.o_proj.weight", (h, heads * cfg.v_head_dim)),
+    ]
+    return convs
+
+
+def _moe(cfg: DeepseekV2Config, p: str) -> list[Conversion]:
+    h, inter, n = cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_routed_experts
+    gate_up = tuple(
+        (f"{p}.experts.{e}.{proj}.weight", (inter, h))
+        for e in range(n)
+        for proj in ("gate_proj", "up_proj")
+    )
+    down = tuple((f"{p}.experts.{e}.down_proj.weight", (h, inter)) for e in range(n))
+    convs = [
+        _same(f"{p}.gate.weight", (n, h)),
+        Conversion(gate_up, (f"{p}.experts.gate_up_proj",), _stack_gate_up),
+        Conversion(down, (f"{p}.experts.down_proj",), _stack),
+    ]
+    if cfg.n_shared_experts:
+        convs += _mlp(f"{p}.shared_experts", h, inter * cfg.n_shared_experts)
+    return convs
+
+
+def weight_map(cfg: DeepseekV2Config) -> list[Conversion]:
+    """Every conversion needed for ``cfg``, in parameter order (layer by layer)."""
+    h = cfg.hidden_size
+    convs = [_same("model.embed_tokens.weight", (cfg.vocab_size, h))]
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}"
+        convs += _attention(cfg, f"{p}.self_attn")
+        if cfg.is_moe_layer(i):
+            convs += _moe(cfg, f"{p}.mlp")
+        else:
+            convs += _mlp(f"{p}.mlp", h, cfg.intermediate_size)
+        convs += [
+            _same(f"{p}.input_layernorm.weight", (h,)),
+            _same(f"{p}.post_attention_layernorm.weight", (h,)),
+        ]
+    convs += [
+        _same("model.norm.weight", (h,)),
+        _same("lm_head.weight", (cfg.vocab_size, h)),
+    ]
+    return convs
+
+
+def check_checkpoint(convs: list[Conversion], ckpt: SafetensorsCheckpoint) -> None:
+    """Raise :class:`WeightMapError` listing every missing, mis-shaped or unexpected tensor."""
+    expected = {name: shape for conv in convs for name, shape in conv.sources}
+    missing = sorted(name for name in expected if name not in ckpt)
+    misshaped = sorted(
+        f"{name}: expected {list(shape)}, found {list(ckpt.shape(name))}"
+        for name, shape in expected.items()
+        if name in ckpt and tuple(ckpt.shape(name)) != tuple(shape)
+    )
+    unexpected = sorted(name for name in ckpt.tensors if name not in expected)
+    problems = []
+    for title, items in (
+        ("missing tensors", missing),
+        ("tensors with the wrong shape", misshaped),
+        ("unexpected tensors (not consumed by the model)", unexpected),
+    ):
+        if items:
+            shown = items[:20] + ([f"... and {len(items) - 20} more"] if len(items) > 20 else [])
+            problems.append(f"{title} ({len(items)}):\n  " + "\n  ".join(shown))
+    if problems:
+        raise WeightMapError(
+            f"checkpoint {ckpt.model_dir} does not match its config.json:\n" + "\n".join(problems)
+        )
+
+
+def convert(
+    convs: list[Conversion], ckpt: SafetensorsCheckpoint, dtypes: dict[str, str]
+) -> Iterator[tuple[str, np.ndarray]]:
+    """Yield ``(parameter name, array)`` in order, cast to ``dtypes[name]``, one at a time."""
+    for conv in convs:
+        arrays = [ckpt.get(name) for name, _ in conv.sources]
+        outputs = conv.apply(arrays)
+        del arrays
+        for name, arr in zip(conv.targets, outputs, strict=True):
+            yield name, np.ascontiguousarray(arr.astype(dtypes[name], copy=False))

@@ -1,0 +1,296 @@
+"""The thin runtime: load a compiled model folder, own its paged KV cache and sequences, run it.
+
+Only ``tvm_ffi`` and the TVM runtime libraries are used (no ``import tvm``), so a compiled model
+runs where the compiler is not installed.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import tvm_ffi
+
+from ..model.config import DeepseekV2Config
+from .layout import LIBRARY, PARAMS_DIR, BuildConfig, BuildError
+from .tvm_runtime import global_func, load_runtime
+
+PAGE_SIZE = 16  # TVM's paged KV kernels are built for 16-token pages (notes/tvm-0.27.md 7.5).
+_DEVICE_TYPE = {"cpu": 1, "cuda": 2}
+_POOLED_ALLOCATOR = 2
+
+
+class ContextLengthError(ValueError):
+    """A request that does not fit the context window or the KV cache."""
+
+
+@dataclass
+class GenerationResult:
+    """The outcome of :meth:`Engine.generate`."""
+
+    token_ids: list[int]
+    finish_reason: str  # "length" or "stop"
+    prompt_tokens: int
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+
+def _shape(v: int) -> tvm_ffi.Shape:
+    return tvm_ffi.Shape([int(v)])
+
+
+class Engine:
+    """A compiled DeepSeek-V2 model with its KV cache.
+
+    ``model`` is a folder written by ``dsv2-mlc compile``. ``context_window`` bounds one sequence
+    (default: the model's maximum, capped at 4096); ``max_batch_size`` sequences can be live at
+    once and share a page pool of ``kv_capacity`` tokens (default: context_window x batch).
+    """
+
+    def __init__(
+        self,
+        model: str | Path,
+        *,
+        context_window: int | None = None,
+        max_batch_size: int = 4,
+        kv_capacity: int | None = None,
+        prefill_chunk_size: int = 512,
+        lib_dir: str | Path | None = None,
+    ):
+        self.path = Path(model)
+        self.build = BuildConfig.read(self.path)
+        self.config = DeepseekV2Config.from_dict(self.build.model)
+        self.device = self.build.device
+        limit = self.config.max_position_embeddings
+        self.context_window = min(context_window or min(limit, 4096), limit)
+        self.max_batch_size = max_batch_size
+        self.kv_capacity = kv_capacity or self.context_window * max_batch_size
+        self.prefill_chunk_size = prefill_chunk_size
+
+        load_runtime(self.device, lib_dir)
+        lib_path = (self.path / LIBRARY).resolve()
+        if not lib_path.is_file():
+            raise BuildError(f"{lib_path}: compiled library missing; compile the model again")
+        try:
+            vm = tvm_ffi.load_module(str(lib_path))["vm_load_executable"]()
+        except Exception as err:  # the loader raises plain RuntimeErrors from C++
+            raise BuildError(f"{lib_path}: cannot load ({err}); compile the model again") from err
+        dev = _DEVICE_TYPE[self.device]
+        vm["vm_initialization"](dev, 0, _POOLED_ALLOCATOR, 1, 0, _POOLED_ALLOCATOR)
+        self._vm = vm
+        self._params = self._load_params(dev)
+        self._fn = {name: vm[name] for name in ("batch_prefill", "batch_extend", "batch_decode")}
+        self._kv_state = {
+            name: global_func(f"vm.builtin.kv_state_{name}")
+            for name in (
+                "add_sequence",
+                "remove_sequence",
+                "fork_sequence",
+                "popn",
+                "begin_forward",
+                "end_forward",
+                "clear",
+            )
+        }
+        self._cache = vm["create_paged_kv_cache"](
+            _shape(max_batch_size),
+            _shape(self.kv_capacity),
+            _shape(prefill_chunk_size),
+            _shape(PAGE_SIZE),
+            _shape(0),
+        )
+        self._seq_len: dict[int, int] = {}
+        self._ids = itertools.count()
+
+    def _load_params(self, dev: int) -> tvm_ffi.Array:
+        params_dir = (self.path / PARAMS_DIR).resolve()
+        if not (params_dir / "tensor-cache.json").is_file():
+            raise BuildError(f"{params_dir}: converted weights missing; compile the model again")
+        global_func("vm.builtin.tensor_cache.load")(str(params_dir), dev, 0)
+        try:
+            params = global_func("vm.builtin.param_array_from_cache_by_name")(
+                list(self.build.param_names)
+            )
+        finally:
+            global_func("vm.builtin.tensor_cache.clear")()
+        return params
+
+    # -- sequences ------------------------------------------------------------------------------
+    def add_sequence(self) -> int:
+        """Start an empty sequence; returns its id."""
+        seq = next(self._ids)
+        self._kv_state["add_sequence"](self._cache, seq)
+        self._seq_len[seq] = 0
+        return seq
+
+    def remove_sequence(self, seq: int) -> None:
+        """Drop a sequence and free its pages."""
+        self._kv_state["remove_sequence"](self._cache, seq)
+        del self._seq_len[seq]
+
+    def fork_sequence(self, parent: int, fork_pos: int = -1) -> int:
+        """A new sequence sharing ``parent``'s first ``fork_pos`` tokens (-1: all of them)."""
+        child = next(self._ids)
+        self._kv_state["fork_sequence"](self._cache, parent, child, fork_pos)
+        length = self._seq_len[parent]
+        self._seq_len[child] = length if fork_pos < 0 else min(fork_pos, length)
+        return child
+
+    def popn(self, seq: int, n: int) -> None:
+        """Remove the last ``n`` tokens of a sequence."""
+        if not 0 <= n <= self._seq_len[seq]:
+            raise ValueError(f"cannot pop {n} tokens from a sequence of {self._seq_len[seq]}")
+        self._kv_state["popn"](self._cache, seq, n)
+        self._seq_len[seq] -= n
+
+    def sequence_length(self, seq: int) -> int:
+        """Tokens cached for ``seq``."""
+        return self._seq_len[seq]
+
+    def reset(self) -> None:
+        """Remove every sequence."""
+        self._kv_state["clear"](self._cache)
+        self._seq_len.clear()
+
+    # -- forward --------------------------------------------------------------------------------
+    def _check_room(self, seq_ids: Sequence[int], lengths: Sequence[int]) -> None:
+        for seq, n in zip(seq_ids, lengths, strict=True):
+            if self._seq_len[seq] + n > self.context_window:
+                raise ContextLengthError(
+                    f"sequence {seq} would hold {self._seq_len[seq] + n} tokens, more than the "
+                    f"context window of {self.context_window}; shorten the prompt or raise "
+                    "context_window"
+                )
+        if sum(self._seq_len.values()) + sum(lengths) > self.kv_capacity:
+            raise ContextLengthError(
+                f"the KV cache holds {self.kv_capacity} tokens in all; remove finished sequences "
+                "or raise kv_capacity"
+            )
+
+    def _forward(self, seq_ids: list[int], chunks: list[list[int]], all_logits: bool) -> np.ndarray:
+        """One model call over one chunk per sequence; logits of the last (or every) token."""
+        lengths = [len(c) for c in chunks]
+        ids = np.array([t for c in chunks for t in c], dtype=np.int32)
+        fresh = all(self._seq_len[s] == 0 for s in seq_ids)
+        self._kv_state["begin_forward"](self._cache, tvm_ffi.Shape(seq_ids), tvm_ffi.Shape(lengths))
+        try:
+            if all(n == 1 for n in lengths):
+                out = self._fn["batch_decode"](
+                    tvm_ffi.from_dlpack(ids.reshape(-1, 1)), self._cache, self._params
+                )
+            else:
+                ends = np.cumsum(lengths)
+                if all_logits:
+                    pos = np.arange(ends[-1], dtype=np.int32)
+                else:
+                    pos = (ends - 1).astype(np.int32)
+                fn = self._fn["batch_prefill" if fresh else "batch_extend"]
+                out = fn(
+                    tvm_ffi.from_dlpack(ids.reshape(1, -1)),
+                    tvm_ffi.from_dlpack(pos),
+                    self._cache,
+                    self._params,
+                )
+        finally:
+            self._kv_state["end_forward"](self._cache)
+        for seq, n in zip(seq_ids, lengths, strict=True):
+            self._seq_len[seq] += n
+        logits = np.array(np.from_dlpack(out[0]), copy=True)
+        return logits.reshape(-1, self.config.vocab_size)
+
+    def prefill(
+        self, seq_ids: Sequence[int], token_lists: Sequence[Sequence[int]], all_logits: bool = False
+    ) -> list[np.ndarray]:
+        """Append tokens to sequences (chunked by ``prefill_chunk_size``).
+
+        Returns, per sequence, the float32 logits of its last token ``[vocab]``, or of every new
+        token ``[len, vocab]`` with ``all_logits``.
+        """
+        seq_ids = list(seq_ids)
+        if len(seq_ids) > self.max_batch_size:
+            raise ValueError(
+                f"{len(seq_ids)} sequences exceed max_batch_size={self.max_batch_size}"
+            )
+        if any(len(t) == 0 for t in token_lists):
+            raise ValueError("every sequence needs at least one token to prefill")
+        self._check_room(seq_ids, [len(t) for t in token_lists])
+        pending = {s: list(t) for s, t in zip(seq_ids, token_lists, strict=True)}
+        collected: dict[int, list[np.ndarray]] = {s: [] for s in seq_ids}
+        while any(pending.values()):
+            budget, batch, chunks = self.prefill_chunk_size, [], []
+            for s in seq_ids:
+                if pending[s] and budget > 0:
+                    take = pending[s][:budget]
+                    pending[s] = pending[s][len(take) :]
+                    budget -= len(take)
+                    batch.append(s)
+                    chunks.append(take)
+            want_all = all_logits and not all(len(c) == 1 for c in chunks)
+            logits = self._forward(batch, chunks, want_all)
+            if want_all:
+                ends = np.cumsum([len(c) for c in chunks])
+                for s, end, c in zip(batch, ends, chunks, strict=True):
+                    collected[s].append(logits[end - len(c) : end])
+            else:
+                for s, row in zip(batch, logits, strict=True):
+                    collected[s].append(row[None])
+        if all_logits:
+            return [np.concatenate(collected[s]) for s in seq_ids]
+        return [collected[s][-1][0] for s in seq_ids]
+
+    def decode(self, seq_ids: Sequence[int], tokens: Sequence[int]) -> np.ndarray:
+        """Append one token to each sequence; returns float32 logits ``[len(seq_ids), vocab]``."""
+        seq_ids = list(seq_ids)
+        self._check_room(seq_ids, [1] * len(seq_ids))
+        return self._forward(seq_ids, [[int(t)] for t in tokens], all_logits=False)
+
+    # -- convenience ----------------------------------------------------------------------------
+    def logits(self, prompt_ids: Sequence[int]) -> np.ndarray:
+        """Float32 logits ``[len(prompt_ids), vocab]`` for every position of a fresh sequence."""
+        seq = self.add_sequence()
+        try:
+            return self.prefill([seq], [prompt_ids], all_logits=True)[0]
+        finally:
+            self.remove_sequence(seq)
+
+    def generate(
+        self,
+        prompt_ids: Sequence[int],
+        max_new_tokens: int = 32,
+        stop_token_ids: Sequence[int] | None = None,
+    ) -> GenerationResult:
+        """Greedy generation on a fresh sequence; returns the new token ids."""
+        if stop_token_ids is None:
+            eos = self.config.eos_token_id
+            stop_token_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        stops = set(stop_token_ids)
+        if len(prompt_ids) + max_new_tokens > self.context_window:
+            raise ContextLengthError(
+                f"prompt of {len(prompt_ids)} tokens plus {max_new_tokens} new tokens exceeds the "
+                f"context window of {self.context_window}; shorten the prompt or max_new_tokens"
+            )
+        seq = self.add_sequence()
+        try:
+            t0 = time.perf_counter()
+            logits = self.prefill([seq], [prompt_ids])[0]
+            t1 = time.perf_counter()
+            tokens: list[int] = []
+            reason = "length"
+            while len(tokens) < max_new_tokens:
+                token = int(np.argmax(logits))
+                tokens.append(token)
+                if token in stops:
+                    reason = "stop"
+                    break
+                if len(tokens) == max_new_tokens:
+                    break
+                logits = self.decode([seq], [token])[0]
+            t2 = time.perf_counter()
+        finally:
+            self.remove_sequence(seq)
+        return GenerationResult(tokens, reason, len(prompt_ids), t1 - t0, t2 - t1)

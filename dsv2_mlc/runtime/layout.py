@@ -1,0 +1,56 @@
+"""The layout of a compiled model folder, shared by the compiler (writer) and runtime (reader)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+FORMAT_VERSION = 1
+BUILD_CONFIG = "dsv2-mlc.json"
+LIBRARY = "model.so"
+PARAMS_DIR = "params"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
+
+
+class BuildError(ValueError):
+    """A compiled model folder that cannot be used (the message names the file and the fix)."""
+
+
+@dataclass(frozen=True)
+class BuildConfig:
+    """What ``dsv2-mlc compile`` wrote into ``dsv2-mlc.json``."""
+
+    format_version: int
+    model: dict[str, Any]
+    dtype: str
+    device: str
+    target: str
+    param_names: list[str] = field(default_factory=list)
+    tvm_version: str = ""
+    tvm_ffi_version: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-serialisable form."""
+        return asdict(self)
+
+    @classmethod
+    def read(cls, build_dir: str | Path) -> BuildConfig:
+        """Read and check ``build_dir/dsv2-mlc.json``."""
+        path = Path(build_dir) / BUILD_CONFIG
+        if not path.is_file():
+            raise BuildError(
+                f"{build_dir}: not a compiled dsv2-mlc model (no {BUILD_CONFIG}); "
+                "run `dsv2-mlc compile MODEL_DIR -o OUT_DIR` first"
+            )
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as err:
+            raise BuildError(f"{path}: corrupted ({err}); compile the model again") from err
+        if data.get("format_version") != FORMAT_VERSION:
+            raise BuildError(
+                f"{path}: build format {data.get('format_version')} is not the supported "
+                f"{FORMAT_VERSION}; compile the model again with this dsv2-mlc"
+            )
+        return cls(**data)

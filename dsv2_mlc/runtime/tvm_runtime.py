@@ -1,0 +1,65 @@
+"""Load the TVM runtime libraries through ``tvm_ffi`` and ``ctypes``, never ``import tvm``.
+
+A compiled model needs only ``libtvm_runtime.so`` (plus ``libtvm_runtime_cuda.so`` for CUDA) and
+the ``apache-tvm-ffi`` package: the compiler library (250 MB) is not needed to run it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import os
+from pathlib import Path
+
+import tvm_ffi
+
+LIB_DIR_ENV = "DSV2_MLC_TVM_LIB_DIR"
+_loaded: dict[str, ctypes.CDLL] = {}
+
+
+class RuntimeLibraryError(RuntimeError):
+    """The TVM runtime libraries cannot be found or loaded (the message says how to fix it)."""
+
+
+def find_lib_dir(lib_dir: str | Path | None = None) -> Path:
+    """Where ``libtvm_runtime.so`` is: the argument, ``$DSV2_MLC_TVM_LIB_DIR``, or the
+    ``lib/`` folder of an installed ``tvm`` package (located without importing it)."""
+    candidates = []
+    if lib_dir is not None:
+        candidates.append(Path(lib_dir))
+    if os.environ.get(LIB_DIR_ENV):
+        candidates.append(Path(os.environ[LIB_DIR_ENV]))
+    spec = importlib.util.find_spec("tvm")
+    if spec is not None and spec.origin is not None:
+        candidates.append(Path(spec.origin).parent / "lib")
+    for cand in candidates:
+        if (cand / "libtvm_runtime.so").is_file():
+            return cand
+    raise RuntimeLibraryError(
+        "libtvm_runtime.so not found (looked in: "
+        + (", ".join(str(c) for c in candidates) or "nothing")
+        + f"); install apache-tvm, or set {LIB_DIR_ENV} to a folder holding the TVM runtime "
+        "libraries (see dist/README.md)"
+    )
+
+
+def load_runtime(device: str = "cpu", lib_dir: str | Path | None = None) -> Path:
+    """Load ``libtvm_runtime.so`` (and the CUDA runtime for ``device == "cuda"``) once."""
+    found = find_lib_dir(lib_dir)
+    names = ["libtvm_runtime.so"] + (["libtvm_runtime_cuda.so"] if device == "cuda" else [])
+    for name in names:
+        if name in _loaded:
+            continue
+        try:
+            _loaded[name] = ctypes.CDLL(str(found / name), mode=ctypes.RTLD_GLOBAL)
+        except OSError as err:
+            raise RuntimeLibraryError(f"cannot load {found / name}: {err}") from err
+    return found
+
+
+def global_func(name: str) -> tvm_ffi.Function:
+    """A registered global function of the TVM runtime (after :func:`load_runtime`)."""
+    func = tvm_ffi.get_global_func(name, allow_missing=True)
+    if func is None:
+        raise RuntimeLibraryError(f"TVM runtime function {name!r} is not registered")
+    return func

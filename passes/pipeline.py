@@ -1,0 +1,88 @@
+"""The phased Relax pipeline of dsv2-mlc, with an optional IR dump after each phase.
+
+Phases, in order:
+
+1. ``cleanup``: fold weight transposes into the matmuls (``FuseTransposeMatmul``) so no
+   transposed weight is materialised per call, then drop dead code.
+2. ``fuse``: legalize Relax ops to TIR, annotate op patterns, and fuse producer/consumer chains
+   into single kernels (``FuseOps`` + ``FuseTIR``).
+3. ``schedule``: per-target kernel schedules (GPU targets: dlight rules; LLVM: none yet).
+4. ``lower``: TVM's VM lowering (memory planning, builtins, shape lowering).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import tvm
+from tvm import relax
+from tvm.ir import IRModule
+from tvm.target import Target
+
+Phase = tuple[str, Callable[[Target], list[tvm.transform.Pass]]]
+
+
+def _cleanup(_target: Target) -> list[tvm.transform.Pass]:
+    return [relax.transform.FuseTransposeMatmul(), relax.transform.DeadCodeElimination()]
+
+
+def _fuse(_target: Target) -> list[tvm.transform.Pass]:
+    return [
+        relax.transform.LegalizeOps(),
+        relax.transform.AnnotateTIROpPattern(),
+        relax.transform.FoldConstant(),
+        relax.transform.FuseOps(),
+        relax.transform.FuseTIR(),
+        relax.transform.DeadCodeElimination(),
+    ]
+
+
+def _schedule(target: Target) -> list[tvm.transform.Pass]:
+    if "gpu" not in target.keys:
+        return []
+    from tvm.s_tir import dlight as dl
+
+    return [
+        dl.ApplyDefaultSchedule(
+            dl.gpu.Matmul(),
+            dl.gpu.GEMV(),
+            dl.gpu.Reduction(),
+            dl.gpu.GeneralReduction(),
+            dl.gpu.Fallback(),
+        )
+    ]
+
+
+def _lower(_target: Target) -> list[tvm.transform.Pass]:
+    return [relax.pipeline.default_build_pipeline()]
+
+
+PHASES: list[Phase] = [
+    ("cleanup", _cleanup),
+    ("fuse", _fuse),
+    ("schedule", _schedule),
+    ("lower", _lower),
+]
+
+
+def _dump_pass(path: Path) -> tvm.transform.Pass:
+    @tvm.transform.module_pass(opt_level=0, name=f"Dump[{path.name}]")
+    def dump(mod: IRModule, _ctx: tvm.transform.PassContext) -> IRModule:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(mod.script(show_meta=False))
+        return mod
+
+    return dump
+
+
+def build_pipeline(target: Target, dump_dir: str | Path | None = None) -> tvm.transform.Pass:
+    """The whole pipeline for ``target``; with ``dump_dir``, IR is written after every phase."""
+    passes: list[tvm.transform.Pass] = []
+    if dump_dir is not None:
+        passes.append(_dump_pass(Path(dump_dir) / "00-input.py"))
+    for i, (name, make) in enumerate(PHASES, start=1):
+        passes += make(target)
+        if dump_dir is not None:
+            passes.append(_dump_pass(Path(dump_dir) / f"{i:02d}-{name}.py"))
+    return tvm.transform.Sequential(passes, name="dsv2_mlc_pipeline")

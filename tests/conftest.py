@@ -1,0 +1,52 @@
+"""Session fixtures: tiny random HF checkpoints, compiled once per test session and shared."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from hf_reference import CONFIG_A, CONFIG_B, load_hf, make_checkpoint  # noqa: E402
+
+CONFIGS = {
+    "A": CONFIG_A,
+    "B": CONFIG_B,
+    # C: V2-like routing with norm_topk_prob=True (HF ignores it; checked against NumPy).
+    "C": {**CONFIG_B, "norm_topk_prob": True},
+}
+
+PROMPT = [0, 17, 301, 44, 9, 250, 111, 7, 480, 66, 23, 5]
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("checkpoints")
+    return {name: make_checkpoint(root / name, cfg) for name, cfg in CONFIGS.items()}
+
+
+@pytest.fixture(scope="session")
+def compiled(tmp_path_factory: pytest.TempPathFactory, checkpoints) -> dict[str, Path]:
+    from dsv2_mlc.compiler.compile import compile_model
+
+    root = tmp_path_factory.mktemp("compiled")
+    return {
+        name: compile_model(ckpt, root / name, progress=False).out_dir
+        for name, ckpt in checkpoints.items()
+    }
+
+
+@pytest.fixture(scope="session")
+def engines(compiled):
+    from dsv2_mlc.runtime.engine import Engine
+
+    return {
+        name: Engine(path, context_window=256, max_batch_size=4) for name, path in compiled.items()
+    }
+
+
+@pytest.fixture(scope="session")
+def hf_models(checkpoints):
+    return {name: load_hf(path) for name, path in checkpoints.items() if name in ("A", "B")}
