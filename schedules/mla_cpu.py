@@ -60,6 +60,8 @@ def mla_paged_attention_cpu(
     D = latent_dim + rope_dim
     TILE = _KV_TILE
     log2e = _LOG2E
+    # Vector lanes of the inner loops (the dot product keeps LANES partial sums).
+    LANES = next(k for k in (8, 4, 2, 1) if D % k == 0 and DL % k == 0)
 
     @T.prim_func(s_tir=True)
     def batch_prefill_paged_kv_mla_cpu(
@@ -122,7 +124,7 @@ def mla_paged_attention_cpu(
                 m_run = T.sblock_alloc_buffer((1,), "float32")
                 m_tile = T.sblock_alloc_buffer((1,), "float32")
                 d_run = T.sblock_alloc_buffer((1,), "float32")
-                dot = T.sblock_alloc_buffer((1,), "float32")
+                part = T.sblock_alloc_buffer((LANES,), "float32")
                 rescale = T.sblock_alloc_buffer((1,), "float32")
                 prob = T.sblock_alloc_buffer((1,), "float32")
 
@@ -167,15 +169,22 @@ def mla_paged_attention_cpu(
                                 page_begin + (t * TILE + jj) // page_size
                             ]
                             off: T.let[T.int32] = (t * TILE + jj) % page_size
-                            dot[0] = T.float32(0)
-                            for d in T.serial(D):
-                                dot[0] = dot[0] + q_f[d] * T.cast(pages[pg, off, d], "float32")
-                            score[jj] = dot[0]
-                            m_tile[0] = T.max(m_tile[0], dot[0])
+                            for ln in T.vectorized(LANES):
+                                part[ln] = T.float32(0)
+                            for d_o in T.serial(D // LANES):
+                                for ln in T.vectorized(LANES):
+                                    part[ln] = part[ln] + q_f[d_o * LANES + ln] * T.cast(
+                                        pages[pg, off, d_o * LANES + ln], "float32"
+                                    )
+                            score[jj] = T.float32(0)
+                            for ln in T.serial(LANES):
+                                score[jj] = score[jj] + part[ln]
+                            m_tile[0] = T.max(m_tile[0], score[jj])
                     rescale[0] = T.exp2(m_run[0] - m_tile[0])
                     d_run[0] = d_run[0] * rescale[0]
-                    for d in T.serial(DL):
-                        acc[d] = acc[d] * rescale[0]
+                    for d_o in T.serial(DL // LANES):
+                        for ln in T.vectorized(LANES):
+                            acc[d_o * LANES + ln] = acc[d_o * LANES + ln] * rescale[0]
                     for jj in T.serial(TILE):
                         if t * TILE + jj < n_vis:
                             pg2: T.let[T.int32] = page_values[
@@ -184,8 +193,11 @@ def mla_paged_attention_cpu(
                             off2: T.let[T.int32] = (t * TILE + jj) % page_size
                             prob[0] = T.exp2(score[jj] - m_tile[0])
                             d_run[0] = d_run[0] + prob[0]
-                            for d in T.serial(DL):
-                                acc[d] = acc[d] + prob[0] * T.cast(pages[pg2, off2, d], "float32")
+                            for d_o in T.serial(DL // LANES):
+                                for ln in T.vectorized(LANES):
+                                    acc[d_o * LANES + ln] = acc[d_o * LANES + ln] + prob[
+                                        0
+                                    ] * T.cast(pages[pg2, off2, d_o * LANES + ln], "float32")
                     m_run[0] = m_tile[0]
 
                 if n_vis > 0:
@@ -213,9 +225,7 @@ def merge_state_inplace_cpu(dtype: str, head_dim: int | None = None) -> tirx.Pri
     D = tirx.Var("D", "int32") if head_dim is None else head_dim
 
     @T.prim_func(s_tir=True)
-    def merge_state_inplace_mla_cpu(
-        v: T.handle, s: T.handle, v_other: T.handle, s_other: T.handle
-    ):
+    def merge_state_inplace_mla_cpu(v: T.handle, s: T.handle, v_other: T.handle, s_other: T.handle):
         T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
         N = T.int32()
         H = T.int32()

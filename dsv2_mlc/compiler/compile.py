@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..errors import UsageError
 from ..model.checkpoint import SafetensorsCheckpoint
 from ..model.config import DeepseekV2Config
 from ..model.weights import check_checkpoint, convert, weight_map
@@ -36,7 +37,7 @@ DTYPES = ("float32", "float16")
 DEVICES = ("cpu",)
 
 
-class CompileError(ValueError):
+class CompileError(UsageError):
     """A compile request that cannot be honoured (the message says why and what to do)."""
 
 

@@ -17,13 +17,19 @@ Use it through the fine-grained ``PagedKVCache`` API (the model applies RoPE its
   non-causal, over the cached pages; the output is in latent space (project it with W_UV);
 * ``merge_attn_output_inplace(o_self, lse_self, o_cross, lse_cross)`` at width ``v_head_dim``.
 
-Runtime rules (read from ``paged_kv_cache.cc``): cross-attention sees the new tokens only when
-the runtime decided to *append before attention* (``begin_forward`` with every append length 1,
-no sliding window, and the decode kernel chosen, which holds unless one block is shared by 32+
-sequences); then ``append_mla_kv`` must run before ``cross_attention``. Otherwise the page table
-is the one before the append and the new tokens must come from ``self_attention``. If no sequence
-in the batch has a cached page, ``cross_attention`` runs no kernel and its outputs are left
-uninitialised: do not call it for a batch of fresh sequences. ``lse`` is in base 2.
+Runtime rules (read from ``paged_kv_cache.cc``, checked in ``tests/test_mla_kv_cache.py``):
+
+* Cross-attention sees the new tokens only when the runtime *appends before attention*: every
+  append length of ``begin_forward`` is 1, no sliding window, and at the last block depth the
+  batch's block pages over the pages after coalescing consecutive equal blocks is < 32 (it is
+  not when 32+ consecutive sequences of the batch share their second block). Then
+  ``append_mla_kv`` must run before ``cross_attention``. Otherwise the page table is the one
+  before the append and the new tokens must come from ``self_attention`` (+ merge).
+* If no sequence in the batch has a cached page, ``cross_attention`` runs no kernel and leaves
+  its outputs uninitialised: do not call it for a batch of fresh sequences. In a mixed batch the
+  rows of fresh sequences get ``out = 0`` and ``lse = -inf``, which the merges handle.
+* ``lse`` is in base 2. The CPU kernels take the page size from the pages (any size works); on
+  CUDA, TVM's kernels need ``page_size == 16``. ``support_sliding_window`` must be 0.
 """
 
 from typing import Any

@@ -3,8 +3,9 @@
 Routed experts are stacked per layer (``experts.gate_up_proj`` [E, 2I, H], ``experts.down_proj``
 [E, H, I], the layout transformers keeps internally) and addressed through the top-k expert ids,
 so the expert kernels read weights by indirection (expert id -> weights), never as 64 separate
-parameters. Routing follows the original DeepSeek-V2 code, including ``norm_topk_prob``
-(renormalise, and then *no* ``routed_scaling_factor``), which Hugging Face ignores.
+parameters. Routing (one kernel: softmax, group limit, top-k, renormalise or scale) follows the
+original DeepSeek-V2 code, including ``norm_topk_prob`` (renormalise, and then *no*
+``routed_scaling_factor``), which Hugging Face ignores.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from tvm import te, tirx
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import Tensor, op
 
+from ..schedules.moe_routing import moe_route_cpu
 from .config import DeepseekV2Config
 
 
@@ -39,23 +41,6 @@ def _gather_matmul(x: Tensor, w: Tensor, idx: Tensor, name: str) -> Tensor:
     return nn.tensor_expr_op(compute, name, [x, w, idx])
 
 
-def _group_limit_mask(scores: Tensor, group_idx: Tensor, experts_per_group: int) -> Tensor:
-    """Zero the scores of experts outside the selected groups (``group_idx`` [n, topk_group])."""
-
-    def compute(st: te.Tensor, gt: te.Tensor) -> te.Tensor:
-        topk_group = int(gt.shape[1])
-
-        def f(t: tirx.PrimExpr, e: tirx.PrimExpr) -> tirx.PrimExpr:
-            keep = gt[t, 0] == e // experts_per_group
-            for j in range(1, topk_group):
-                keep = tirx.Or(keep, gt[t, j] == e // experts_per_group)
-            return tirx.Select(keep, st[t, e], tirx.const(0.0, st.dtype))
-
-        return te.compute(st.shape, f, name="moe_group_limit")
-
-    return nn.tensor_expr_op(compute, "moe_group_limit", [scores, group_idx])
-
-
 class DeepseekV2MLP(nn.Module):
     """SwiGLU MLP (the dense layers and the shared experts)."""
 
@@ -78,22 +63,25 @@ class DeepseekV2Gate(nn.Module):
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """x: [n, H] -> (weights [n, k] float32, expert ids [n, k] int32)."""
         cfg = self.cfg
+        n, k = x.shape[0], cfg.num_experts_per_tok
         logits = op.matmul(x.astype("float32"), op.permute_dims(self.weight))
-        scores = op.softmax(logits, axis=-1)
-        k = cfg.num_experts_per_tok
-        if cfg.topk_method == "group_limited_greedy":
-            n = x.shape[0]
-            per_group = cfg.n_routed_experts // cfg.n_group
-            grouped = op.reshape(scores, (n, cfg.n_group, per_group))
-            group_scores = op.max(grouped, axis=-1)
-            _, group_idx = op.topk(group_scores, k=cfg.topk_group, axis=-1, dtype="int32")
-            scores = _group_limit_mask(scores, group_idx, per_group)
-        weights, idx = op.topk(scores, k=k, axis=-1, dtype="int32")
-        if k > 1 and cfg.norm_topk_prob:
-            denom = op.sum(weights, axis=-1, keepdims=True) + 1e-20
-            weights = weights / denom
-        elif cfg.routed_scaling_factor != 1.0:
-            weights = weights * cfg.routed_scaling_factor
+        route = moe_route_cpu(
+            cfg.n_routed_experts,
+            k,
+            cfg.n_group if cfg.topk_method == "group_limited_greedy" else 1,
+            cfg.topk_group,
+            cfg.norm_topk_prob,
+            cfg.routed_scaling_factor,
+        )
+        weights, idx = op.tensor_ir_op(
+            route,
+            "moe_route",
+            args=[logits],
+            out=[
+                Tensor.placeholder((n, k), "float32"),
+                Tensor.placeholder((n, k), "int32"),
+            ],
+        )
         return weights, idx
 
 

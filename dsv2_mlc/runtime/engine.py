@@ -175,7 +175,13 @@ class Engine:
     def _forward(self, seq_ids: list[int], chunks: list[list[int]], all_logits: bool) -> np.ndarray:
         """One model call over one chunk per sequence; logits of the last (or every) token."""
         lengths = [len(c) for c in chunks]
-        ids = np.array([t for c in chunks for t in c], dtype=np.int32)
+        ids = np.array([t for c in chunks for t in c], dtype=np.int64)
+        bad = ids[(ids < 0) | (ids >= self.config.vocab_size)]
+        if bad.size:  # the embedding kernel does not bounds-check: never hand it a bad id
+            raise ValueError(
+                f"token id {int(bad[0])} is outside the vocabulary [0, {self.config.vocab_size})"
+            )
+        ids = ids.astype(np.int32)
         fresh = all(self._seq_len[s] == 0 for s in seq_ids)
         self._kv_state["begin_forward"](self._cache, tvm_ffi.Shape(seq_ids), tvm_ffi.Shape(lengths))
         try:

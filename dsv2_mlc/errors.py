@@ -1,0 +1,25 @@
+"""The errors a user can cause (bad input, not bugs): the CLI prints them as one line."""
+
+from __future__ import annotations
+
+from .model.checkpoint import CheckpointError
+from .model.config import ConfigError
+from .model.weights import WeightMapError
+from .runtime.engine import ContextLengthError
+from .runtime.layout import BuildError
+from .runtime.tvm_runtime import RuntimeLibraryError
+
+
+class UsageError(ValueError):
+    """A request the library cannot honour (unknown option value, unsupported combination)."""
+
+
+USER_ERRORS: tuple[type[BaseException], ...] = (
+    UsageError,
+    ConfigError,
+    CheckpointError,
+    WeightMapError,
+    BuildError,
+    ContextLengthError,
+    RuntimeLibraryError,
+)
