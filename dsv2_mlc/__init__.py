@@ -5,16 +5,47 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["Engine", "GenerationResult", "__version__"]
+__all__ = [
+    "ChatSession",
+    "Engine",
+    "GenerationResult",
+    "GenerationStream",
+    "SamplingParams",
+    "StreamDelta",
+    "Tokenizer",
+    "__version__",
+    "load",
+]
 
 if TYPE_CHECKING:
-    from .runtime.engine import Engine, GenerationResult
+    from .runtime.chat import ChatSession
+    from .runtime.engine import Engine, GenerationResult, GenerationStream, StreamDelta
+    from .runtime.sampling import SamplingParams
+    from .runtime.tokenizer import Tokenizer
+
+_LAZY = {
+    "Engine": "engine",
+    "GenerationResult": "engine",
+    "GenerationStream": "engine",
+    "StreamDelta": "engine",
+    "ChatSession": "chat",
+    "SamplingParams": "sampling",
+    "Tokenizer": "tokenizer",
+}
+
+
+def load(model: str | None = None, **kwargs: Any) -> Engine:
+    """Open MODEL (a checkpoint folder, compiled on first use and cached; a compiled folder; or
+    ``None`` for the embedded default model); keyword arguments go to :meth:`Engine.open`."""
+    from .runtime.engine import Engine
+
+    return Engine.open(model, **kwargs)
 
 
 def __getattr__(name: str) -> Any:
     # Lazy, so `import dsv2_mlc` stays cheap and never loads TVM by itself.
-    if name in ("Engine", "GenerationResult"):
-        from .runtime import engine
+    if name in _LAZY:
+        import importlib
 
-        return getattr(engine, name)
+        return getattr(importlib.import_module(f".runtime.{_LAZY[name]}", __name__), name)
     raise AttributeError(name)

@@ -17,11 +17,40 @@ def _compile(args: argparse.Namespace) -> int:
         args.output,
         device=args.device,
         dtype=args.dtype,
+        quantization=args.quantization,
+        quantize_embedding=args.quantize_embedding,
+        quantize_lm_head=args.quantize_lm_head,
         dump_ir=args.dump_ir,
         progress=not args.quiet,
     )
     print(f"compiled {args.model_dir} -> {result.out_dir} in {result.seconds:.1f} s")
     return 0
+
+
+def _chat(args: argparse.Namespace) -> int:
+    from .chat_repl import ChatOptions, run_chat
+
+    sampling = {
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "top_k": args.top_k,
+        "repetition_penalty": args.repetition_penalty,
+        "seed": args.seed,
+        "max_tokens": args.max_tokens,
+        "stop": tuple(args.stop) if args.stop else None,
+    }
+    options = ChatOptions(
+        model=args.model,
+        prompt=args.prompt,
+        system=args.system,
+        cache_dir=args.cache_dir,
+        device=args.device,
+        dtype=args.dtype,
+        quantization=args.quantization,
+        context_window=args.context_window,
+        sampling=sampling,
+    )
+    return run_chat(options)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,10 +64,64 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model_dir", help="folder with config.json and *.safetensors")
     p.add_argument("-o", "--output", required=True, help="output folder (replaced atomically)")
     p.add_argument("--device", default="cpu", help="target device (default: cpu)")
-    p.add_argument("--dtype", default="float32", help="float32 or float16 (default: float32)")
+    p.add_argument("--dtype", default=None, help="float32 or float16 (default: float32)")
+    p.add_argument(
+        "--quantization",
+        default=None,
+        help="q0f32, q0f16, q4f16_g32, q4f16_g128, q4f32_g32 or q4f32_g128 "
+        "(default: q0 in --dtype; see docs/quantization.md)",
+    )
+    p.add_argument(
+        "--quantize-embedding",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="store the token embedding in INT4 too (q4 default: yes)",
+    )
+    p.add_argument(
+        "--quantize-lm-head",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="store lm_head in INT4 too (q4 default: yes)",
+    )
     p.add_argument("--dump-ir", default=None, help="write the IR after each pipeline phase here")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_compile)
+
+    p = sub.add_parser(
+        "chat",
+        help="chat with a model (interactive, or one answer with --prompt)",
+        description="Chat with a model: replies stream as they are produced; the conversation "
+        "stays in the KV cache between turns. Commands: /help /stats /reset /exit; Ctrl-D exits.",
+    )
+    p.add_argument(
+        "model",
+        nargs="?",
+        default=None,
+        help="a checkpoint folder (compiled on first use and cached), a compiled folder, or "
+        "nothing for the embedded default model",
+    )
+    p.add_argument("--prompt", default=None, help="answer this one prompt and exit")
+    p.add_argument("--system", default=None, help="system prompt (models with a chat template)")
+    p.add_argument("--temperature", type=float, default=None, help="0 is greedy decoding")
+    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass (0, 1]")
+    p.add_argument("--top-k", type=int, default=None, help="keep the k most likely (0: all)")
+    p.add_argument("--repetition-penalty", type=float, default=None, help="> 1 discourages repeats")
+    p.add_argument("--seed", type=int, default=None, help="make sampling reproducible")
+    p.add_argument("--max-tokens", type=int, default=None, help="new tokens per reply (256)")
+    p.add_argument("--stop", action="append", default=None, help="stop at this text (repeatable)")
+    p.add_argument(
+        "--cache-dir",
+        default=None,
+        help="where compiled checkpoints are cached (default: $DSV2_MLC_CACHE_DIR, "
+        "$XDG_CACHE_HOME/dsv2-mlc or ~/.cache/dsv2-mlc)",
+    )
+    p.add_argument("--device", default=None, help="device to compile for / run on (cpu)")
+    p.add_argument("--dtype", default=None, help="float32 or float16 when compiling (float32)")
+    p.add_argument(
+        "--quantization", default=None, help="quantization when compiling (see compile --help)"
+    )
+    p.add_argument("--context-window", type=int, default=None, help="tokens of one conversation")
+    p.set_defaults(func=_chat)
     return parser
 
 

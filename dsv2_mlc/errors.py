@@ -5,8 +5,12 @@ from __future__ import annotations
 from .model.checkpoint import CheckpointError
 from .model.config import ConfigError
 from .model.weights import WeightMapError
-from .runtime.engine import ContextLengthError
+from .runtime.chat_template import ChatTemplateError
+from .runtime.engine import ContextLengthError, PromptError
 from .runtime.layout import BuildError
+from .runtime.model_cache import ModelNotFoundError
+from .runtime.sampling import SamplingError
+from .runtime.tokenizer import TokenizerError
 from .runtime.tvm_runtime import RuntimeLibraryError
 
 
@@ -22,4 +26,9 @@ USER_ERRORS: tuple[type[BaseException], ...] = (
     BuildError,
     ContextLengthError,
     RuntimeLibraryError,
+    SamplingError,
+    TokenizerError,
+    ChatTemplateError,
+    ModelNotFoundError,
+    PromptError,
 )

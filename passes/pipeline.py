@@ -1,13 +1,16 @@
 """The phased Relax pipeline of dsv2-mlc, with an optional IR dump after each phase.
 
-Phases, in order:
+Phases, in order (weight quantization, ``QuantizeInt4``, rewrites the nn model before export):
 
-1. ``cleanup``: fold weight transposes into the matmuls (``FuseTransposeMatmul``) so no
-   transposed weight is materialised per call, then drop dead code.
-2. ``fuse``: legalize Relax ops to TIR, annotate op patterns, and fuse producer/consumer chains
+1. ``rewrite``: the project's own fusions at the Relax level: ``FuseDequantizeMatmul`` (INT4
+   dequantisation inside the matmul), ``FuseAddRMSNorm`` (residual add + RMSNorm) and
+   ``FuseGateUpSiluMul`` (SwiGLU over the fused gate/up projection).
+2. ``cleanup``: fold the remaining weight transposes into their matmuls (``FuseTransposeMatmul``)
+   so no transposed weight is materialised per call, then drop dead code.
+3. ``fuse``: legalize Relax ops to TIR, annotate op patterns, and fuse producer/consumer chains
    into single kernels (``FuseOps`` + ``FuseTIR``).
-3. ``schedule``: per-target kernel schedules (GPU targets: dlight rules; LLVM: none yet).
-4. ``lower``: TVM's VM lowering (memory planning, builtins, shape lowering).
+4. ``schedule``: per-target kernel schedules (GPU targets: dlight rules; LLVM: none yet).
+5. ``lower``: TVM's VM lowering (memory planning, builtins, shape lowering).
 """
 
 from __future__ import annotations
@@ -21,6 +24,14 @@ from tvm.ir import IRModule
 from tvm.target import Target
 
 Phase = tuple[str, Callable[[Target], list[tvm.transform.Pass]]]
+
+
+def _rewrite(_target: Target) -> list[tvm.transform.Pass]:
+    from .fuse_add_rms_norm import FuseAddRMSNorm
+    from .fuse_dequantize_matmul import FuseDequantizeMatmul
+    from .fuse_gate_up_silu_mul import FuseGateUpSiluMul
+
+    return [FuseDequantizeMatmul, FuseAddRMSNorm, FuseGateUpSiluMul]
 
 
 def _cleanup(_target: Target) -> list[tvm.transform.Pass]:
@@ -59,6 +70,7 @@ def _lower(_target: Target) -> list[tvm.transform.Pass]:
 
 
 PHASES: list[Phase] = [
+    ("rewrite", _rewrite),
     ("cleanup", _cleanup),
     ("fuse", _fuse),
     ("schedule", _schedule),

@@ -1,8 +1,10 @@
 """The DeepSeekMoE router in one kernel: softmax, (group limit), top-k, renormalise or scale.
 
-One row (token) per iteration, rows in parallel. Replaces Relax ``softmax`` + ``topk`` (whose LLVM
-lowering calls ``tvm.contrib.sort.topk``, a function of the TVM *compiler* library that a
-runtime-only deployment does not have) and the group mask with a single pass over the scores.
+One row (token) per iteration, rows in parallel (CPU: a parallel loop; GPU: one thread per token,
+:func:`moe_route_gpu`; :func:`moe_route` picks by target). Replaces Relax ``softmax`` + ``topk``
+(whose LLVM lowering calls ``tvm.contrib.sort.topk``, a function of the TVM *compiler* library
+that a runtime-only deployment does not have) and the group mask with a single pass over the
+scores.
 
 Semantics (original DeepSeek-V2 ``MoEGate``): ``p = softmax(logits)`` in float32; with
 ``group_limited_greedy``, groups are ranked by their max score, experts outside the ``topk_group``
@@ -15,6 +17,80 @@ from __future__ import annotations
 
 from tvm import tirx
 from tvm.script import tirx as T
+from tvm.target import Target
+
+
+def _route_row(
+    num_experts: int,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    norm_topk_prob: bool,
+    routed_scaling_factor: float,
+):  # -> a TVMScript macro
+    """The routing of one row ``t``, shared by the CPU and GPU kernels.
+
+    Scratch (per row): ``p[E]`` scores, ``taken[E]``, ``gtaken[G]``, ``acc[3]`` (max, sum, best
+    score) and ``best[1]``.
+    """
+    E, K, G = num_experts, top_k, n_group
+    per_group = E // G
+    group_limited = G > 1 and topk_group < G
+    TG = topk_group if group_limited else 1
+    renorm = norm_topk_prob and K > 1
+    scale = float(routed_scaling_factor)
+    neg_inf = -3.0e38
+
+    @T.macro
+    def route_row(logits, weights, ids, t, p, taken, gtaken, acc, best):
+        # softmax
+        acc[0] = T.float32(neg_inf)
+        for e in range(E):
+            acc[0] = T.max(acc[0], logits[t, e])
+        acc[1] = T.float32(0)
+        for e in range(E):
+            p[e] = T.exp(logits[t, e] - acc[0])
+            acc[1] = acc[1] + p[e]
+        for e in range(E):
+            p[e] = p[e] / acc[1]
+            taken[e] = 0
+        # group limit: keep the experts of the topk_group groups with the best max score
+        if group_limited:
+            for g in range(G):
+                gtaken[g] = 0
+            for _j in range(TG):
+                acc[2] = T.float32(neg_inf)
+                best[0] = 0
+                for g in range(G):
+                    if gtaken[g] == 0:
+                        for e in range(per_group):
+                            if p[g * per_group + e] > acc[2]:
+                                acc[2] = p[g * per_group + e]
+                                best[0] = g
+                gtaken[best[0]] = 1
+            for e in range(E):
+                if gtaken[e // per_group] == 0:
+                    p[e] = T.float32(0)
+        # top-k by repeated selection
+        acc[1] = T.float32(0)
+        for j in range(K):
+            acc[2] = T.float32(neg_inf)
+            best[0] = 0
+            for e in range(E):
+                if taken[e] == 0 and p[e] > acc[2]:
+                    acc[2] = p[e]
+                    best[0] = e
+            taken[best[0]] = 1
+            ids[t, j] = best[0]
+            weights[t, j] = acc[2]
+            acc[1] = acc[1] + acc[2]
+        for j in range(K):
+            if renorm:
+                weights[t, j] = weights[t, j] / (acc[1] + T.float32(1e-20))
+            else:
+                weights[t, j] = weights[t, j] * T.float32(scale)
+
+    return route_row
 
 
 def moe_route_cpu(
@@ -27,12 +103,7 @@ def moe_route_cpu(
 ) -> tirx.PrimFunc:
     """``f(logits[n, E] f32, weights[n, k] f32, ids[n, k] i32)`` for the LLVM target."""
     E, K, G = num_experts, top_k, n_group
-    per_group = E // G
-    group_limited = G > 1 and topk_group < G
-    TG = topk_group if group_limited else 1
-    renorm = norm_topk_prob and K > 1
-    scale = float(routed_scaling_factor)
-    neg_inf = -3.0e38
+    route_row = _route_row(E, K, G, topk_group, norm_topk_prob, routed_scaling_factor)
 
     @T.prim_func(private=True, s_tir=True)
     def moe_route(var_logits: T.handle, var_weights: T.handle, var_ids: T.handle):
@@ -48,53 +119,63 @@ def moe_route_cpu(
                 p = T.sblock_alloc_buffer((E,), "float32")
                 taken = T.sblock_alloc_buffer((E,), "int32")
                 gtaken = T.sblock_alloc_buffer((G,), "int32")
-                acc = T.sblock_alloc_buffer((3,), "float32")  # max, sum, best score
+                acc = T.sblock_alloc_buffer((3,), "float32")
                 best = T.sblock_alloc_buffer((1,), "int32")
-                # softmax
-                acc[0] = T.float32(neg_inf)
-                for e in range(E):
-                    acc[0] = T.max(acc[0], logits[t, e])
-                acc[1] = T.float32(0)
-                for e in range(E):
-                    p[e] = T.exp(logits[t, e] - acc[0])
-                    acc[1] = acc[1] + p[e]
-                for e in range(E):
-                    p[e] = p[e] / acc[1]
-                    taken[e] = 0
-                # group limit: keep the experts of the topk_group groups with the best max score
-                if group_limited:
-                    for g in range(G):
-                        gtaken[g] = 0
-                    for _j in range(TG):
-                        acc[2] = T.float32(neg_inf)
-                        best[0] = 0
-                        for g in range(G):
-                            if gtaken[g] == 0:
-                                for e in range(per_group):
-                                    if p[g * per_group + e] > acc[2]:
-                                        acc[2] = p[g * per_group + e]
-                                        best[0] = g
-                        gtaken[best[0]] = 1
-                    for e in range(E):
-                        if gtaken[e // per_group] == 0:
-                            p[e] = T.float32(0)
-                # top-k by repeated selection
-                acc[1] = T.float32(0)
-                for j in range(K):
-                    acc[2] = T.float32(neg_inf)
-                    best[0] = 0
-                    for e in range(E):
-                        if taken[e] == 0 and p[e] > acc[2]:
-                            acc[2] = p[e]
-                            best[0] = e
-                    taken[best[0]] = 1
-                    ids[t, j] = best[0]
-                    weights[t, j] = acc[2]
-                    acc[1] = acc[1] + acc[2]
-                for j in range(K):
-                    if renorm:
-                        weights[t, j] = weights[t, j] / (acc[1] + T.float32(1e-20))
-                    else:
-                        weights[t, j] = weights[t, j] * T.float32(scale)
+                route_row(logits, weights, ids, t, p, taken, gtaken, acc, best)
 
     return moe_route
+
+
+GPU_THREADS_PER_BLOCK = 64
+
+
+def moe_route_gpu(
+    num_experts: int,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    norm_topk_prob: bool,
+    routed_scaling_factor: float,
+) -> tirx.PrimFunc:
+    """The same kernel for GPU targets: one thread per token, scratch in thread-local memory."""
+    E, K, G = num_experts, top_k, n_group
+    TPB = GPU_THREADS_PER_BLOCK
+    route_row = _route_row(E, K, G, topk_group, norm_topk_prob, routed_scaling_factor)
+
+    @T.prim_func(private=True, s_tir=True)
+    def moe_route(var_logits: T.handle, var_weights: T.handle, var_ids: T.handle):
+        T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
+        n = T.int64()
+        logits = T.match_buffer(var_logits, (n, E), "float32")
+        weights = T.match_buffer(var_weights, (n, K), "float32")
+        ids = T.match_buffer(var_ids, (n, K), "int32")
+        for bx in T.thread_binding((n + TPB - 1) // TPB, thread="blockIdx.x"):
+            for tx in T.thread_binding(TPB, thread="threadIdx.x"):
+                with T.sblock("route"):
+                    T.reads()
+                    T.writes()
+                    p = T.sblock_alloc_buffer((E,), "float32", scope="local")
+                    taken = T.sblock_alloc_buffer((E,), "int32", scope="local")
+                    gtaken = T.sblock_alloc_buffer((G,), "int32", scope="local")
+                    acc = T.sblock_alloc_buffer((3,), "float32", scope="local")
+                    best = T.sblock_alloc_buffer((1,), "int32", scope="local")
+                    if bx * TPB + tx < n:
+                        route_row(logits, weights, ids, bx * TPB + tx, p, taken, gtaken, acc, best)
+
+    return moe_route
+
+
+def moe_route(
+    target: Target | None,
+    num_experts: int,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    norm_topk_prob: bool,
+    routed_scaling_factor: float,
+) -> tirx.PrimFunc:
+    """The router kernel for ``target``: :func:`moe_route_gpu` if it has the ``gpu`` key, else
+    :func:`moe_route_cpu` (also for ``target=None``)."""
+    gpu = target is not None and "gpu" in target.keys
+    make = moe_route_gpu if gpu else moe_route_cpu
+    return make(num_experts, top_k, n_group, topk_group, norm_topk_prob, routed_scaling_factor)

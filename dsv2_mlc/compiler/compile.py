@@ -24,6 +24,7 @@ from ..errors import UsageError
 from ..model.checkpoint import SafetensorsCheckpoint
 from ..model.config import DeepseekV2Config
 from ..model.weights import check_checkpoint, convert, weight_map
+from ..quantization import Quantization, get_quantization
 from ..runtime.layout import (
     BUILD_CONFIG,
     FORMAT_VERSION,
@@ -32,9 +33,10 @@ from ..runtime.layout import (
     TOKENIZER_FILES,
     BuildConfig,
 )
+from .cuda import DEFAULT_ARCH, check_fatbin, cuda_codegen, make_cuda_target
 
 DTYPES = ("float32", "float16")
-DEVICES = ("cpu",)
+DEVICES = ("cpu", "cuda")
 
 
 class CompileError(UsageError):
@@ -50,11 +52,13 @@ class CompileResult:
     seconds: float
 
 
-def make_target(device: str):  # -> tvm.target.Target
-    """The TVM target for ``device``."""
-    import tvm
-
+def make_target(device: str, arch: str = DEFAULT_ARCH):  # -> tvm.target.Target
+    """The TVM target for ``device``; ``arch`` (e.g. ``"sm_90"``) applies to ``"cuda"`` only."""
+    if device == "cuda":
+        return make_cuda_target(arch)  # also readies TVM's CUDA codegen (see compiler/cuda.py)
     if device == "cpu":
+        import tvm
+
         return tvm.target.Target({"kind": "llvm"})
     raise CompileError(f"unsupported --device {device!r}; supported: {', '.join(DEVICES)}")
 
@@ -64,14 +68,35 @@ def compile_model(
     out_dir: str | Path,
     *,
     device: str = "cpu",
-    dtype: str = "float32",
+    dtype: str | None = None,
+    quantization: str | None = None,
+    quantize_embedding: bool | None = None,
+    quantize_lm_head: bool | None = None,
     dump_ir: str | Path | None = None,
     progress: bool = True,
+    arch: str = DEFAULT_ARCH,
 ) -> CompileResult:
-    """Compile the HF checkpoint in ``model_dir`` for ``device`` into ``out_dir``."""
+    """Compile the HF checkpoint in ``model_dir`` for ``device`` into ``out_dir``.
+
+    ``quantization`` names a scheme of :mod:`dsv2_mlc.quantization` (default: ``q0f32``, or
+    ``q0f16`` with ``dtype="float16"``); ``dtype``, when also given, must agree with it.
+
+    ``arch`` is the CUDA architecture for ``device="cuda"`` (kernels are precompiled for it with
+    nvcc, also on a machine without a GPU; see :mod:`dsv2_mlc.compiler.cuda`).
+    """
     start = time.perf_counter()
-    if dtype not in DTYPES:
+    if dtype is not None and dtype not in DTYPES:
         raise CompileError(f"unsupported --dtype {dtype!r}; supported: {', '.join(DTYPES)}")
+    if quantization is None:
+        quantization = "q0f16" if dtype == "float16" else "q0f32"
+    quant = get_quantization(
+        quantization, quantize_embedding=quantize_embedding, quantize_lm_head=quantize_lm_head
+    )
+    if dtype is not None and dtype != quant.dtype:
+        raise CompileError(
+            f"--dtype {dtype} contradicts --quantization {quant.name} (activations in "
+            f"{quant.dtype}); drop --dtype"
+        )
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise CompileError(f"{model_dir}: model folder not found")
@@ -83,12 +108,12 @@ def compile_model(
     ckpt = SafetensorsCheckpoint(model_dir)
     convs = weight_map(cfg)
     check_checkpoint(convs, ckpt)
-    target = make_target(device)
+    target = make_target(device, arch)
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=out_dir.parent))
     try:
-        build = _build(cfg, ckpt, convs, target, device, dtype, tmp, dump_ir, progress)
+        build = _build(cfg, ckpt, convs, target, device, quant, tmp, dump_ir, progress)
         for name in TOKENIZER_FILES:
             if (model_dir / name).is_file():
                 shutil.copy2(model_dir / name, tmp / name)
@@ -107,7 +132,7 @@ def _build(
     convs: list,
     target,
     device: str,
-    dtype: str,
+    quant: Quantization,
     tmp: Path,
     dump_ir: str | Path | None,
     progress: bool,
@@ -118,21 +143,30 @@ def _build(
 
     from ..model.deepseek_v2 import DeepseekV2ForCausalLM
     from ..passes.pipeline import build_pipeline
+    from ..passes.quantize_int4 import quantize_model, quantize_params
 
-    model = DeepseekV2ForCausalLM(cfg, dtype, target)
-    mod, named_params = model.export_tvm(spec=model.get_default_spec())
+    model = DeepseekV2ForCausalLM(cfg, quant.dtype, target)
+    plan = quantize_model(model, quant)
+    with target:  # kernels chosen while tracing (the MoE router) follow Target.current()
+        mod, named_params = model.export_tvm(spec=model.get_default_spec())
     param_dtypes = {name: str(p.dtype) for name, p in named_params}
     param_shapes = {name: tuple(int(s) for s in p.shape) for name, p in named_params}
-    produced = [t for conv in convs for t in conv.targets]
+    convert_dtypes = {**param_dtypes, **{name: "float32" for name in plan}}
+    produced = []
+    for name in (t for conv in convs for t in conv.targets):
+        produced += [plan[name].q_weight, plan[name].q_scale] if name in plan else [name]
     if produced != [name for name, _ in named_params]:
         raise AssertionError("weight map and model parameters disagree (a bug in dsv2_mlc)")
 
-    with target:
+    codegen = cuda_codegen() if device == "cuda" else contextlib.nullcontext()
+    with target, codegen:  # the nvcc callback reads its -arch from Target.current()
         executable = tvm.compile(mod, target=target, relax_pipeline=build_pipeline(target, dump_ir))
     executable.export_library(str(tmp / LIBRARY))
+    if device == "cuda":
+        check_fatbin(tmp / LIBRARY, str(target.arch))
 
     def params() -> Iterator[tuple[str, np.ndarray]]:
-        stream = convert(convs, ckpt, param_dtypes)
+        stream = quantize_params(convert(convs, ckpt, convert_dtypes), plan)
         if progress:
             from tqdm import tqdm
 
@@ -151,7 +185,8 @@ def _build(
     build = BuildConfig(
         format_version=FORMAT_VERSION,
         model=cfg.to_dict(),
-        dtype=dtype,
+        dtype=quant.dtype,
+        quantization=quant.name,
         device=device,
         target=str(target.export()),
         param_names=produced,

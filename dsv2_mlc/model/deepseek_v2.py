@@ -15,8 +15,8 @@ batch from ``begin_forward``):
   token per layer), in pages of 16 tokens.
 
 Parameter names are the Hugging Face names, except where a checkpoint tensor is stored
-transformed (see ``weights.py``): stacked routed experts and ``kv_b_proj`` split into
-``kv_b_proj.w_uk`` / ``kv_b_proj.w_uv``.
+transformed (see ``weights.py``): fused ``gate_up_proj``, stacked routed experts, and
+``kv_b_proj`` split into ``kv_b_proj.w_uk`` / ``kv_b_proj.w_uv``.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from tvm import te, tirx
+from tvm.ir.expr import Expr
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import Tensor, op
 from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache
@@ -40,6 +41,27 @@ Mode = Literal["prefill", "extend", "decode"]
 LORA_NORM_EPS = 1e-6
 
 
+# PrimFunc attribute marking the RMSNorm kernels (value: epsilon), read by FuseAddRMSNorm.
+RMS_NORM_ATTR = "dsv2_mlc.rms_norm_eps"
+
+
+def rms_norm_te(x: te.Tensor, weight: te.Tensor, eps: float, name: str = "rms_norm") -> te.Tensor:
+    """``weight * (x * rsqrt(mean(x^2) + eps))`` over the last axis, reduced in float32."""
+    d = x.shape[-1]
+    r = te.reduce_axis((0, d), name="r")
+    sq = te.compute(
+        x.shape[:-1],
+        lambda *i: te.sum(x(*i, r).astype("float32") * x(*i, r).astype("float32"), r),
+        name=f"{name}_sq",
+    )
+
+    def f(*i: Expr) -> Expr:
+        inv = tirx.rsqrt(sq(*i[:-1]) / d.astype("float32") + tirx.const(eps, "float32"))
+        return weight[i[-1]] * (x(*i).astype("float32") * inv).astype(x.dtype)
+
+    return te.compute(x.shape, f, name=name)
+
+
 class RMSNorm(nn.Module):
     """RMSNorm over the last axis in float32: ``weight * (x * rsqrt(mean(x^2) + eps))``."""
 
@@ -49,24 +71,12 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         eps = self.eps
-
-        def compute(xt: te.Tensor, wt: te.Tensor) -> te.Tensor:
-            d = xt.shape[-1]
-            r = te.reduce_axis((0, d), name="r")
-            sq = te.compute(
-                xt.shape[:-1],
-                lambda *i: te.sum(xt(*i, r).astype("float32") * xt(*i, r).astype("float32"), r),
-                name="rms_sq",
-            )
-
-            def f(*i: tirx.PrimExpr) -> tirx.PrimExpr:
-                inv = tirx.rsqrt(sq(*i[:-1]) / d.astype("float32") + tirx.const(eps, "float32"))
-                normed = (xt(*i).astype("float32") * inv).astype(xt.dtype)
-                return wt[i[-1]] * normed
-
-            return te.compute(xt.shape, f, name="rms_norm")
-
-        return nn.tensor_expr_op(compute, "rms_norm", [x, self.weight])
+        return nn.tensor_expr_op(
+            lambda xt, wt: rms_norm_te(xt, wt, eps),
+            "rms_norm",
+            [x, self.weight],
+            attrs={RMS_NORM_ATTR: eps},
+        )
 
 
 class KVBProj(nn.Module):

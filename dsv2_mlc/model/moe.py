@@ -10,47 +10,68 @@ original DeepSeek-V2 code, including ``norm_topk_prob`` (renormalise, and then *
 
 from __future__ import annotations
 
-from tvm import te, tirx
+from collections.abc import Callable
+
+from tvm import te
+from tvm.ir.expr import Expr
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import Tensor, op
+from tvm.target import Target
 
-from ..schedules.moe_routing import moe_route_cpu
+from ..schedules.moe_routing import moe_route
 from .config import DeepseekV2Config
 
+WeightReader = Callable[[list[te.Tensor], Expr, Expr, Expr], Expr]
 
-def _gather_matmul(x: Tensor, w: Tensor, idx: Tensor, name: str) -> Tensor:
-    """y[t, j, :] = w[idx[t, j]] @ x[t, j or 0, :] with float32 accumulation.
 
-    ``x`` is [n, d] (shared by the k selected experts) or [n, k, d]; ``w`` is [E, out, d];
-    ``idx`` is [n, k] int32. Returns [n, k, out] in the dtype of ``x``.
+def read_float_weight(ws: list[te.Tensor], e: Expr, o: Expr, r: Expr):
+    """Element ``[e, o, r]`` of a float weight ``ws[0]`` [E, out, in], as float32."""
+    return ws[0][e, o, r].astype("float32")
+
+
+def gather_matmul(
+    x: Tensor,
+    weights: list[Tensor],
+    idx: Tensor,
+    out_dim: int,
+    name: str,
+    read: WeightReader = read_float_weight,
+) -> Tensor:
+    """y[t, j, :] = W[idx[t, j]] @ x[t, (j), :] with float32 accumulation.
+
+    ``x`` is [n, d] (shared by the k selected experts) or [n, k, d]; the expert weights are
+    ``weights`` (one float tensor [E, out, d], or packed INT4 + scales), read element by element
+    through ``read`` so a dequantised weight is never materialised; ``idx`` is [n, k] int32.
+    Returns [n, k, out_dim] in the dtype of ``x``.
     """
     per_slot = len(x.shape) == 3
+    red_dim = int(x.shape[-1])
 
-    def compute(xt: te.Tensor, wt: te.Tensor, it: te.Tensor) -> te.Tensor:
+    def compute(xt: te.Tensor, it: te.Tensor, *wts: te.Tensor) -> te.Tensor:
         n, k = it.shape
-        out_dim, red_dim = wt.shape[1], wt.shape[2]
         r = te.reduce_axis((0, red_dim), name="r")
 
-        def f(t: tirx.PrimExpr, j: tirx.PrimExpr, o: tirx.PrimExpr) -> tirx.PrimExpr:
+        def f(t: Expr, j: Expr, o: Expr) -> Expr:
             xv = xt[t, j, r] if per_slot else xt[t, r]
-            return te.sum(xv.astype("float32") * wt[it[t, j], o, r].astype("float32"), axis=r)
+            return te.sum(xv.astype("float32") * read(list(wts), it[t, j], o, r), axis=r)
 
         acc = te.compute((n, k, out_dim), f, name=f"{name}_acc")
         return te.compute(acc.shape, lambda *i: acc(*i).astype(xt.dtype), name=name)
 
-    return nn.tensor_expr_op(compute, name, [x, w, idx])
+    return nn.tensor_expr_op(compute, name, [x, idx, *weights])
 
 
 class DeepseekV2MLP(nn.Module):
-    """SwiGLU MLP (the dense layers and the shared experts)."""
+    """SwiGLU MLP (the dense layers and the shared experts) over a fused gate/up projection."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, dtype: str):
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False, dtype=dtype)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False, dtype=dtype)
+        # gate_proj and up_proj are concatenated at conversion (gate rows first): one matmul.
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False, dtype=dtype)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False, dtype=dtype)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(op.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = op.split(self.gate_up_proj(x), 2, axis=-1)
+        return self.down_proj(op.silu(gate) * up)
 
 
 class DeepseekV2Gate(nn.Module):
@@ -61,11 +82,15 @@ class DeepseekV2Gate(nn.Module):
         self.weight = nn.Parameter((cfg.n_routed_experts, cfg.hidden_size), "float32")
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        """x: [n, H] -> (weights [n, k] float32, expert ids [n, k] int32)."""
+        """x: [n, H] -> (weights [n, k] float32, expert ids [n, k] int32).
+
+        The router kernel follows the target being traced for (``with target:``; none: CPU).
+        """
         cfg = self.cfg
         n, k = x.shape[0], cfg.num_experts_per_tok
         logits = op.matmul(x.astype("float32"), op.permute_dims(self.weight))
-        route = moe_route_cpu(
+        route = moe_route(
+            Target.current(allow_none=True),
             cfg.n_routed_experts,
             k,
             cfg.n_group if cfg.topk_method == "group_limited_greedy" else 1,
@@ -96,10 +121,11 @@ class DeepseekV2Experts(nn.Module):
 
     def forward(self, x: Tensor, weights: Tensor, idx: Tensor) -> Tensor:
         """x [n, H], weights [n, k] fp32, idx [n, k] -> sum_j weights[:, j] * expert_j(x)."""
-        gate_up = _gather_matmul(x, self.gate_up_proj, idx, "moe_gate_up")
+        i2, h = 2 * self.intermediate, x.shape[-1]
+        gate_up = gather_matmul(x, [self.gate_up_proj], idx, i2, "moe_gate_up")
         gate, up = op.split(gate_up, 2, axis=-1)
         hidden = op.silu(gate) * up
-        down = _gather_matmul(hidden, self.down_proj, idx, "moe_down")  # [n, k, H]
+        down = gather_matmul(hidden, [self.down_proj], idx, h, "moe_down")  # [n, k, H]
         weighted = down.astype("float32") * op.unsqueeze(weights, -1)
         return op.sum(weighted, axis=1).astype(x.dtype)
 

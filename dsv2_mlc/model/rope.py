@@ -13,6 +13,7 @@ import math
 
 import numpy as np
 from tvm import te, tirx
+from tvm.ir.expr import Expr
 from tvm.relax.frontend import nn
 
 from .config import RopeConfig, yarn_get_mscale
@@ -64,7 +65,7 @@ def apply_rope(x: nn.Tensor, positions: nn.Tensor, rope: RopeConfig, name: str) 
     scale = rope_cos_sin_scale(rope)
     dtype = x.dtype
 
-    def inv_freq_of(i: tirx.PrimExpr) -> tirx.PrimExpr:
+    def inv_freq_of(i: Expr) -> Expr:
         # A select chain over compile-time constants: exact float32 values, no parameter needed.
         expr = tirx.const(inv_freq[-1], "float32")
         for j in range(len(inv_freq) - 2, -1, -1):
@@ -72,7 +73,7 @@ def apply_rope(x: nn.Tensor, positions: nn.Tensor, rope: RopeConfig, name: str) 
         return expr
 
     def compute(xt: te.Tensor, pos: te.Tensor) -> te.Tensor:
-        def f(*idx: tirx.PrimExpr) -> tirx.PrimExpr:
+        def f(*idx: Expr) -> Expr:
             d = idx[-1]
             pair = d // 2
             angle = pos[idx[0]].astype("float32") * inv_freq_of(pair)

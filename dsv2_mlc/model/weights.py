@@ -2,8 +2,10 @@
 
 Each :class:`Conversion` names the checkpoint tensors it reads (with the shape the config implies),
 the parameters it produces, and the transform between them. Most are the identity under the same
-name; two are not:
+name; three are not:
 
+* ``mlp.{gate,up}_proj.weight`` (dense layers, shared experts) are concatenated, gate rows first,
+  into ``mlp.gate_up_proj.weight`` [2I, H] (one matmul, then SiLU(gate) * up);
 * routed experts ``mlp.experts.E.{gate,up,down}_proj.weight`` are stacked into
   ``mlp.experts.gate_up_proj`` [E, 2I, H] and ``mlp.experts.down_proj`` [E, H, I];
 * ``self_attn.kv_b_proj.weight`` [heads * (nope + v), kv_lora_rank] is split per head into
@@ -68,10 +70,17 @@ def _split_kv_b(cfg: DeepseekV2Config) -> Transform:
     return split
 
 
+def _concat_rows(arrays: list[np.ndarray]) -> list[np.ndarray]:
+    return [np.concatenate(arrays, axis=0)]
+
+
 def _mlp(prefix: str, hidden: int, inter: int) -> list[Conversion]:
+    gate_up = (
+        (f"{prefix}.gate_proj.weight", (inter, hidden)),
+        (f"{prefix}.up_proj.weight", (inter, hidden)),
+    )
     return [
-        _same(f"{prefix}.gate_proj.weight", (inter, hidden)),
-        _same(f"{prefix}.up_proj.weight", (inter, hidden)),
+        Conversion(gate_up, (f"{prefix}.gate_up_proj.weight",), _concat_rows),
         _same(f"{prefix}.down_proj.weight", (hidden, inter)),
     ]
 

@@ -7,17 +7,32 @@ runs where the compiler is not installed.
 from __future__ import annotations
 
 import itertools
-import time
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import tvm_ffi
 
 from ..model.config import DeepseekV2Config
+from .device import to_device, to_numpy
+from .generation import GenerationResult, GenerationStream, StreamDelta, run_generation
 from .layout import LIBRARY, PARAMS_DIR, BuildConfig, BuildError
+from .sampling import SamplingParams
+from .tokenizer import Tokenizer, TokenizerError
 from .tvm_runtime import global_func, load_runtime
+
+if TYPE_CHECKING:
+    from .openai_compat import ChatNamespace
+
+__all__ = [
+    "ContextLengthError",
+    "Engine",
+    "GenerationResult",
+    "GenerationStream",
+    "PromptError",
+    "StreamDelta",
+]
 
 PAGE_SIZE = 16  # TVM's paged KV kernels are built for 16-token pages (notes/tvm-0.27.md 7.5).
 _DEVICE_TYPE = {"cpu": 1, "cuda": 2}
@@ -28,16 +43,8 @@ class ContextLengthError(ValueError):
     """A request that does not fit the context window or the KV cache."""
 
 
-@dataclass
-class GenerationResult:
-    """The outcome of :meth:`Engine.generate`."""
-
-    token_ids: list[int]
-    finish_reason: str  # "length" or "stop"
-    prompt_tokens: int
-    prefill_seconds: float = 0.0
-    decode_seconds: float = 0.0
-    extra: dict = field(default_factory=dict)
+class PromptError(ValueError):
+    """A prompt that cannot be run (empty, or text for a model without a tokenizer)."""
 
 
 def _shape(v: int) -> tvm_ffi.Shape:
@@ -106,6 +113,79 @@ class Engine:
         )
         self._seq_len: dict[int, int] = {}
         self._ids = itertools.count()
+        self._tokenizer: Tokenizer | None = None
+        self._chat: ChatNamespace | None = None
+
+    @classmethod
+    def open(
+        cls,
+        model: str | Path | None = None,
+        *,
+        cache_dir: str | Path | None = None,
+        device: str | None = None,
+        dtype: str | None = None,
+        quantization: str | None = None,
+        context_window: int | None = None,
+        max_batch_size: int = 4,
+        progress: bool = False,
+        log: Callable[[str], None] | None = None,
+    ) -> Engine:
+        """Open MODEL: a compiled folder, a checkpoint folder (compiled on first use into the
+        per-user cache, see :mod:`dsv2_mlc.runtime.model_cache`) or ``None`` for the embedded
+        default model."""
+        from .model_cache import resolve_model
+
+        if context_window is not None and context_window < 2:
+            raise ContextLengthError(
+                f"context window must be at least 2 tokens (got {context_window})"
+            )
+        path = resolve_model(
+            model,
+            cache_dir=cache_dir,
+            device=device,
+            dtype=dtype,
+            quantization=quantization,
+            progress=progress,
+            log=log,
+        )
+        return cls(path, context_window=context_window, max_batch_size=max_batch_size)
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """The model's tokenizer (read from the compiled folder on first use)."""
+        if self._tokenizer is None:
+            tok = Tokenizer.from_dir(self.path)
+            if tok.max_token_id >= self.config.vocab_size:
+                raise TokenizerError(
+                    f"{self.path}: the tokenizer has token ids up to {tok.max_token_id} but the "
+                    f"model's vocabulary has {self.config.vocab_size}; it is not this model's "
+                    "tokenizer"
+                )
+            self._tokenizer = tok
+        return self._tokenizer
+
+    def has_tokenizer(self) -> bool:
+        """Whether the compiled folder carries a tokenizer."""
+        return self._tokenizer is not None or (self.path / "tokenizer.json").is_file()
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """The tokens that end a generation by default (the config's and the tokenizer's EOS)."""
+        eos = self.config.eos_token_id
+        ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        if self.has_tokenizer() and self.tokenizer.eos_token_id is not None:
+            if self.tokenizer.eos_token_id not in ids:
+                ids.append(self.tokenizer.eos_token_id)
+        return ids
+
+    @property
+    def chat(self) -> ChatNamespace:
+        """OpenAI-style chat: ``engine.chat.completions.create(messages=..., stream=...)``."""
+        if self._chat is None:
+            from .openai_compat import ChatNamespace
+
+            self._chat = ChatNamespace(self)
+        return self._chat
 
     def _load_params(self, dev: int) -> tvm_ffi.Array:
         params_dir = (self.path / PARAMS_DIR).resolve()
@@ -187,7 +267,7 @@ class Engine:
         try:
             if all(n == 1 for n in lengths):
                 out = self._fn["batch_decode"](
-                    tvm_ffi.from_dlpack(ids.reshape(-1, 1)), self._cache, self._params
+                    to_device(ids.reshape(-1, 1), self.device), self._cache, self._params
                 )
             else:
                 ends = np.cumsum(lengths)
@@ -197,8 +277,8 @@ class Engine:
                     pos = (ends - 1).astype(np.int32)
                 fn = self._fn["batch_prefill" if fresh else "batch_extend"]
                 out = fn(
-                    tvm_ffi.from_dlpack(ids.reshape(1, -1)),
-                    tvm_ffi.from_dlpack(pos),
+                    to_device(ids.reshape(1, -1), self.device),
+                    to_device(pos, self.device),
                     self._cache,
                     self._params,
                 )
@@ -206,7 +286,7 @@ class Engine:
             self._kv_state["end_forward"](self._cache)
         for seq, n in zip(seq_ids, lengths, strict=True):
             self._seq_len[seq] += n
-        logits = np.array(np.from_dlpack(out[0]), copy=True)
+        logits = to_numpy(out[0])  # a copy on the host, whatever the device
         return logits.reshape(-1, self.config.vocab_size)
 
     def prefill(
@@ -264,39 +344,70 @@ class Engine:
         finally:
             self.remove_sequence(seq)
 
+    def encode_prompt(self, prompt: str | Sequence[int]) -> list[int]:
+        """Token ids of a prompt: text is tokenized (BOS first when the model wants it)."""
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        if not ids:
+            raise PromptError("the prompt is empty; give at least one token of text")
+        return ids
+
     def generate(
         self,
-        prompt_ids: Sequence[int],
-        max_new_tokens: int = 32,
+        prompt: str | Sequence[int],
+        max_new_tokens: int | None = None,
         stop_token_ids: Sequence[int] | None = None,
+        *,
+        sampling: SamplingParams | None = None,
     ) -> GenerationResult:
-        """Greedy generation on a fresh sequence; returns the new token ids."""
-        if stop_token_ids is None:
-            eos = self.config.eos_token_id
-            stop_token_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-        stops = set(stop_token_ids)
-        if len(prompt_ids) + max_new_tokens > self.context_window:
+        """Generate on a fresh sequence; returns the new token ids and their text.
+
+        Without ``sampling`` it is greedy (arg-max). ``max_new_tokens`` and ``stop_token_ids``
+        override the fields of ``sampling``; ``stop_token_ids`` defaults to the model's EOS.
+        An explicit ``max_new_tokens`` must fit the context window with the prompt; otherwise
+        generation stops when the window is full (``finish_reason == "length"``).
+        """
+        return self.stream(prompt, max_new_tokens, stop_token_ids, sampling=sampling).collect()
+
+    def stream(
+        self,
+        prompt: str | Sequence[int],
+        max_new_tokens: int | None = None,
+        stop_token_ids: Sequence[int] | None = None,
+        *,
+        sampling: SamplingParams | None = None,
+    ) -> GenerationStream:
+        """Like :meth:`generate`, as an iterator of :class:`StreamDelta` (text settled by each new
+        token; joined, exactly the final text); ``.result`` holds the outcome at the end."""
+        params = sampling or SamplingParams()
+        if stop_token_ids is not None:
+            params = params.updated(stop_token_ids=tuple(stop_token_ids))
+        prompt_ids = self.encode_prompt(prompt)
+        if max_new_tokens is not None:
+            if len(prompt_ids) + max_new_tokens > self.context_window:
+                raise ContextLengthError(
+                    f"prompt of {len(prompt_ids)} tokens plus {max_new_tokens} new tokens exceeds "
+                    f"the context window of {self.context_window}; shorten the prompt or "
+                    "max_new_tokens"
+                )
+            params = params.updated(max_tokens=max_new_tokens)
+        room = self.context_window - len(prompt_ids)
+        if room < 1:
             raise ContextLengthError(
-                f"prompt of {len(prompt_ids)} tokens plus {max_new_tokens} new tokens exceeds the "
-                f"context window of {self.context_window}; shorten the prompt or max_new_tokens"
+                f"the prompt has {len(prompt_ids)} tokens, the context window holds "
+                f"{self.context_window}; shorten the prompt or raise the context window"
             )
+        tokenizer = self.tokenizer if (isinstance(prompt, str) or self.has_tokenizer()) else None
+        if params.stop and tokenizer is None:
+            raise TokenizerError("stop strings need the model's tokenizer, which it has not")
         seq = self.add_sequence()
-        try:
-            t0 = time.perf_counter()
-            logits = self.prefill([seq], [prompt_ids])[0]
-            t1 = time.perf_counter()
-            tokens: list[int] = []
-            reason = "length"
-            while len(tokens) < max_new_tokens:
-                token = int(np.argmax(logits))
-                tokens.append(token)
-                if token in stops:
-                    reason = "stop"
-                    break
-                if len(tokens) == max_new_tokens:
-                    break
-                logits = self.decode([seq], [token])[0]
-            t2 = time.perf_counter()
-        finally:
-            self.remove_sequence(seq)
-        return GenerationResult(tokens, reason, len(prompt_ids), t1 - t0, t2 - t1)
+        return run_generation(
+            self,
+            seq,
+            prompt_ids,
+            0,
+            params,
+            tokenizer,
+            self.eos_token_ids if params.stop_token_ids is None else params.stop_token_ids,
+            min(params.max_tokens, room),
+            on_finish=lambda _: self.remove_sequence(seq),
+        )

@@ -28,6 +28,7 @@ class BuildConfig:
     device: str
     target: str
     param_names: list[str] = field(default_factory=list)
+    quantization: str = "q0f32"
     tvm_version: str = ""
     tvm_ffi_version: str = ""
 

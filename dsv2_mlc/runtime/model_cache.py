@@ -1,0 +1,274 @@
+"""Which compiled folder a MODEL names, compiling checkpoints on first use into a per-user cache.
+
+MODEL is a compiled folder (``dsv2-mlc.json``), a Hugging Face checkpoint folder (``config.json``
++ safetensors), or nothing for the model embedded in the package. A checkpoint is compiled once
+per cache key: a SHA-256 over the checkpoint files' contents, the dtype and device, the dsv2-mlc
+version, the source of its compiler (compiler/model/passes/schedules and the build layout) and
+the TVM version, so anything that changes the build gives a new entry.
+
+The cache is ``cache_dir``, else ``$DSV2_MLC_CACHE_DIR``, else ``$XDG_CACHE_HOME/dsv2-mlc``, else
+``~/.cache/dsv2-mlc``. The compiler is imported only when something must be compiled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.metadata
+import importlib.util
+import json
+import os
+import re
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from .layout import BUILD_CONFIG, TOKENIZER_FILES, BuildConfig
+
+CACHE_DIR_ENV = "DSV2_MLC_CACHE_DIR"
+DEFAULT_MODEL = "default_model"
+CHECKPOINT_PATTERNS = ("config.json", "*.safetensors", "*.safetensors.index.json")
+EXTRA_TOKENIZER_FILES = ("special_tokens_map.json", "chat_template.jinja")
+COMPILER_PACKAGES = ("compiler", "model", "passes", "schedules")
+COMPILER_MODULES = ("quantization.py", "runtime/layout.py")
+_HASH_MEMO = "file-hashes.json"
+
+
+class ModelNotFoundError(ValueError):
+    """MODEL names nothing that can be run (the message lists what MODEL may be)."""
+
+
+def default_cache_dir() -> Path:
+    """``$DSV2_MLC_CACHE_DIR``, else ``$XDG_CACHE_HOME/dsv2-mlc``, else ``~/.cache/dsv2-mlc``."""
+    if os.environ.get(CACHE_DIR_ENV):
+        return Path(os.environ[CACHE_DIR_ENV]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base).expanduser() / "dsv2-mlc"
+
+
+def default_model_dir() -> Path:
+    """The checkpoint folder embedded in the package."""
+    return Path(__file__).resolve().parent.parent / DEFAULT_MODEL
+
+
+def checkpoint_files(ckpt_dir: Path) -> list[Path]:
+    """The files of a checkpoint that change its build: config, weights, tokenizer."""
+    files = {p for pattern in CHECKPOINT_PATTERNS for p in ckpt_dir.glob(pattern)}
+    for name in (*TOKENIZER_FILES, *EXTRA_TOKENIZER_FILES):
+        if (ckpt_dir / name).is_file():
+            files.add(ckpt_dir / name)
+    return sorted(p for p in files if p.is_file())
+
+
+def compiler_sources() -> list[Path]:
+    """The Python source files whose change changes a build."""
+    files: list[Path] = []
+    for pkg in COMPILER_PACKAGES:
+        spec = importlib.util.find_spec(f"dsv2_mlc.{pkg}")
+        if spec is None or not spec.submodule_search_locations:
+            continue
+        for root in spec.submodule_search_locations:
+            files.extend(sorted(Path(root).rglob("*.py")))
+    package = Path(__file__).resolve().parent.parent
+    files.extend(package / m for m in COMPILER_MODULES if (package / m).is_file())
+    return files
+
+
+def tvm_version() -> str:
+    """The installed TVM version (read from package metadata, without importing TVM)."""
+    for dist in ("apache-tvm", "tvm"):
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            return importlib.metadata.version(dist)
+    return "none"
+
+
+def _package_version() -> str:
+    from .. import __version__
+
+    return __version__
+
+
+class _HashMemo:
+    """File digests remembered by (path, size, mtime) so unchanged weights are hashed once."""
+
+    def __init__(self, path: Path | None):
+        self.path = path
+        self.data: dict[str, list] = {}
+        self.dirty = False
+        if path is not None and path.is_file():
+            with contextlib.suppress(OSError, ValueError):
+                self.data = json.loads(path.read_text())
+
+    def digest(self, file: Path) -> str:
+        st = file.stat()
+        key = str(file.resolve())
+        hit = self.data.get(key)
+        if isinstance(hit, list) and hit[:2] == [st.st_size, st.st_mtime_ns]:
+            return str(hit[2])
+        h = hashlib.sha256()
+        with open(file, "rb") as f:
+            for block in iter(lambda: f.read(1 << 22), b""):
+                h.update(block)
+        self.data[key] = [st.st_size, st.st_mtime_ns, h.hexdigest()]
+        self.dirty = True
+        return h.hexdigest()
+
+    def save(self) -> None:
+        if self.path is None or not self.dirty:
+            return
+        with contextlib.suppress(OSError):
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".hashes-")
+            with os.fdopen(fd, "w") as f:
+                json.dump(self.data, f)
+            os.replace(tmp, self.path)
+
+
+def build_scheme(dtype: str | None, quantization: str | None) -> str:
+    """The quantization a build gets (``compile_model``'s default: ``q0`` in ``dtype``)."""
+    if quantization is not None:
+        return quantization
+    return "q0f16" if dtype == "float16" else "q0f32"
+
+
+def cache_key(
+    ckpt_dir: str | Path,
+    *,
+    dtype: str | None,
+    device: str,
+    quantization: str | None = None,
+    cache_dir: str | Path | None = None,
+) -> str:
+    """The SHA-256 (hex) that names a checkpoint's build in the cache."""
+    ckpt_dir = Path(ckpt_dir)
+    memo = _HashMemo(Path(cache_dir) / _HASH_MEMO if cache_dir is not None else None)
+    h = hashlib.sha256()
+
+    def put(label: str, value: str) -> None:
+        h.update(f"{label}\0{value}\0".encode())
+
+    put("dsv2-mlc", _package_version())
+    put("tvm", tvm_version())
+    put("dtype", dtype or "")
+    put("quantization", build_scheme(dtype, quantization))
+    put("device", device)
+    for f in checkpoint_files(ckpt_dir):
+        put(f"checkpoint:{f.name}", memo.digest(f))
+    for f in compiler_sources():
+        put(f"source:{f.parent.name}/{f.name}", hashlib.sha256(f.read_bytes()).hexdigest())
+    memo.save()
+    return h.hexdigest()
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """An exclusive lock on ``path`` (so two processes do not compile the same entry at once)."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX
+        yield
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def cached_build(
+    ckpt_dir: str | Path,
+    *,
+    cache_dir: str | Path | None = None,
+    device: str = "cpu",
+    dtype: str | None = None,
+    quantization: str | None = None,
+    progress: bool = False,
+    log: Callable[[str], None] | None = None,
+) -> Path:
+    """The compiled folder of the checkpoint ``ckpt_dir``, compiled now if not cached."""
+    ckpt_dir = Path(ckpt_dir).resolve()
+    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    key = cache_key(ckpt_dir, dtype=dtype, device=device, quantization=quantization, cache_dir=root)
+    name = re.sub(r"[^A-Za-z0-9._-]+", "_", ckpt_dir.name) or "model"
+    scheme = re.sub(r"[^A-Za-z0-9._-]+", "_", build_scheme(dtype, quantization))
+    entry = root / f"{name}-{scheme}-{device}-{key[:16]}"
+    if (entry / BUILD_CONFIG).is_file():
+        return entry
+    with _locked(root / f".{entry.name}.lock"):
+        if (entry / BUILD_CONFIG).is_file():  # built by another process meanwhile
+            return entry
+        from ..compiler import compile as compiler  # lazily: running needs no compiler
+
+        if log is not None:
+            log(f"compiling {ckpt_dir} for {device} ({scheme}) on first use into {entry}")
+        compiler.compile_model(
+            ckpt_dir,
+            entry,
+            device=device,
+            dtype=dtype,
+            quantization=quantization,
+            progress=progress,
+        )
+    return entry
+
+
+def resolve_model(
+    model: str | Path | None = None,
+    *,
+    cache_dir: str | Path | None = None,
+    device: str | None = None,
+    dtype: str | None = None,
+    quantization: str | None = None,
+    progress: bool = False,
+    log: Callable[[str], None] | None = None,
+) -> Path:
+    """The compiled folder MODEL names: itself when compiled, else its cached build (compiled on
+    first use); ``None`` is the embedded default model."""
+    if model is None:
+        path = default_model_dir()
+        if not (path / "config.json").is_file():
+            raise ModelNotFoundError(
+                f"the embedded default model is not in this install ({path} has no config.json); "
+                "pass a MODEL: a checkpoint folder or a compiled folder"
+            )
+    else:
+        path = Path(model).expanduser()
+        if not path.exists():
+            raise ModelNotFoundError(
+                f"unknown model {str(model)!r}: no such folder; pass a checkpoint folder "
+                "(config.json + *.safetensors), a compiled folder (dsv2-mlc.json), or no MODEL "
+                "for the embedded default model"
+            )
+        if not path.is_dir():
+            raise ModelNotFoundError(
+                f"{model}: not a folder; MODEL is a checkpoint folder or a compiled folder"
+            )
+    if (path / BUILD_CONFIG).is_file():
+        build = BuildConfig.read(path)
+        for what, want, have in (
+            ("device", device, build.device),
+            ("dtype", dtype, build.dtype),
+            ("quantization", quantization, getattr(build, "quantization", None)),
+        ):
+            if want is not None and want != have:
+                raise ModelNotFoundError(
+                    f"{path} was compiled for {what} {have}, not {want}; drop --{what} or "
+                    "pass the checkpoint folder to compile it again"
+                )
+        return path
+    if not (path / "config.json").is_file():
+        raise ModelNotFoundError(
+            f"{path}: neither a checkpoint folder (no config.json) nor a compiled folder "
+            f"(no {BUILD_CONFIG})"
+        )
+    return cached_build(
+        path,
+        cache_dir=cache_dir,
+        device=device or "cpu",
+        dtype=dtype,
+        quantization=quantization,
+        progress=progress,
+        log=log,
+    )
