@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 import tvm
 import tvm_ffi
-from dsv2_mlc.schedules import mla_cpu
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache
 
 from dsv2_mlc.model.kv_cache import MLAPagedKVCache
+from dsv2_mlc.schedules import mla_cpu
 
 H, R, P, NOPE, V, L = 4, 32, 8, 16, 16, 2  # heads, kv_lora_rank, rope, nope, v_head_dim, layers
 DQK = R + P
