@@ -84,6 +84,11 @@ class ChatRepl:
         self.session = session
         self.stdin, self.stdout, self.stderr = stdin, stdout, stderr
         self.interactive = stdin is sys.stdin and stdin.isatty()
+        if self.interactive:
+            try:
+                import readline  # noqa: F401  (line editing and history for input())
+            except ImportError:  # pragma: no cover
+                pass
         self.commands: dict[str, Callable[[], bool]] = {
             "/help": self._help,
             "/stats": self._stats,
@@ -108,10 +113,6 @@ class ChatRepl:
     def _read(self, prompt: str) -> str | None:
         """One line without its newline; ``None`` at end of input."""
         if self.interactive:
-            try:
-                import readline  # noqa: F401  (line editing and history for input())
-            except ImportError:  # pragma: no cover
-                pass
             try:
                 return input(prompt)
             except EOFError:

@@ -53,6 +53,99 @@ def _chat(args: argparse.Namespace) -> int:
     return run_chat(options)
 
 
+def _package(args: argparse.Namespace) -> int:
+    from .artifacts.package import package_artifact
+
+    r = package_artifact(
+        args.compiled_dir,
+        args.output,
+        name=args.name,
+        model_name=args.model_name,
+        lib_dir=args.lib_dir,
+    )
+    print(
+        f"packaged {r.manifest.name} ({r.manifest.target.describe()}) -> {r.path}: "
+        f"{r.size} bytes, sha256 {r.sha256}, manifest sha256 {r.manifest_sha256}"
+    )
+    return 0
+
+
+def _pull(args: argparse.Namespace) -> int:
+    from .artifacts.pull import pull
+
+    r = pull(
+        args.source,
+        cache_dir=args.cache_dir,
+        sha256=args.sha256,
+        index=args.index,
+        force=args.force,
+        check=not args.no_check,
+        progress=not args.quiet,
+    )
+    state = "already installed" if r.already_installed else "installed"
+    print(f"{state} {r.name} ({r.manifest.target.describe()}) at {r.path}")
+    return 0
+
+
+def _list(args: argparse.Namespace) -> int:
+    from .artifacts.store import format_listing, list_installed
+
+    print(format_listing(list_installed(args.cache_dir)))
+    return 0
+
+
+def _rm(args: argparse.Namespace) -> int:
+    from .artifacts.store import remove_installed
+
+    for name in args.names:
+        print(f"removed {name} ({remove_installed(name, args.cache_dir)})")
+    return 0
+
+
+def _add_artifact_commands(sub: argparse._SubParsersAction) -> None:
+    """``package``, ``pull``, ``list`` and ``rm`` (see dist/README.md)."""
+    cache_help = (
+        "artifact cache (default: $DSV2_MLC_CACHE_DIR, $XDG_CACHE_HOME/dsv2-mlc or "
+        "~/.cache/dsv2-mlc)"
+    )
+    p = sub.add_parser("package", help="package a compiled folder as a prebuilt artifact")
+    p.add_argument("compiled_dir", help="a folder written by `dsv2-mlc compile`")
+    p.add_argument("-o", "--output", required=True, help="artifact file (or a folder for NAME.tar)")
+    p.add_argument("--name", default=None, help="default: MODEL-QUANT-DEVICE[-ARCH]")
+    p.add_argument("--model-name", default=None, help="model name (default: the folder's name)")
+    p.add_argument(
+        "--lib-dir", default=None, help="TVM runtime libraries to bundle (default: TVM's own)"
+    )
+    p.set_defaults(func=_package)
+
+    p = sub.add_parser("pull", help="download, verify and install an artifact")
+    p.add_argument(
+        "source", help="artifact file or folder, file:// or http(s):// URL, or a name in the index"
+    )
+    p.add_argument("--sha256", default=None, help="expected SHA-256 of its manifest.json")
+    p.add_argument(
+        "--index",
+        default=None,
+        help="artifact index path or URL (default: $DSV2_MLC_INDEX or dist/index.json)",
+    )
+    p.add_argument("--force", action="store_true", help="replace another build of the same name")
+    p.add_argument(
+        "--no-check", action="store_true", help="install even if this machine cannot run it"
+    )
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--cache-dir", default=None, help=cache_help)
+    p.set_defaults(func=_pull)
+
+    p = sub.add_parser("list", help="list the installed artifacts")
+    p.add_argument("--cache-dir", default=None, help=cache_help)
+    p.set_defaults(func=_list)
+
+    p = sub.add_parser("rm", help="remove installed artifacts")
+    p.add_argument("names", nargs="+", help="installed artifact names (see `dsv2-mlc list`)")
+    p.add_argument("--cache-dir", default=None, help=cache_help)
+    p.set_defaults(func=_rm)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every sub-command."""
     parser = argparse.ArgumentParser(
@@ -97,8 +190,8 @@ def build_parser() -> argparse.ArgumentParser:
         "model",
         nargs="?",
         default=None,
-        help="a checkpoint folder (compiled on first use and cached), a compiled folder, or "
-        "nothing for the embedded default model",
+        help="a checkpoint folder (compiled on first use and cached), a compiled folder, an "
+        "installed artifact's name (dsv2-mlc list), or nothing for the embedded default model",
     )
     p.add_argument("--prompt", default=None, help="answer this one prompt and exit")
     p.add_argument("--system", default=None, help="system prompt (models with a chat template)")
@@ -122,6 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--context-window", type=int, default=None, help="tokens of one conversation")
     p.set_defaults(func=_chat)
+    _add_artifact_commands(sub)
     return parser
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from .artifacts.errors import ArtifactError
 from .model.checkpoint import CheckpointError
 from .model.config import ConfigError
 from .model.weights import WeightMapError
@@ -31,4 +32,5 @@ USER_ERRORS: tuple[type[BaseException], ...] = (
     ChatTemplateError,
     ModelNotFoundError,
     PromptError,
+    ArtifactError,
 )

@@ -149,22 +149,20 @@ def _tvm_lib_dir() -> Path:
 
 
 def _cuda_module_registered() -> bool:
-    import tvm_ffi
+    import tvm_ffi  # loads libtvm_ffi.so, which the TVM libraries need
 
     return tvm_ffi.get_global_func("ffi.Module.create.cuda", allow_missing=True) is not None
 
 
 def enable_cuda_codegen() -> None:
     """Make TVM's CUDA codegen produce compiled modules in this process (idempotent)."""
-    import tvm_ffi  # loads libtvm_ffi.so, which the TVM libraries need
-
-    if _cuda_module_registered():
-        return
     if shutil.which("nvcc") is None:
         raise CudaBuildError(
             "nvcc not found on PATH; a CUDA build needs the CUDA toolkit (nvcc) to precompile "
             "its kernels"
         )
+    if _cuda_module_registered():
+        return
     _load_driver()
     import tvm  # noqa: F401  (loads libtvm_runtime.so; autoloads the CUDA runtime if it can)
 
@@ -176,8 +174,8 @@ def enable_cuda_codegen() -> None:
             raise CudaBuildError(f"cannot load {lib}: {err}") from err
     if not _cuda_module_registered():
         raise CudaBuildError(
-            "TVM's CUDA runtime loaded but did not register ffi.Module.create.cuda; "
-            f"this TVM build ({tvm_ffi.__version__}) cannot precompile CUDA kernels"
+            "TVM's CUDA runtime library loaded but registered no ffi.Module.create.cuda; "
+            f"this apache-tvm ({tvm.__version__}) cannot precompile CUDA kernels"
         )
 
 

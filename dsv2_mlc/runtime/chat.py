@@ -165,9 +165,14 @@ class ChatSession:
         target = self.render(messages)
         window = self.engine.context_window
         if len(target) >= window:
+            if any(m["role"] == "assistant" for m in messages):
+                raise ContextLengthError(
+                    f"the conversation is {len(target)} tokens, the context window holds "
+                    f"{window}; start a new conversation (/reset) or raise the context window"
+                )
             raise ContextLengthError(
-                f"the conversation is {len(target)} tokens, the context window holds {window}; "
-                "start a new conversation (/reset) or raise the context window"
+                f"the prompt is {len(target)} tokens, the context window holds {window}; "
+                "shorten it or raise the context window (--context-window)"
             )
         if self._seq is None:
             self._seq = self.engine.add_sequence()

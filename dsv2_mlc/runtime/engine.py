@@ -361,11 +361,14 @@ class Engine:
     ) -> GenerationResult:
         """Generate on a fresh sequence; returns the new token ids and their text.
 
-        Without ``sampling`` it is greedy (arg-max). ``max_new_tokens`` and ``stop_token_ids``
-        override the fields of ``sampling``; ``stop_token_ids`` defaults to the model's EOS.
-        An explicit ``max_new_tokens`` must fit the context window with the prompt; otherwise
-        generation stops when the window is full (``finish_reason == "length"``).
+        Without ``sampling`` it is greedy (arg-max) with ``max_new_tokens`` 32, as it always
+        was. ``max_new_tokens`` and ``stop_token_ids`` override the fields of ``sampling``;
+        ``stop_token_ids`` defaults to the model's EOS. ``max_new_tokens`` must fit the context
+        window with the prompt; ``sampling.max_tokens`` is cut to fit instead (generation then
+        stops when the window is full, ``finish_reason == "length"``).
         """
+        if max_new_tokens is None and sampling is None:
+            max_new_tokens = 32
         return self.stream(prompt, max_new_tokens, stop_token_ids, sampling=sampling).collect()
 
     def stream(

@@ -11,7 +11,13 @@ FORMAT_VERSION = 1
 BUILD_CONFIG = "dsv2-mlc.json"
 LIBRARY = "model.so"
 PARAMS_DIR = "params"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "generation_config.json",
+)
 
 
 class BuildError(ValueError):

@@ -7,7 +7,9 @@ version, the source of its compiler (compiler/model/passes/schedules and the bui
 the TVM version, so anything that changes the build gives a new entry.
 
 The cache is ``cache_dir``, else ``$DSV2_MLC_CACHE_DIR``, else ``$XDG_CACHE_HOME/dsv2-mlc``, else
-``~/.cache/dsv2-mlc``. The compiler is imported only when something must be compiled.
+``~/.cache/dsv2-mlc``; builds go to its ``builds/NAME-QUANT-DEVICE-KEY/`` (beside the installed
+artifacts of :mod:`dsv2_mlc.artifacts`). The compiler is imported only when something must be
+compiled.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from pathlib import Path
 from .layout import BUILD_CONFIG, TOKENIZER_FILES, BuildConfig
 
 CACHE_DIR_ENV = "DSV2_MLC_CACHE_DIR"
+BUILDS_DIR = "builds"
 DEFAULT_MODEL = "default_model"
 CHECKPOINT_PATTERNS = ("config.json", "*.safetensors", "*.safetensors.index.json")
 EXTRA_TOKENIZER_FILES = ("special_tokens_map.json", "chat_template.jinja")
@@ -190,6 +193,7 @@ def cached_build(
     """The compiled folder of the checkpoint ``ckpt_dir``, compiled now if not cached."""
     ckpt_dir = Path(ckpt_dir).resolve()
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    root = root / BUILDS_DIR
     key = cache_key(ckpt_dir, dtype=dtype, device=device, quantization=quantization, cache_dir=root)
     name = re.sub(r"[^A-Za-z0-9._-]+", "_", ckpt_dir.name) or "model"
     scheme = re.sub(r"[^A-Za-z0-9._-]+", "_", build_scheme(dtype, quantization))
@@ -235,11 +239,15 @@ def resolve_model(
             )
     else:
         path = Path(model).expanduser()
+        if not path.exists():  # an installed artifact's name (dsv2_mlc.artifacts, `dsv2-mlc pull`)
+            from ..artifacts.store import installed_artifact
+
+            path = installed_artifact(str(model), cache_dir) or path
         if not path.exists():
             raise ModelNotFoundError(
                 f"unknown model {str(model)!r}: no such folder; pass a checkpoint folder "
-                "(config.json + *.safetensors), a compiled folder (dsv2-mlc.json), or no MODEL "
-                "for the embedded default model"
+                "(config.json + *.safetensors), a compiled folder (dsv2-mlc.json), an installed "
+                "artifact's name (`dsv2-mlc list`), or no MODEL for the embedded default model"
             )
         if not path.is_dir():
             raise ModelNotFoundError(

@@ -150,30 +150,42 @@ class Sampler:
             probs[int(np.argmax(logits))] = 1.0
             return probs
         ids, p = self._candidates(logits)
+        if ids is None:
+            return p.astype(np.float64)
         probs[ids] = p
         return probs
 
-    def _candidates(self, logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Kept token ids (most likely first) and their renormalised probabilities."""
+    def _candidates(self, logits: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
+        """Kept token ids (``None``: all, in id order) and their renormalised probabilities
+        (most likely first when filtered). Only a small set known to hold the nucleus is sorted,
+        so a step costs a few passes over the vocabulary rather than a full sort."""
         params = self.params
-        scaled = logits.astype(np.float64) / params.temperature
-        k = params.top_k
-        if 0 < k < scaled.size:
-            kth = np.partition(scaled, scaled.size - k)[scaled.size - k]
-            ids = np.flatnonzero(scaled >= kth)  # ties with the k-th are kept, as in HF
+        z = logits.astype(np.float32) / np.float32(params.temperature)
+        n, top_max = z.size, z.max()
+        if 0 < params.top_k < n:  # ties with the k-th are kept, as in HF
+            ids = np.flatnonzero(z >= np.partition(z, n - params.top_k)[n - params.top_k])
+            total = float(np.exp(z[ids] - top_max).sum(dtype=np.float64))
         else:
-            ids = np.arange(scaled.size)
-        ids = ids[np.argsort(-scaled[ids], kind="stable")]
-        z = scaled[ids]
-        p = np.exp(z - z[0])
-        p /= p.sum()
+            e = np.exp(z - top_max)  # float32: several times faster than float64 here
+            total = float(e.sum(dtype=np.float64))
+            if params.top_p >= 1.0:
+                return None, e / total
+            ids = np.arange(n)
+            k = 256
+            while k < n:  # the k most likely tokens hold the nucleus once they hold top_p
+                sel = np.flatnonzero(z >= np.partition(z, n - k)[n - k])
+                if e[sel].sum(dtype=np.float64) > params.top_p * total * (1 + 1e-6):
+                    ids = sel
+                    break
+                k *= 4
+        ids = ids[np.argsort(-z[ids], kind="stable")]
+        p = np.exp(z[ids] - top_max).astype(np.float64) / total
         if params.top_p < 1.0:
             before = np.cumsum(p) - p  # mass of the more likely tokens
             keep = before < params.top_p
             keep[0] = True
             ids, p = ids[keep], p[keep]
-            p = p / p.sum()
-        return ids, p
+        return ids, p / p.sum()
 
     def sample(self, logits: np.ndarray) -> int:
         """The next token; it is added to the seen tokens."""
@@ -182,8 +194,10 @@ class Sampler:
             token = int(np.argmax(logits))
         else:
             ids, p = self._candidates(logits)
-            cdf = np.cumsum(p)
-            pick = int(np.searchsorted(cdf, self._rng.random() * cdf[-1], side="right"))
-            token = int(ids[min(pick, ids.size - 1)])
+            cdf = np.cumsum(p, dtype=np.float64)
+            pick = min(
+                int(np.searchsorted(cdf, self._rng.random() * cdf[-1], side="right")), cdf.size - 1
+            )
+            token = pick if ids is None else int(ids[pick])
         self._seen[token] = True
         return token

@@ -15,6 +15,7 @@ import tvm_ffi
 
 LIB_DIR_ENV = "DSV2_MLC_TVM_LIB_DIR"
 _loaded: dict[str, ctypes.CDLL] = {}
+_preferred: list[Path] = []  # runtime folders bundled in opened artifacts (dsv2_mlc.artifacts)
 
 
 class RuntimeLibraryError(RuntimeError):
@@ -29,6 +30,7 @@ def find_lib_dir(lib_dir: str | Path | None = None) -> Path:
         candidates.append(Path(lib_dir))
     if os.environ.get(LIB_DIR_ENV):
         candidates.append(Path(os.environ[LIB_DIR_ENV]))
+    candidates.extend(_preferred)
     spec = importlib.util.find_spec("tvm")
     if spec is not None and spec.origin is not None:
         candidates.append(Path(spec.origin).parent / "lib")
@@ -43,6 +45,26 @@ def find_lib_dir(lib_dir: str | Path | None = None) -> Path:
     )
 
 
+def prefer_lib_dir(lib_dir: str | Path) -> None:
+    """Look in ``lib_dir`` (an artifact's bundled runtime) before the installed ``tvm`` package;
+    an explicit folder and ``$DSV2_MLC_TVM_LIB_DIR`` still come first."""
+    path = Path(lib_dir)
+    if path in _preferred:
+        _preferred.remove(path)
+    _preferred.insert(0, path)
+
+
+_MARKERS = {  # a global each library registers when loaded
+    "libtvm_runtime.so": "vm.builtin.kv_state_clear",
+    "libtvm_runtime_cuda.so": "device_api.cuda",
+}
+
+
+def _present(name: str) -> bool:
+    """Whether library ``name`` is already in this process (e.g. loaded by ``import tvm``)."""
+    return tvm_ffi.get_global_func(_MARKERS[name], allow_missing=True) is not None
+
+
 def load_runtime(device: str = "cpu", lib_dir: str | Path | None = None) -> Path:
     """Load ``libtvm_runtime.so`` (and the CUDA runtime for ``device == "cuda"``) once."""
     found = find_lib_dir(lib_dir)
@@ -50,6 +72,8 @@ def load_runtime(device: str = "cpu", lib_dir: str | Path | None = None) -> Path
     for name in names:
         if name in _loaded:
             continue
+        if _present(name):
+            continue  # a second copy (another path) would register every global twice
         try:
             _loaded[name] = ctypes.CDLL(str(found / name), mode=ctypes.RTLD_GLOBAL)
         except OSError as err:
