@@ -121,3 +121,25 @@ def test_mixed_batch_extend(engines):
     whole = eng.logits(PROMPT)
     assert np.abs(out[0] - whole[9:]).max() < TOL
     assert np.abs(out[1] - whole).max() < TOL
+
+
+def test_decode_of_many_forks_sharing_a_block(compiled):
+    """33 forks decoded in one batch equal each decoded alone.
+
+    With 32+ sequences of a decode batch sharing their last-depth block, TVM's cache appends the
+    new token *after* attention, so absorbed-only decode would miss it; the engine splits such
+    batches (MAX_DECODE_GROUP). Layout as in test_mla_kv_cache: a 32-token parent split by a
+    fork at 16 into [root, 16-token block], then children [root, shared block, own block]."""
+    from dsv2_mlc.runtime.engine import Engine
+
+    eng = Engine(compiled["A"], context_window=64, max_batch_size=40)
+    prompt = (PROMPT * 3)[:32]
+    parent = eng.add_sequence()
+    eng.prefill([parent], [prompt])
+    eng.fork_sequence(parent, 16)
+    children = [eng.fork_sequence(parent) for _ in range(33)]
+    tokens = [(7 * i) % 500 for i in range(33)]
+    together = eng.decode(children, tokens)
+    for i in (0, 31, 32):
+        alone = eng.logits(prompt + [tokens[i]])[-1]
+        assert np.abs(together[i] - alone).max() < TOL

@@ -9,7 +9,6 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any, BinaryIO
@@ -190,12 +189,3 @@ class Manifest:
 def manifest_sha256(data: bytes) -> str:
     """The identity of an artifact: the SHA-256 of its ``manifest.json`` bytes."""
     return hashlib.sha256(data).hexdigest()
-
-
-def entries_for(root: Path, paths: Iterable[str]) -> tuple[FileEntry, ...]:
-    """Hash the files ``paths`` (relative to ``root``) into manifest entries, sorted by path."""
-    out = []
-    for rel in sorted(set(paths)):
-        size, digest = sha256_file(root / rel)
-        out.append(FileEntry(check_relpath(rel), size, digest))
-    return tuple(out)

@@ -37,6 +37,10 @@ __all__ = [
 PAGE_SIZE = 16  # TVM's paged KV kernels are built for 16-token pages (notes/tvm-0.27.md 7.5).
 _DEVICE_TYPE = {"cpu": 1, "cuda": 2}
 _POOLED_ALLOCATOR = 2
+# TVM's paged cache appends decode tokens *after* attention (so absorbed-only decode would miss
+# the new token) when 32+ sequences of one batch share a cached block (attn_utils.h
+# GetChunkedBlockIds, coalesce ratio >= 32). Decode batches are split below that.
+MAX_DECODE_GROUP = 31
 
 
 class ContextLengthError(ValueError):
@@ -255,6 +259,16 @@ class Engine:
     def _forward(self, seq_ids: list[int], chunks: list[list[int]], all_logits: bool) -> np.ndarray:
         """One model call over one chunk per sequence; logits of the last (or every) token."""
         lengths = [len(c) for c in chunks]
+        if all(n == 1 for n in lengths) and len(seq_ids) > MAX_DECODE_GROUP:
+            parts = range(0, len(seq_ids), MAX_DECODE_GROUP)
+            return np.concatenate(
+                [
+                    self._forward(
+                        seq_ids[i : i + MAX_DECODE_GROUP], chunks[i : i + MAX_DECODE_GROUP], False
+                    )
+                    for i in parts
+                ]
+            )
         ids = np.array([t for c in chunks for t in c], dtype=np.int64)
         bad = ids[(ids < 0) | (ids >= self.config.vocab_size)]
         if bad.size:  # the embedding kernel does not bounds-check: never hand it a bad id
