@@ -9,17 +9,23 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import time
 from pathlib import Path
 
+from safetensors.numpy import load_file, save_file
+
 from dsv2_mlc.compiler.compile import compile_model
 from dsv2_mlc.evaluate import heldout_files, perplexity, token_windows, top1_agreement
+from dsv2_mlc.quantization import dequantize_int4, quantize_int4
 from dsv2_mlc.runtime.engine import Engine
 from dsv2_mlc.runtime.tokenizer import Tokenizer
 
 MODEL = Path(__file__).resolve().parent.parent / "dsv2_mlc" / "default_model"
+KV_B = "kv_b_proj"  # extra row: the absorbed MLA matrices in INT4 too (simulated)
 SCHEMES = [
     ("q0f32", {}),
+    ("q4f32_g32", {KV_B: True}),
     ("q4f32_g32", {}),
     ("q4f32_g128", {}),
     ("q4f32_g32", {"quantize_embedding": False, "quantize_lm_head": False}),
@@ -27,6 +33,20 @@ SCHEMES = [
     ("q4f16_g32", {}),
     ("q4f16_g128", {}),
 ]
+
+
+def with_int4_kv_b(model: Path, out: Path, group: int) -> Path:
+    """A copy of ``model`` whose kv_b_proj (W_UK / W_UV) went through INT4 and back."""
+    out.mkdir(parents=True, exist_ok=True)
+    for f in model.iterdir():
+        if f.is_file() and f.name != "model.safetensors":
+            shutil.copy2(f, out / f.name)
+    tensors = load_file(model / "model.safetensors")
+    for name, w in tensors.items():
+        if name.endswith("kv_b_proj.weight"):
+            tensors[name] = dequantize_int4(*quantize_int4(w, group, "float32"), group)
+    save_file(tensors, out / "model.safetensors")
+    return out
 
 
 def weight_bytes(build_dir: Path) -> int:
@@ -47,10 +67,14 @@ def main() -> None:
     n_params = None
     rows, reference = [], None
     for name, flags in SCHEMES:
-        label = name + ("" if not flags else " (embedding, lm_head in float)")
+        flags = dict(flags)
+        kv_b = flags.pop(KV_B, False)
+        label = name + (" + kv_b_proj INT4 (simulated)" if kv_b else "")
+        label += " (embedding, lm_head in float)" if flags else ""
+        source = with_int4_kv_b(MODEL, Path(args.out) / "kvb-src", 32) if kv_b else MODEL
         t0 = time.perf_counter()
-        out = Path(args.out) / (name + ("-float-ends" if flags else ""))
-        compile_model(MODEL, out, quantization=name, progress=False, **flags)
+        out = Path(args.out) / (name + ("-float-ends" if flags else "") + ("-kvb" if kv_b else ""))
+        compile_model(source, out, quantization=name, progress=False, **flags)
         seconds = time.perf_counter() - t0
         eng = Engine(out, context_window=1024)
         if reference is None:

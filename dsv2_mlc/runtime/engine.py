@@ -83,6 +83,9 @@ class Engine:
         self.kv_capacity = kv_capacity or self.context_window * max_batch_size
         self.prefill_chunk_size = prefill_chunk_size
 
+        bundled = self.path / "lib"  # an installed artifact carries its own TVM runtime
+        if lib_dir is None and (bundled / "libtvm_runtime.so").is_file():
+            lib_dir = bundled
         load_runtime(self.device, lib_dir)
         lib_path = (self.path / LIBRARY).resolve()
         if not lib_path.is_file():
