@@ -10,8 +10,24 @@ from .errors import USER_ERRORS
 
 
 def _compile(args: argparse.Namespace) -> int:
-    from .compiler.compile import compile_model
+    from .compiler.compile import compile_model, compile_random_model
 
+    if args.random_weights:
+        result = compile_random_model(
+            args.model_dir,
+            args.output,
+            device=args.device,
+            dtype=args.dtype,
+            quantization=args.quantization,
+            quantize_embedding=args.quantize_embedding,
+            quantize_lm_head=args.quantize_lm_head,
+            dump_ir=args.dump_ir,
+        )
+        print(
+            f"compiled {args.model_dir} (random weights) -> {result.out_dir} in "
+            f"{result.seconds:.1f} s"
+        )
+        return 0
     result = compile_model(
         args.model_dir,
         args.output,
@@ -25,6 +41,60 @@ def _compile(args: argparse.Namespace) -> int:
     )
     print(f"compiled {args.model_dir} -> {result.out_dir} in {result.seconds:.1f} s")
     return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from .bench import BenchOptions, bench_main
+
+    opts = BenchOptions(
+        model=args.model,
+        prompt_len=args.prompt_len,
+        gen_len=args.gen_len,
+        batch=args.batch,
+        warmup=args.warmup,
+        repeat=args.repeat,
+        seed=args.seed,
+        hbm_bandwidth=args.hbm_bandwidth,
+        profile=args.profile,
+        profile_steps=args.profile_steps,
+        compare_hf=args.compare_hf,
+        hf_dtype=args.hf_dtype,
+        hf_attn=args.hf_attn,
+        hf_decode_tokens=args.hf_decode_tokens,
+        lib_dir=args.lib_dir,
+    )
+    bench_main(opts, args.json)
+    return 0
+
+
+def _add_bench_command(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "bench",
+        help="measure prefill / decode speed (optionally against HF transformers)",
+        description="Prefill and decode speed of a compiled model at a given shape: TTFT, "
+        "tok/s, TPOT p50/p99, GB/s against the HBM roofline, peak memory (see docs/benchmarks.md).",
+    )
+    p.add_argument("model", help="a compiled folder (with --random-weights: weights made on load)")
+    p.add_argument("--prompt-len", type=int, default=512, help="prompt tokens per sequence (512)")
+    p.add_argument("--gen-len", type=int, default=128, help="generated tokens per sequence (128)")
+    p.add_argument("--batch", type=int, default=1, help="sequences decoded together (1)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed full runs first (1)")
+    p.add_argument("--repeat", type=int, default=3, help="timed runs (3)")
+    p.add_argument("--seed", type=int, default=0, help="random weights and prompt ids (0)")
+    p.add_argument(
+        "--hbm-bandwidth", type=float, default=4.8e12, help="bytes/s for the roofline (4.8e12)"
+    )
+    p.add_argument("--profile", action="store_true", help="time every VM call (synchronised)")
+    p.add_argument("--profile-steps", type=int, default=8, help="decode steps profiled (8)")
+    p.add_argument(
+        "--compare-hf", action="store_true", help="also run HF transformers on the same weights"
+    )
+    p.add_argument("--hf-dtype", default="bfloat16", help="HF weights/activations (bfloat16)")
+    p.add_argument("--hf-attn", default="eager", help="HF attention implementation (eager)")
+    p.add_argument("--hf-decode-tokens", type=int, default=32, help="HF decode steps (32)")
+    p.add_argument("--lib-dir", default=None, help="folder of libtvm_runtime*.so")
+    p.add_argument("--json", default=None, help="write the full report (every raw number) here")
+    p.set_defaults(func=_bench)
 
 
 def _chat(args: argparse.Namespace) -> int:
@@ -154,7 +224,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("compile", help="compile a Hugging Face checkpoint folder")
-    p.add_argument("model_dir", help="folder with config.json and *.safetensors")
+    p.add_argument(
+        "model_dir",
+        help="folder with config.json and *.safetensors (with --random-weights: a config.json "
+        "or its folder)",
+    )
     p.add_argument("-o", "--output", required=True, help="output folder (replaced atomically)")
     p.add_argument("--device", default="cpu", help="target device (default: cpu)")
     p.add_argument("--dtype", default=None, help="float32 or float16 (default: float32)")
@@ -178,6 +252,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--dump-ir", default=None, help="write the IR after each pipeline phase here")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--random-weights",
+        action="store_true",
+        help="compile from the config alone: no weights are converted; the runtime creates "
+        "random ones on the device (for benchmarks: dsv2-mlc bench)",
+    )
     p.set_defaults(func=_compile)
 
     p = sub.add_parser(
@@ -215,6 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--context-window", type=int, default=None, help="tokens of one conversation")
     p.set_defaults(func=_chat)
+    _add_bench_command(sub)
     _add_artifact_commands(sub)
     return parser
 

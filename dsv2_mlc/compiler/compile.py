@@ -63,6 +63,27 @@ def make_target(device: str, arch: str = DEFAULT_ARCH):  # -> tvm.target.Target
     raise CompileError(f"unsupported --device {device!r}; supported: {', '.join(DEVICES)}")
 
 
+def _resolve_quantization(
+    dtype: str | None,
+    quantization: str | None,
+    quantize_embedding: bool | None,
+    quantize_lm_head: bool | None,
+) -> Quantization:
+    if dtype is not None and dtype not in DTYPES:
+        raise CompileError(f"unsupported --dtype {dtype!r}; supported: {', '.join(DTYPES)}")
+    if quantization is None:
+        quantization = "q0f16" if dtype == "float16" else "q0f32"
+    quant = get_quantization(
+        quantization, quantize_embedding=quantize_embedding, quantize_lm_head=quantize_lm_head
+    )
+    if dtype is not None and dtype != quant.dtype:
+        raise CompileError(
+            f"--dtype {dtype} contradicts --quantization {quant.name} (activations in "
+            f"{quant.dtype}); drop --dtype"
+        )
+    return quant
+
+
 def compile_model(
     model_dir: str | Path,
     out_dir: str | Path,
@@ -85,18 +106,7 @@ def compile_model(
     nvcc, also on a machine without a GPU; see :mod:`dsv2_mlc.compiler.cuda`).
     """
     start = time.perf_counter()
-    if dtype is not None and dtype not in DTYPES:
-        raise CompileError(f"unsupported --dtype {dtype!r}; supported: {', '.join(DTYPES)}")
-    if quantization is None:
-        quantization = "q0f16" if dtype == "float16" else "q0f32"
-    quant = get_quantization(
-        quantization, quantize_embedding=quantize_embedding, quantize_lm_head=quantize_lm_head
-    )
-    if dtype is not None and dtype != quant.dtype:
-        raise CompileError(
-            f"--dtype {dtype} contradicts --quantization {quant.name} (activations in "
-            f"{quant.dtype}); drop --dtype"
-        )
+    quant = _resolve_quantization(dtype, quantization, quantize_embedding, quantize_lm_head)
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise CompileError(f"{model_dir}: model folder not found")
@@ -137,18 +147,11 @@ def _build(
     dump_ir: str | Path | None,
     progress: bool,
 ) -> BuildConfig:
-    import tvm
-    import tvm_ffi
     from tvm.contrib import tvmjs
 
-    from ..model.deepseek_v2 import DeepseekV2ForCausalLM
-    from ..passes.pipeline import build_pipeline
-    from ..passes.quantize_int4 import quantize_model, quantize_params
+    from ..passes.quantize_int4 import quantize_params
 
-    model = DeepseekV2ForCausalLM(cfg, quant.dtype, target)
-    plan = quantize_model(model, quant)
-    with target:  # kernels chosen while tracing (the MoE router) follow Target.current()
-        mod, named_params = model.export_tvm(spec=model.get_default_spec())
+    mod, named_params, plan = _export(cfg, target, quant)
     param_dtypes = {name: str(p.dtype) for name, p in named_params}
     param_shapes = {name: tuple(int(s) for s in p.shape) for name, p in named_params}
     convert_dtypes = {**param_dtypes, **{name: "float32" for name in plan}}
@@ -158,12 +161,7 @@ def _build(
     if produced != [name for name, _ in named_params]:
         raise AssertionError("weight map and model parameters disagree (a bug in dsv2_mlc)")
 
-    codegen = cuda_codegen() if device == "cuda" else contextlib.nullcontext()
-    with target, codegen:  # the nvcc callback reads its -arch from Target.current()
-        executable = tvm.compile(mod, target=target, relax_pipeline=build_pipeline(target, dump_ir))
-    executable.export_library(str(tmp / LIBRARY))
-    if device == "cuda":
-        check_fatbin(tmp / LIBRARY, str(target.arch))
+    _compile_library(mod, target, device, tmp, dump_ir)
 
     def params() -> Iterator[tuple[str, np.ndarray]]:
         stream = quantize_params(convert(convs, ckpt, convert_dtypes), plan)
@@ -182,6 +180,46 @@ def _build(
         tvmjs.dump_tensor_cache(
             params(), str(tmp / PARAMS_DIR), encode_format="raw", show_progress=False
         )
+    return _write_build_config(cfg, quant, device, target, produced, tmp)
+
+
+def _export(cfg: DeepseekV2Config, target, quant: Quantization) -> tuple:
+    """The traced (and for INT4, rewritten) model: (IRModule, named params, quantization plan)."""
+    from ..model.deepseek_v2 import DeepseekV2ForCausalLM
+    from ..passes.quantize_int4 import quantize_model
+
+    model = DeepseekV2ForCausalLM(cfg, quant.dtype, target)
+    plan = quantize_model(model, quant)
+    with target:  # kernels chosen while tracing (the MoE router) follow Target.current()
+        mod, named_params = model.export_tvm(spec=model.get_default_spec())
+    return mod, named_params, plan
+
+
+def _compile_library(mod, target, device: str, tmp: Path, dump_ir: str | Path | None) -> None:
+    """Run the pipeline, compile and export ``tmp/model.so`` (CUDA: with precompiled kernels)."""
+    import tvm
+
+    from ..passes.pipeline import build_pipeline
+
+    codegen = cuda_codegen() if device == "cuda" else contextlib.nullcontext()
+    with target, codegen:  # the nvcc callback reads its -arch from Target.current()
+        executable = tvm.compile(mod, target=target, relax_pipeline=build_pipeline(target, dump_ir))
+    executable.export_library(str(tmp / LIBRARY))
+    if device == "cuda":
+        check_fatbin(tmp / LIBRARY, str(target.arch))
+
+
+def _write_build_config(
+    cfg: DeepseekV2Config,
+    quant: Quantization,
+    device: str,
+    target,
+    param_names: list[str],
+    tmp: Path,
+) -> BuildConfig:
+    import tvm
+    import tvm_ffi
+
     build = BuildConfig(
         format_version=FORMAT_VERSION,
         model=cfg.to_dict(),
@@ -189,12 +227,57 @@ def _build(
         quantization=quant.name,
         device=device,
         target=str(target.export()),
-        param_names=produced,
+        param_names=param_names,
         tvm_version=tvm.__version__,
         tvm_ffi_version=tvm_ffi.__version__,
     )
     (tmp / BUILD_CONFIG).write_text(json.dumps(build.to_dict(), indent=1))
     return build
+
+
+def compile_random_model(
+    config: str | Path,
+    out_dir: str | Path,
+    *,
+    device: str = "cpu",
+    dtype: str | None = None,
+    quantization: str | None = None,
+    quantize_embedding: bool | None = None,
+    quantize_lm_head: bool | None = None,
+    dump_ir: str | Path | None = None,
+    arch: str = DEFAULT_ARCH,
+) -> CompileResult:
+    """Compile from a ``config.json`` alone (a file or the folder holding it), for benchmarks.
+
+    The build has no converted weights: its library carries fill kernels and ``OUT/random-params
+    .json`` says how to fill every parameter, so the runtime creates deterministic random weights
+    on the device at load time (``Engine(OUT, random_weights=SEED)``; see
+    :mod:`dsv2_mlc.runtime.random_params`). Options as :func:`compile_model`.
+    """
+    from ..runtime.random_params import init_spec, write_spec
+    from .random_fill import add_fill_kernels
+
+    start = time.perf_counter()
+    quant = _resolve_quantization(dtype, quantization, quantize_embedding, quantize_lm_head)
+    out_dir = Path(out_dir).resolve()
+    _check_out_dir(out_dir)
+    cfg = DeepseekV2Config.from_file(config)
+    target = make_target(device, arch)
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=out_dir.parent))
+    try:
+        mod, named_params, _ = _export(cfg, target, quant)
+        mod = add_fill_kernels(mod, (quant.dtype, "float32"))
+        _compile_library(mod, target, device, tmp, dump_ir)
+        spec = init_spec((name, p.shape, p.dtype) for name, p in named_params)
+        write_spec(tmp, spec)
+        build = _write_build_config(cfg, quant, device, target, [p.name for p in spec], tmp)
+        _replace_dir(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return CompileResult(out_dir, build, time.perf_counter() - start)
 
 
 def _check_out_dir(out_dir: Path) -> None:

@@ -72,7 +72,11 @@ class Engine:
         kv_capacity: int | None = None,
         prefill_chunk_size: int = 512,
         lib_dir: str | Path | None = None,
+        random_weights: int | None = None,
     ):
+        """``random_weights=SEED`` creates deterministic random weights on the device instead of
+        reading ``params/`` (required for builds made with ``--random-weights``; see
+        :mod:`dsv2_mlc.runtime.random_params`)."""
         self.path = Path(model)
         self.build = BuildConfig.read(self.path)
         self.config = DeepseekV2Config.from_dict(self.build.model)
@@ -91,13 +95,21 @@ class Engine:
         if not lib_path.is_file():
             raise BuildError(f"{lib_path}: compiled library missing; compile the model again")
         try:
-            vm = tvm_ffi.load_module(str(lib_path))["vm_load_executable"]()
+            library = tvm_ffi.load_module(str(lib_path))
+            vm = library["vm_load_executable"]()
         except Exception as err:  # the loader raises plain RuntimeErrors from C++
             raise BuildError(f"{lib_path}: cannot load ({err}); compile the model again") from err
         dev = _DEVICE_TYPE[self.device]
         vm["vm_initialization"](dev, 0, _POOLED_ALLOCATOR, 1, 0, _POOLED_ALLOCATOR)
         self._vm = vm
-        self._params = self._load_params(dev)
+        if random_weights is None:
+            self._params = self._load_params(dev)
+        else:
+            from .random_params import create_random_params, read_spec
+
+            spec = read_spec(self.path)
+            self._params = create_random_params(library, spec, self.device, random_weights)
+        self.random_weights = random_weights
         self._fn = {name: vm[name] for name in ("batch_prefill", "batch_extend", "batch_decode")}
         self._kv_state = {
             name: global_func(f"vm.builtin.kv_state_{name}")
@@ -194,9 +206,21 @@ class Engine:
             self._chat = ChatNamespace(self)
         return self._chat
 
+    def named_params(self) -> list[tuple[str, tvm_ffi.Tensor]]:
+        """The model's parameters as (name, device tensor), in the compiled layout."""
+        return list(zip(self.build.param_names, self._params, strict=True))
+
     def _load_params(self, dev: int) -> tvm_ffi.Array:
         params_dir = (self.path / PARAMS_DIR).resolve()
         if not (params_dir / "tensor-cache.json").is_file():
+            from .random_params import has_spec
+
+            if has_spec(self.path):
+                raise BuildError(
+                    f"{self.path}: a config-only build (compiled with --random-weights) has no "
+                    "weights to read; open it with random weights (Engine(..., random_weights="
+                    "SEED), dsv2-mlc bench --seed)"
+                )
             raise BuildError(f"{params_dir}: converted weights missing; compile the model again")
         global_func("vm.builtin.tensor_cache.load")(str(params_dir), dev, 0)
         try:

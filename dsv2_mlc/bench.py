@@ -1,0 +1,674 @@
+"""``dsv2-mlc bench``: prefill and decode speed of a compiled model, against the HBM roofline and,
+optionally, Hugging Face transformers on the same weights in the same run.
+
+What is measured (all wall-clock on the host, each model call synchronised: the VM returns once
+its kernels are *enqueued*, and the copy of the logits to the host waits for them; the
+``sync_check`` section measures both halves of one decode step to show it):
+
+* **prefill**: ``batch`` fresh sequences of ``prompt_len`` random token ids in one call;
+  TTFT = prefill call + host arg-max of the first token; prefill tok/s = batch * prompt_len /
+  prefill call.
+* **decode**: ``gen_len - 1`` steps of one token per sequence, greedy on the host: a step is the
+  model call (ids in, float32 logits ``[batch, vocab]`` copied out) plus the host arg-max, which
+  is timed on its own too (``host_argmax_us``). decode tok/s = batch * steps / their total;
+  TPOT p50/p99 over the steps.
+* **roofline**: bytes a decode step must read (:func:`decode_bytes`: every non-expert weight,
+  the expected distinct routed experts of each MoE layer, one embedding row per token, lm_head,
+  and the latent KV cache of every sequence at its mean context) over the mean step time gives
+  the achieved GB/s and its share of ``hbm_bandwidth``; ``roofline_tok_s`` is the ceiling.
+* **memory**: on CUDA the device's used memory from ``cudaMemGetInfo`` (libcudart via ctypes),
+  sampled after loading and after every call: the peak, and the peak minus the used memory
+  before the model was loaded; the engine's allocator pools and never frees, so the last sample
+  is the high-water mark. On the CPU the process's peak RSS (``ru_maxrss``).
+* **profile** (``--profile``): the VM's instrument hook with a device sync before and after
+  every VM call (kernels, KV-cache builtins): time per call name over one prefill and a few
+  decode steps. Each call is charged its launch and one sync, so small kernels are inflated.
+* **hf** (``--compare-hf``): transformers' ``DeepseekV2ForCausalLM`` built from the config on
+  the same device, holding this model's weights (dequantised, :func:`dsv2_mlc.hf_export.
+  load_into_hf`), timed the same way (prefill, then ``hf_decode_tokens`` greedy steps on its
+  cache); the ratios ours / HF, and how far the first-token logits are apart.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import math
+import platform
+import resource
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .errors import UsageError
+
+DEFAULT_HBM_BANDWIDTH = 4.8e12  # H200 datasheet, bytes/s
+
+
+class BenchError(UsageError):
+    """A benchmark request that cannot run (the message says why)."""
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    """What ``dsv2-mlc bench`` runs (see the module docstring)."""
+
+    model: str
+    prompt_len: int = 512
+    gen_len: int = 128
+    batch: int = 1
+    warmup: int = 1
+    repeat: int = 3
+    seed: int = 0
+    hbm_bandwidth: float = DEFAULT_HBM_BANDWIDTH
+    profile: bool = False
+    profile_steps: int = 8
+    compare_hf: bool = False
+    hf_dtype: str = "bfloat16"
+    hf_attn: str = "eager"
+    hf_decode_tokens: int = 32
+    lib_dir: str | None = None
+
+    def check(self) -> None:
+        """Raise :class:`BenchError` for impossible values."""
+        for name in ("prompt_len", "gen_len", "batch", "repeat"):
+            if getattr(self, name) < 1:
+                raise BenchError(f"--{name.replace('_', '-')} must be at least 1")
+        if self.warmup < 0 or self.profile_steps < 1 or self.hf_decode_tokens < 1:
+            raise BenchError("--warmup must be >= 0; profile steps and HF tokens >= 1")
+        if self.hbm_bandwidth <= 0:
+            raise BenchError("--hbm-bandwidth must be positive (bytes/s)")
+
+
+# -- memory ----------------------------------------------------------------------------------------
+class _CudaMemory:
+    """``cudaMemGetInfo`` through the libcudart the TVM CUDA runtime already loaded."""
+
+    def __init__(self) -> None:
+        self.lib = None
+        for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so"):
+            try:
+                self.lib = ctypes.CDLL(name)
+                break
+            except OSError:
+                continue
+
+    def used(self) -> tuple[int, int] | None:
+        """(used, total) bytes of device 0, or None when unavailable."""
+        if self.lib is None:
+            return None
+        free, total = ctypes.c_size_t(), ctypes.c_size_t()
+        if self.lib.cudaMemGetInfo(ctypes.byref(free), ctypes.byref(total)) != 0:
+            return None
+        return total.value - free.value, total.value
+
+
+class _MemoryTracker:
+    def __init__(self, device: str):
+        self.device = device
+        self.cuda = _CudaMemory() if device == "cuda" else None
+        self.baseline: int | None = None
+        self.peak = 0
+        self.total: int | None = None
+
+    def sample(self) -> None:
+        if self.cuda is not None:
+            got = self.cuda.used()
+            if got is not None:
+                used, self.total = got
+                if self.baseline is None:
+                    self.baseline = used
+                self.peak = max(self.peak, used)
+
+    def report(self) -> dict[str, Any]:
+        if self.device == "cuda":
+            return {
+                "source": "cudaMemGetInfo (device used memory, sampled after every call)",
+                "peak_bytes": self.peak or None,
+                "before_load_bytes": self.baseline,
+                "peak_minus_before_load_bytes": (
+                    None if self.baseline is None else self.peak - self.baseline
+                ),
+                "device_total_bytes": self.total,
+            }
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        return {"source": "ru_maxrss (host process peak RSS)", "peak_bytes": rss}
+
+
+# -- bytes and FLOPs -------------------------------------------------------------------------------
+def _nbytes(tensor: Any) -> int:
+    return math.prod(int(s) for s in tensor.shape) * np.dtype(str(tensor.dtype)).itemsize
+
+
+def _nweights(name: str, tensor: Any) -> int:
+    """Model weights a parameter holds (8 per INT4 word; scales hold none)."""
+    n = math.prod(int(s) for s in tensor.shape)
+    if name.endswith("q_scale"):
+        return 0
+    return 8 * n if name.endswith("q_weight") else n
+
+
+def weight_stats(named: list[tuple[str, Any]], cfg: Any) -> dict[str, float]:
+    """Bytes and weight counts of a model's parameters, split as a decode step reads them."""
+    stats = {k: 0.0 for k in ("dense", "experts", "embedding", "total")}
+    counts = {k: 0.0 for k in stats}
+    for name, tensor in named:
+        kind = (
+            "experts"
+            if ".mlp.experts." in name
+            else "embedding"
+            if name.startswith("model.embed_tokens.")
+            else "dense"
+        )
+        stats[kind] += _nbytes(tensor)
+        counts[kind] += _nweights(name, tensor)
+        stats["total"] += _nbytes(tensor)
+        counts["total"] += _nweights(name, tensor)
+    moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
+    return {
+        "param_bytes": stats["total"],
+        "dense_bytes": stats["dense"],
+        "routed_expert_bytes": stats["experts"],
+        "embedding_bytes": stats["embedding"],
+        "embedding_row_bytes": stats["embedding"] / cfg.vocab_size,
+        "expert_bytes_each": stats["experts"] / max(moe_layers * cfg.n_routed_experts, 1),
+        "moe_layers": moe_layers,
+        "dense_weights": counts["dense"],
+        "expert_weights_each": counts["experts"] / max(moe_layers * cfg.n_routed_experts, 1),
+    }
+
+
+def kv_bytes_per_token(cfg: Any, dtype: str) -> int:
+    """Latent KV cache bytes per token of context (all layers)."""
+    return cfg.num_hidden_layers * cfg.latent_dim * np.dtype(dtype).itemsize
+
+
+def expected_experts(n_experts: int, k: int, tokens: int) -> float:
+    """Expected distinct experts that ``tokens`` tokens with uniform top-``k`` routing touch."""
+    if n_experts == 0:
+        return 0.0
+    return n_experts * (1.0 - (1.0 - k / n_experts) ** tokens)
+
+
+def decode_bytes(ws: dict[str, float], cfg: Any, dtype: str, contexts: list[float]) -> dict:
+    """Bytes one decode step over sequences at ``contexts`` must read from device memory."""
+    batch = len(contexts)
+    experts = ws["moe_layers"] * expected_experts(
+        cfg.n_routed_experts, cfg.num_experts_per_tok, batch
+    )
+    weights = ws["dense_bytes"] + experts * ws["expert_bytes_each"]
+    weights += batch * ws["embedding_row_bytes"]
+    kv = sum(contexts) * kv_bytes_per_token(cfg, dtype)
+    return {"weight_bytes": weights, "kv_bytes": kv, "total_bytes": weights + kv}
+
+
+def prefill_flops(ws: dict[str, float], cfg: Any, tokens: int, batch: int) -> float:
+    """Approximate FLOPs of a causal prefill of ``batch`` x ``tokens`` (matmuls + attention)."""
+    per_token = (
+        ws["dense_weights"] + cfg.num_experts_per_tok * ws["moe_layers"] * ws["expert_weights_each"]
+    )
+    attn = cfg.num_hidden_layers * cfg.num_attention_heads * (cfg.qk_head_dim + cfg.v_head_dim)
+    return batch * (2.0 * per_token * tokens + attn * tokens * tokens)
+
+
+# -- timing helpers --------------------------------------------------------------------------------
+def _sync(device: str) -> None:
+    if device == "cuda":
+        import tvm_ffi
+
+        from .runtime.tvm_runtime import global_func
+
+        global_func("runtime.Device_StreamSync")(tvm_ffi.device("cuda", 0), 0)
+
+
+def _percentile(values: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(values), q)) if values else float("nan")
+
+
+def _host_argmax_us(batch: int, vocab: int, reps: int = 200) -> float:
+    logits = np.random.default_rng(0).standard_normal((batch, vocab), dtype=np.float32)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        logits.argmax(-1)
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times) * 1e6)
+
+
+def _one_run(engine: Any, prompts: np.ndarray, gen_len: int) -> dict[str, Any]:
+    """Prefill ``prompts`` [batch, len] on fresh sequences, then ``gen_len - 1`` greedy steps."""
+    seqs = [engine.add_sequence() for _ in range(len(prompts))]
+    try:
+        t0 = time.perf_counter()
+        logits = np.stack(engine.prefill(seqs, prompts.tolist()))
+        t1 = time.perf_counter()
+        tokens = logits.argmax(-1)
+        t2 = time.perf_counter()
+        first_logits = logits[0].copy()
+        steps, argmax = [], []
+        for _ in range(gen_len - 1):
+            s0 = time.perf_counter()
+            out = engine.decode(seqs, tokens.tolist())
+            s1 = time.perf_counter()
+            tokens = out.argmax(-1)
+            s2 = time.perf_counter()
+            steps.append(s2 - s0)
+            argmax.append(s2 - s1)
+    finally:
+        for s in seqs:
+            engine.remove_sequence(s)
+    return {
+        "prefill_s": t1 - t0,
+        "ttft_s": t2 - t0,
+        "step_s": steps,
+        "argmax_s": argmax,
+        "first_logits": first_logits,
+    }
+
+
+def sync_check(engine: Any, prompt: list[int], steps: int = 3) -> dict[str, float]:
+    """One sequence: per decode step, host time until the VM call returns (kernels enqueued),
+    until the device is idle (stream sync), and until the logits are on the host. Uses the
+    engine's internals to split its decode call into those parts (read only)."""
+    import tvm_ffi
+
+    from .runtime.device import to_device, to_numpy
+
+    seq = engine.add_sequence()
+    rows = []
+    try:
+        token = int(engine.prefill([seq], [prompt])[0].argmax())
+        for _ in range(steps):
+            ids = to_device(np.array([[token]], np.int32), engine.device)
+            t0 = time.perf_counter()
+            engine._kv_state["begin_forward"](
+                engine._cache, tvm_ffi.Shape([seq]), tvm_ffi.Shape([1])
+            )
+            out = engine._fn["batch_decode"](ids, engine._cache, engine._params)
+            t1 = time.perf_counter()
+            _sync(engine.device)
+            t2 = time.perf_counter()
+            engine._kv_state["end_forward"](engine._cache)
+            engine._seq_len[seq] += 1
+            token = int(to_numpy(out[0]).reshape(-1).argmax())
+            t3 = time.perf_counter()
+            rows.append((t1 - t0, t2 - t0, t3 - t0))
+    finally:
+        engine.remove_sequence(seq)
+    enq, synced, copied = (float(np.median(c)) * 1e3 for c in zip(*rows, strict=True))
+    return {"call_returns_ms": enq, "device_idle_ms": synced, "logits_on_host_ms": copied}
+
+
+def profile_kernels(engine: Any, prompt: list[int], steps: int) -> dict[str, list[dict[str, Any]]]:
+    """Per VM call name: calls and synchronised time, for one prefill and ``steps`` decodes."""
+    device = engine.device
+    vm = engine._vm
+    current: dict[str, dict[str, list[float]]] = {}
+    start = [0.0]
+
+    def hook(func: Any, name: str, before: bool, ret: Any, *args: Any) -> None:
+        _sync(device)
+        if before:
+            start[0] = time.perf_counter()
+        else:
+            current.setdefault(str(name), []).append(time.perf_counter() - start[0])
+
+    def table(records: dict[str, list[float]], per: int) -> list[dict[str, Any]]:
+        total = sum(sum(v) for v in records.values()) or 1.0
+        rows = [
+            {
+                "name": name,
+                "calls_per_step": len(v) / per,
+                "ms_per_step": sum(v) * 1e3 / per,
+                "mean_us": float(np.mean(v)) * 1e6,
+                "share": sum(v) / total,
+            }
+            for name, v in records.items()
+        ]
+        return sorted(rows, key=lambda r: -r["ms_per_step"])
+
+    seq = engine.add_sequence()
+    out: dict[str, list[dict[str, Any]]] = {}
+    try:
+        vm["set_instrument"](hook)
+        token = int(engine.prefill([seq], [prompt])[0].argmax())
+        out["prefill"], current = table(current, 1), {}
+        for _ in range(steps):
+            token = int(engine.decode([seq], [token])[0].argmax())
+        out["decode"] = table(current, steps)
+    finally:
+        vm["set_instrument"](None)
+        engine.remove_sequence(seq)
+    return out
+
+
+# -- the benchmark ---------------------------------------------------------------------------------
+def _gpu_info() -> dict[str, str]:
+    try:
+        line = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        ).stdout.splitlines()[0]
+    except (OSError, subprocess.SubprocessError, IndexError):
+        return {}
+    name, driver, memory = (s.strip() for s in line.split(","))
+    return {"gpu": name, "driver": driver, "gpu_memory": memory}
+
+
+def _open_engine(opts: BenchOptions, log: Callable[[str], None]) -> tuple[Any, float]:
+    from .runtime.engine import Engine
+    from .runtime.layout import PARAMS_DIR, BuildConfig
+    from .runtime.random_params import has_spec
+
+    path = Path(opts.model)
+    build = BuildConfig.read(path)
+    ctx = opts.prompt_len + opts.gen_len
+    limit = build.model["max_position_embeddings"]
+    if ctx > limit:
+        raise BenchError(f"prompt + generation = {ctx} tokens exceeds the model's {limit}")
+    has_params = (path / PARAMS_DIR / "tensor-cache.json").is_file()
+    if not has_params and not has_spec(path):
+        raise BenchError(f"{path}: the build has neither params/ nor random-params.json")
+    t0 = time.perf_counter()
+    engine = Engine(
+        path,
+        context_window=ctx,
+        max_batch_size=opts.batch,
+        kv_capacity=ctx * opts.batch,
+        prefill_chunk_size=opts.prompt_len * opts.batch,
+        lib_dir=opts.lib_dir,
+        random_weights=None if has_params else opts.seed,
+    )
+    _sync(engine.device)
+    seconds = time.perf_counter() - t0
+    log(
+        f"loaded {path} ({build.quantization}, {build.device}, "
+        f"{'random weights seed ' + str(opts.seed) if not has_params else 'converted weights'}) "
+        f"in {seconds:.2f} s"
+    )
+    return engine, seconds
+
+
+def run_bench(opts: BenchOptions, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Run the benchmark; returns the report (every raw number; see the module docstring)."""
+    opts.check()
+    from .runtime.layout import BuildConfig
+    from .runtime.tvm_runtime import load_runtime
+
+    build_device = BuildConfig.read(opts.model).device
+    load_runtime(build_device, opts.lib_dir)
+    memory = _MemoryTracker(build_device)
+    memory.sample()  # before the model: the CUDA context (and nothing else)
+    engine, load_s = _open_engine(opts, log)
+    memory.sample()
+    cfg, vocab = engine.config, engine.config.vocab_size
+    rng = np.random.default_rng(opts.seed)
+    prompts = rng.integers(0, vocab, (opts.batch, opts.prompt_len), dtype=np.int64)
+
+    # Kernels are loaded lazily on first use: a short run first, then the warm-up runs.
+    _one_run(engine, prompts[:, : min(opts.prompt_len, 16)], 3)
+    for i in range(opts.warmup):
+        log(f"warm-up {i + 1}/{opts.warmup}")
+        _one_run(engine, prompts, opts.gen_len)
+        memory.sample()
+    runs = []
+    for i in range(opts.repeat):
+        runs.append(_one_run(engine, prompts, opts.gen_len))
+        memory.sample()
+        log(
+            f"run {i + 1}/{opts.repeat}: prefill {runs[-1]['prefill_s'] * 1e3:.1f} ms, decode "
+            f"{np.mean(runs[-1]['step_s']) * 1e3 if runs[-1]['step_s'] else float('nan'):.2f} "
+            "ms/step"
+        )
+
+    ws = weight_stats(engine.named_params(), cfg)
+    steps = [s for r in runs for s in r["step_s"]]
+    n_steps = opts.gen_len - 1
+    prefill_s = [r["prefill_s"] for r in runs]
+    ttft_s = [r["ttft_s"] for r in runs]
+    mean_ctx = opts.prompt_len + (n_steps + 1) / 2  # step i attends to prompt + i + 1 tokens
+    per_step = decode_bytes(ws, cfg, engine.build.dtype, [mean_ctx] * opts.batch)
+    flops = prefill_flops(ws, cfg, opts.prompt_len, opts.batch)
+    report: dict[str, Any] = {
+        "options": asdict(opts),
+        "setup": {
+            "device": engine.device,
+            "host": platform.node(),
+            "python": platform.python_version(),
+            **(_gpu_info() if engine.device == "cuda" else {"cpu": platform.processor()}),
+        },
+        "model": {
+            "path": str(Path(opts.model).resolve()),
+            "quantization": engine.build.quantization,
+            "dtype": engine.build.dtype,
+            "target": engine.build.target,
+            "weights": (
+                f"random (seed {opts.seed})"
+                if engine.random_weights is not None
+                else "converted checkpoint"
+            ),
+            "config": {
+                k: getattr(cfg, k)
+                for k in (
+                    "vocab_size",
+                    "hidden_size",
+                    "num_hidden_layers",
+                    "num_attention_heads",
+                    "kv_lora_rank",
+                    "n_routed_experts",
+                    "num_experts_per_tok",
+                    "moe_intermediate_size",
+                )
+            },
+            **ws,
+            "kv_bytes_per_token": kv_bytes_per_token(cfg, engine.build.dtype),
+            "load_s": load_s,
+        },
+        "prefill": {
+            "tokens": opts.prompt_len * opts.batch,
+            "prefill_s": prefill_s,
+            "ttft_s": ttft_s,
+            "prefill_s_median": float(np.median(prefill_s)),
+            "ttft_ms_median": float(np.median(ttft_s)) * 1e3,
+            "prefill_tok_s": opts.prompt_len * opts.batch / float(np.median(prefill_s)),
+            "flops": flops,
+            "tflop_s": flops / float(np.median(prefill_s)) / 1e12,
+        },
+        "decode": {
+            "steps_per_run": n_steps,
+            "step_s": steps,
+            "decode_tok_s": opts.batch * len(steps) / sum(steps) if steps else None,
+            "tpot_ms_mean": float(np.mean(steps)) * 1e3 if steps else None,
+            "tpot_ms_p50": _percentile(steps, 50) * 1e3 if steps else None,
+            "tpot_ms_p99": _percentile(steps, 99) * 1e3 if steps else None,
+            "host_argmax_us_in_loop": (
+                float(np.median([a for r in runs for a in r["argmax_s"]])) * 1e6 if steps else None
+            ),
+            "host_argmax_us": _host_argmax_us(opts.batch, vocab),
+        },
+        "roofline": {
+            "hbm_bandwidth": opts.hbm_bandwidth,
+            "mean_context": mean_ctx,
+            **per_step,
+            "bytes_per_token": per_step["total_bytes"] / opts.batch,
+            "roofline_tok_s": opts.batch * opts.hbm_bandwidth / per_step["total_bytes"],
+        },
+    }
+    if steps:
+        achieved = per_step["total_bytes"] / float(np.mean(steps))
+        report["roofline"]["achieved_bytes_s"] = achieved
+        report["roofline"]["fraction_of_hbm"] = achieved / opts.hbm_bandwidth
+    prompt0 = prompts[0].tolist()
+    report["sync_check"] = sync_check(engine, prompt0)
+    if opts.profile:
+        log("profiling (a device sync around every VM call)")
+        report["profile"] = profile_kernels(engine, prompt0, opts.profile_steps)
+    memory.sample()
+    report["memory"] = memory.report()
+    if opts.compare_hf:
+        report["hf"] = compare_hf(engine, prompts, opts, runs[-1]["first_logits"], report, log)
+    return report
+
+
+# -- Hugging Face transformers on the same weights -------------------------------------------------
+def compare_hf(
+    engine: Any,
+    prompts: np.ndarray,
+    opts: BenchOptions,
+    our_first_logits: np.ndarray,
+    ours: dict[str, Any],
+    log: Callable[[str], None],
+) -> dict[str, Any]:
+    """Time transformers on this model's weights (see the module docstring)."""
+    import torch
+
+    from .hf_export import load_into_hf
+
+    device = "cuda" if engine.device == "cuda" else "cpu"
+
+    def sync() -> None:
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    t0 = time.perf_counter()
+    model = load_into_hf(
+        engine, device=device, dtype=opts.hf_dtype, attn_implementation=opts.hf_attn
+    )
+    load_s = time.perf_counter() - t0
+    log(f"HF model ({opts.hf_dtype}, {opts.hf_attn}) built and filled in {load_s:.1f} s")
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    ids = torch.tensor(prompts, device=device)
+
+    def run(
+        model: Any, tokens: torch.Tensor, n_decode: int
+    ) -> tuple[float, list[float], torch.Tensor]:
+        mask = torch.ones_like(tokens)
+        sync()
+        t0 = time.perf_counter()
+        out = model(input_ids=tokens, attention_mask=mask, use_cache=True)
+        sync()
+        prefill = time.perf_counter() - t0
+        logits, cache, steps = out.logits[:, -1], out.past_key_values, []
+        nxt = logits.argmax(-1, keepdim=True)
+        for _ in range(n_decode):
+            mask = torch.cat([mask, torch.ones_like(nxt)], dim=1)
+            s0 = time.perf_counter()
+            out = model(input_ids=nxt, attention_mask=mask, past_key_values=cache, use_cache=True)
+            nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+            sync()
+            steps.append(time.perf_counter() - s0)
+            cache = out.past_key_values
+        return prefill, steps, logits
+
+    with torch.no_grad():
+        run(model, ids[:, : min(16, ids.shape[1])], 2)  # warm-up
+        prefill_s, steps, logits = run(model, ids, min(opts.hf_decode_tokens, opts.gen_len))
+    hf_first = logits[0].float().cpu().numpy()
+    decode_tok_s = opts.batch * len(steps) / sum(steps)
+    prefill_tok_s = ids.numel() / prefill_s
+    result = {
+        "dtype": opts.hf_dtype,
+        "attn_implementation": opts.hf_attn,
+        "load_s": load_s,
+        "prefill_s": prefill_s,
+        "prefill_tok_s": prefill_tok_s,
+        "decode_steps": len(steps),
+        "step_s": steps,
+        "decode_tok_s": decode_tok_s,
+        "tpot_ms_p50": _percentile(steps, 50) * 1e3,
+        "peak_torch_allocated_bytes": (
+            torch.cuda.max_memory_allocated() if device == "cuda" else None
+        ),
+        "first_logits_max_abs_diff": float(np.abs(hf_first - our_first_logits).max()),
+        "first_logits_max_abs": float(np.abs(hf_first).max()),
+        "first_token_agrees": bool(hf_first.argmax() == our_first_logits.argmax()),
+        "ratio_prefill_tok_s": ours["prefill"]["prefill_tok_s"] / prefill_tok_s,
+        "ratio_decode_tok_s": (ours["decode"]["decode_tok_s"] or 0.0) / decode_tok_s,
+    }
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return result
+
+
+def format_report(r: dict[str, Any]) -> str:
+    """A short human-readable summary of a report."""
+    o, p, d, f, m = r["options"], r["prefill"], r["decode"], r["roofline"], r["memory"]
+    lines = [
+        f"model {r['model']['path']} ({r['model']['quantization']}, {r['setup']['device']}"
+        + (f", {r['setup']['gpu']}" if "gpu" in r["setup"] else "")
+        + f"), batch {o['batch']}, prompt {o['prompt_len']}, gen {o['gen_len']}",
+        f"prefill: {p['prefill_tok_s']:,.0f} tok/s, TTFT {p['ttft_ms_median']:.1f} ms "
+        f"({p['tflop_s']:.1f} TFLOP/s)",
+    ]
+    if d["decode_tok_s"] is not None:
+        lines.append(
+            f"decode: {d['decode_tok_s']:,.1f} tok/s, TPOT p50 {d['tpot_ms_p50']:.3f} ms, "
+            f"p99 {d['tpot_ms_p99']:.3f} ms (host arg-max {d['host_argmax_us']:.0f} us/step)"
+        )
+        lines.append(
+            f"roofline: {f['bytes_per_token'] / 1e9:.3f} GB/token at context "
+            f"{f['mean_context']:.0f} -> {f['achieved_bytes_s'] / 1e9:,.0f} GB/s = "
+            f"{100 * f['fraction_of_hbm']:.1f}% of {f['hbm_bandwidth'] / 1e12:.2f} TB/s "
+            f"(ceiling {f['roofline_tok_s']:,.0f} tok/s)"
+        )
+    peak = m.get("peak_bytes")
+    if peak:
+        extra = m.get("peak_minus_before_load_bytes")
+        lines.append(
+            f"memory: peak {peak / 2**30:.2f} GiB"
+            + (f" ({extra / 2**30:.2f} GiB above the empty context)" if extra else "")
+            + f" [{m['source'].split(' (')[0]}]"
+        )
+    s = r["sync_check"]
+    lines.append(
+        f"decode step split: VM call returns {s['call_returns_ms']:.3f} ms, device idle "
+        f"{s['device_idle_ms']:.3f} ms, logits on host {s['logits_on_host_ms']:.3f} ms"
+    )
+    for phase, rows in r.get("profile", {}).items():
+        lines.append(f"top VM calls ({phase}, ms per {'call' if phase == 'prefill' else 'step'}):")
+        for row in rows[:10]:
+            lines.append(
+                f"  {row['ms_per_step']:9.3f} ms {100 * row['share']:5.1f}%  "
+                f"x{row['calls_per_step']:<6g} {row['name']}"
+            )
+    if "hf" in r:
+        h = r["hf"]
+        lines.append(
+            f"HF transformers ({h['dtype']}, {h['attn_implementation']}): prefill "
+            f"{h['prefill_tok_s']:,.0f} tok/s, decode {h['decode_tok_s']:,.2f} tok/s -> ours/HF: "
+            f"prefill x{h['ratio_prefill_tok_s']:.2f}, decode x{h['ratio_decode_tok_s']:.1f}; "
+            f"first-token logits max |diff| {h['first_logits_max_abs_diff']:.3g} "
+            f"(|max| {h['first_logits_max_abs']:.3g}, same arg-max: {h['first_token_agrees']})"
+        )
+    return "\n".join(lines)
+
+
+def bench_main(opts: BenchOptions, json_path: str | None = None) -> dict[str, Any]:
+    """Run, print the summary, and write the JSON report to ``json_path`` (if given)."""
+    report = run_bench(opts)
+    print(format_report(report))
+    if json_path:
+        Path(json_path).write_text(json.dumps(_jsonable(report), indent=1))
+    return report
+
+
+def _jsonable(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {k: _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_jsonable(v) for v in obj]
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, np.ndarray):
+        return obj.tolist()
+    return obj
