@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
+from ..fsutil import replace_dir
 from ..runtime.model_cache import default_cache_dir
 from .errors import (
     ArtifactExistsError,
@@ -171,7 +172,7 @@ def install(
             staging = Path(tempfile.mkdtemp(prefix=f".{manifest.name}.staging-", dir=root))
             _fill(staging, open_file, manifest, source, progress)
             (staging / MANIFEST).write_bytes(manifest_bytes)
-            _replace(staging, dest)
+            replace_dir(staging, dest)
             staging = None
             return dest
     except BaseException:
@@ -235,16 +236,6 @@ def _fill(
                     f"{source}: {entry.path} is corrupted ({what}); download the artifact again "
                     "(nothing was installed)"
                 )
-
-
-def _replace(new: Path, dest: Path) -> None:
-    old = None
-    if dest.exists():
-        old = dest.with_name(f".{dest.name}.removing-{os.getpid()}")
-        os.replace(dest, old)
-    os.replace(new, dest)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 def remove_installed(name: str, cache_dir: str | Path | None = None) -> Path:

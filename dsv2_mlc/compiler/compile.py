@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import os
 import shutil
 import tempfile
 import time
@@ -21,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import UsageError
+from ..fsutil import replace_dir
 from ..model.checkpoint import SafetensorsCheckpoint
 from ..model.config import DeepseekV2Config
 from ..model.weights import check_checkpoint, convert, weight_map
@@ -127,7 +127,7 @@ def compile_model(
         for name in TOKENIZER_FILES:
             if (model_dir / name).is_file():
                 shutil.copy2(model_dir / name, tmp / name)
-        _replace_dir(tmp, out_dir)
+        replace_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -273,7 +273,7 @@ def compile_random_model(
         spec = init_spec((name, p.shape, p.dtype) for name, p in named_params)
         write_spec(tmp, spec)
         build = _write_build_config(cfg, quant, device, target, [p.name for p in spec], tmp)
-        _replace_dir(tmp, out_dir)
+        replace_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -288,14 +288,3 @@ def _check_out_dir(out_dir: Path) -> None:
             f"{out_dir}: folder is not empty and is not a dsv2-mlc build; "
             "choose a new or empty output folder"
         )
-
-
-def _replace_dir(new: Path, dest: Path) -> None:
-    """Move the finished build ``new`` to ``dest``, replacing an earlier build there."""
-    old = None
-    if dest.exists():
-        old = dest.with_name(f".{dest.name}.old-{os.getpid()}")
-        os.replace(dest, old)
-    os.replace(new, dest)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
