@@ -12,34 +12,22 @@ from .errors import USER_ERRORS
 def _compile(args: argparse.Namespace) -> int:
     from .compiler.compile import compile_model, compile_random_model
 
-    if args.random_weights:
-        result = compile_random_model(
-            args.model_dir,
-            args.output,
-            device=args.device,
-            dtype=args.dtype,
-            quantization=args.quantization,
-            quantize_embedding=args.quantize_embedding,
-            quantize_lm_head=args.quantize_lm_head,
-            dump_ir=args.dump_ir,
-        )
-        print(
-            f"compiled {args.model_dir} (random weights) -> {result.out_dir} in "
-            f"{result.seconds:.1f} s"
-        )
-        return 0
-    result = compile_model(
-        args.model_dir,
-        args.output,
+    options = dict(
         device=args.device,
+        arch=args.arch,
         dtype=args.dtype,
         quantization=args.quantization,
         quantize_embedding=args.quantize_embedding,
         quantize_lm_head=args.quantize_lm_head,
         dump_ir=args.dump_ir,
-        progress=not args.quiet,
     )
-    print(f"compiled {args.model_dir} -> {result.out_dir} in {result.seconds:.1f} s")
+    if args.random_weights:
+        result = compile_random_model(args.model_dir, args.output, **options)
+        what = f"{args.model_dir} (random weights)"
+    else:
+        result = compile_model(args.model_dir, args.output, progress=not args.quiet, **options)
+        what = str(args.model_dir)
+    print(f"compiled {what} -> {result.out_dir} in {result.seconds:.1f} s")
     return 0
 
 
@@ -231,6 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("-o", "--output", required=True, help="output folder (replaced atomically)")
     p.add_argument("--device", default="cpu", help="target device (default: cpu)")
+    p.add_argument("--arch", default="sm_90", help="CUDA architecture (default: sm_90)")
     p.add_argument("--dtype", default=None, help="float32 or float16 (default: float32)")
     p.add_argument(
         "--quantization",
