@@ -432,10 +432,6 @@ def test_cli_unknown_model_unreadable_tokenizer_long_prompt(chat_dir, tmp_path, 
     assert len(err.splitlines()) == 1 and "context window holds 32" in err
 
 
-@pytest.mark.skipif(
-    not (model_cache.default_model_dir() / "config.json").is_file(),
-    reason="the embedded default model is not trained yet",
-)
 def test_cli_default_model_compiles_once(tmp_path):
     cache = tmp_path / "cache"
     first = _cli("--prompt", "def ", "--max-tokens", "8", "--cache-dir", str(cache), timeout=600)
