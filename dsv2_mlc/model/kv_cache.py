@@ -6,7 +6,11 @@ Only the latent is cached: per token and layer one row ``[compressed_kv (kv_lora
 
 * LLVM target: the CPU kernels of :mod:`dsv2_mlc.schedules.mla_cpu` (TVM 0.27 has no MLA kernels
   for LLVM) plus TVM's ``_attention_prefill_ragged_cpu`` for the non-absorbed self-attention.
-* CUDA target: TVM's own ``TIRPagedKVCache(attn_kind="mla")``.
+* CUDA target: TVM's own ``TIRPagedKVCache(attn_kind="mla")`` with its MLA attention slot
+  (absorbed decode and the cross-attention of extend) replaced by the split-KV kernel of
+  :mod:`dsv2_mlc.schedules.mla_attention_cuda` (``mla_kernel="split_kv"``, the default; 24x to
+  190x faster on an H200, schedules/results/mla_attention.md). ``mla_kernel="tvm"`` keeps TVM's
+  ``batch_prefill_paged_kv_mla`` (the baseline).
 
 Use it through the fine-grained ``PagedKVCache`` API (the model applies RoPE itself):
 
@@ -48,6 +52,10 @@ from tvm.relax.frontend.nn.llm.kv_cache import (
 from tvm.relax.frontend.nn.llm.position_embedding import llama_rope_with_position_map
 from tvm.target import Target
 
+from dsv2_mlc.schedules.mla_attention_cuda import (
+    mla_attention_cuda,
+    mla_attention_cuda_supports,
+)
 from dsv2_mlc.schedules.mla_cpu import (
     compact_kv_copy_mla_cpu,
     copy_single_page_mla_cpu,
@@ -56,9 +64,52 @@ from dsv2_mlc.schedules.mla_cpu import (
     mla_paged_attention_cpu,
 )
 
-__all__ = ["MLAPagedKVCache"]
+__all__ = ["MLA_KERNELS", "MLAPagedKVCache"]
 
 IntLike = int | tvm.ir.Expr
+# CUDA kernels for the MLA attention slot: ours (split-KV) or TVM's prefill kernel (baseline).
+MLA_KERNELS = ("split_kv", "tvm")
+_TVM_MLA_SLOT_FUNC = "tir_attention_prefill_mla"  # the name TIRPagedKVCache gives its MLA kernel
+
+
+def _replace_mla_slot(create: rx.Call, slot: rx.Tuple) -> rx.Call:
+    """``create`` (the ``paged_attention_kv_cache_create`` call of ``TIRPagedKVCache``) with its
+    MLA attention slot ``("tirx", tir_attention_prefill_mla)`` replaced by ``slot``."""
+
+    def is_mla_slot(arg: rx.Expr) -> bool:
+        return (
+            isinstance(arg, rx.Tuple)
+            and len(arg.fields) == 2
+            and isinstance(arg.fields[1], rx.GlobalVar)
+            and arg.fields[1].name_hint == _TVM_MLA_SLOT_FUNC
+        )
+
+    hits = [i for i, arg in enumerate(create.args) if is_mla_slot(arg)]
+    if len(hits) != 1:
+        raise RuntimeError(
+            f"TIRPagedKVCache: expected one {_TVM_MLA_SLOT_FUNC} slot, found {len(hits)} "
+            "(TVM's kv_cache.py changed?)"
+        )
+    args = list(create.args)
+    args[hits[0]] = slot
+    return rx.Call(create.op, args, create.attrs, create.ty_args)
+
+
+def _tir_cache_class(mla_slot: rx.Tuple | None) -> type[TIRPagedKVCache]:
+    """``TIRPagedKVCache``, or with ``mla_slot``: a subclass whose create call gets that MLA
+    slot. ``TIRPagedKVCache.__init__`` ends in ``super().__init__(_expr=<create call>)``; the
+    hook class sits next in the MRO, so it sees the call before it is emitted."""
+    if mla_slot is None:
+        return TIRPagedKVCache
+
+    class _SlotHook(PagedKVCache):  # pylint: disable=too-few-public-methods
+        def __init__(self, _expr: rx.Expr, _name: str) -> None:
+            super().__init__(_expr=_replace_mla_slot(_expr, mla_slot), _name=_name)
+
+    class _TIRPagedKVCacheSplitKV(TIRPagedKVCache, _SlotHook):  # pylint: disable=too-few-public-methods
+        pass
+
+    return _TIRPagedKVCacheSplitKV
 
 
 class MLAPagedKVCache(PagedKVCache):  # pylint: disable=too-few-public-methods
@@ -68,6 +119,9 @@ class MLAPagedKVCache(PagedKVCache):  # pylint: disable=too-few-public-methods
     are that method's runtime ints (``tirx.Var``) or Python ints. ``page_size`` must be 16 on
     CUDA (TVM's kernels hard-code it); the CPU kernels read it from the page tensor.
     ``support_sliding_window`` must be 0 at runtime (the C++ cache rejects sliding window for MLA).
+    ``mla_kernel`` (CUDA only) picks the MLA attention kernel, one of :data:`MLA_KERNELS`;
+    ``"split_kv"`` falls back to TVM's kernel for shapes it does not support (odd head counts,
+    a row width that is not a whole number of 16-byte vectors).
     """
 
     def __init__(  # pylint: disable=too-many-arguments,too-many-locals
@@ -87,10 +141,22 @@ class MLAPagedKVCache(PagedKVCache):  # pylint: disable=too-few-public-methods
         dtype: str,
         target: Target,
         name: str = "paged_kv_cache",
+        mla_kernel: str = "split_kv",
     ) -> None:
         d_qk = kv_lora_rank + qk_rope_head_dim
+        if mla_kernel not in MLA_KERNELS:
+            raise ValueError(f"mla_kernel must be one of {MLA_KERNELS}, got {mla_kernel!r}")
         if target.kind.name != "llvm":
-            tir_cache = TIRPagedKVCache(
+            mla_slot = None
+            if mla_kernel == "split_kv" and mla_attention_cuda_supports(
+                num_attention_heads, kv_lora_rank, qk_rope_head_dim, dtype
+            ):
+                func = mla_attention_cuda(
+                    num_attention_heads, kv_lora_rank, qk_rope_head_dim, dtype
+                )
+                gv = rx.BlockBuilder.current().add_func(func, "tir_attention_mla_split_kv")
+                mla_slot = rx.Tuple([tvm.ir.StringImm("tirx"), gv])
+            tir_cache = _tir_cache_class(mla_slot)(
                 attn_kind="mla",
                 max_batch_size=max_batch_size,
                 max_total_seq_len=max_total_seq_len,

@@ -1,0 +1,133 @@
+"""The split-KV CUDA MLA attention kernel (``dsv2_mlc.schedules.mla_attention_cuda``), no GPU.
+
+Checks that the kernel compiles to sm_90 machine code alone (V2-Lite and tiny shapes, the way
+``scripts/kernel_lab_mla.py prepare`` builds it), that ``MLAPagedKVCache`` puts it into the MLA
+attention slot of TVM's ``TIRPagedKVCache`` for CUDA (and keeps TVM's kernel with
+``mla_kernel="tvm"``), and that a compiled tiny CUDA model carries it. Its numerics are measured
+on an H200 by ``scripts/kernel_lab_mla.py run`` (schedules/results/mla_attention.md).
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import tvm
+from tvm.relax.frontend import nn
+
+from dsv2_mlc.model.kv_cache import MLAPagedKVCache
+from dsv2_mlc.schedules.mla_attention_cuda import mla_attention_cuda, mla_attention_cuda_supports
+
+needs_nvcc = pytest.mark.skipif(
+    shutil.which("nvcc") is None or shutil.which("gcc") is None,
+    reason="CUDA builds need nvcc (and gcc for the driver stub)",
+)
+SPLIT_KV = "batch_mla_paged_attention_split_kv"  # its global symbol
+TVM_MLA = "batch_prefill_paged_kv_mla"
+
+
+@needs_nvcc
+@pytest.mark.parametrize(
+    ("heads", "latent", "rope", "dtype"),
+    [
+        (16, 512, 64, "float16"),
+        (4, 32, 8, "float16"),
+        (32, 512, 64, "float16"),
+        (4, 32, 8, "float32"),
+    ],
+)
+def test_kernel_compiles_to_sm90(tmp_path: Path, heads, latent, rope, dtype) -> None:
+    from dsv2_mlc.compiler.cuda import check_fatbin, cuda_codegen, make_cuda_target
+
+    target = make_cuda_target("sm_90")
+    func = mla_attention_cuda(heads, latent, rope, dtype).with_attr("global_symbol", "mla")
+    with cuda_codegen(), target:
+        exe = tvm.compile(tvm.IRModule({"mla": func}), target=target)
+    lib = tmp_path / "mla.so"
+    exe.export_library(str(lib))
+    check_fatbin(lib, "sm_90")
+
+
+def test_kernel_rejects_unsupported_shapes() -> None:
+    with pytest.raises(ValueError, match="heads"):
+        mla_attention_cuda(3, 32, 8)
+    with pytest.raises(ValueError, match="heads"):
+        mla_attention_cuda(6, 32, 8)
+    with pytest.raises(ValueError, match="latent"):
+        mla_attention_cuda(4, 30, 8)
+    with pytest.raises(ValueError, match="shared memory"):
+        mla_attention_cuda(16, 512, 64, "float32")  # TVM's kernel fails there too (ptxas)
+    assert not mla_attention_cuda_supports(16, 512, 64, "float32")
+    assert mla_attention_cuda_supports(16, 512, 64, "float16")
+
+
+class _Cache(nn.Module):
+    def __init__(self, mla_kernel: str) -> None:
+        self.mla_kernel = mla_kernel
+
+    def create_paged_kv_cache(  # pylint: disable=too-many-arguments
+        self, max_batch_size, max_total_seq_len, prefill_chunk_size, page_size, support_sliding
+    ):
+        return MLAPagedKVCache(
+            max_batch_size=max_batch_size,
+            max_total_seq_len=max_total_seq_len,
+            prefill_chunk_size=prefill_chunk_size,
+            page_size=page_size,
+            support_sliding_window=support_sliding,
+            num_hidden_layers=2,
+            num_attention_heads=16,
+            kv_lora_rank=512,
+            qk_nope_head_dim=128,
+            qk_rope_head_dim=64,
+            v_head_dim=128,
+            dtype="float16",
+            target=tvm.target.Target({"kind": "cuda", "arch": "sm_90"}),
+            mla_kernel=self.mla_kernel,
+        )
+
+
+def _create_script(mla_kernel: str) -> tuple[set[str], str]:
+    """Export ``create_paged_kv_cache`` alone: (function names, its script)."""
+    names = ["max_batch_size", "max_total_seq_len", "prefill_chunk_size", "page_size"]
+    spec = {
+        "create_paged_kv_cache": {
+            **{k: int for k in names},
+            "support_sliding": int,
+            "$": {"param_mode": "none", "effect_mode": "none"},
+        }
+    }
+    mod, _ = _Cache(mla_kernel).export_tvm(spec=spec)
+    return {gv.name_hint for gv in mod.get_global_vars()}, mod["create_paged_kv_cache"].script()
+
+
+@pytest.mark.parametrize("mla_kernel", ["split_kv", "tvm"])
+def test_cuda_cache_mla_slot(mla_kernel: str) -> None:
+    names, script = _create_script(mla_kernel)
+    slot = SPLIT_KV if mla_kernel == "split_kv" else TVM_MLA
+    assert slot in names
+    assert f'(R.str("tirx"), {slot})' in script
+    other = TVM_MLA if mla_kernel == "split_kv" else SPLIT_KV
+    assert f'(R.str("tirx"), {other})' not in script
+    assert (SPLIT_KV in names) == (mla_kernel == "split_kv")
+
+
+def test_cuda_cache_rejects_unknown_kernel() -> None:
+    with pytest.raises(ValueError, match="mla_kernel"):
+        _create_script("flash")
+
+
+@needs_nvcc
+def test_tiny_cuda_model_carries_split_kv_kernel(checkpoints, tmp_path: Path) -> None:
+    """A tiny model compiled for CUDA through our pipeline holds the kernel in its fatbin."""
+    from dsv2_mlc.compiler.compile import compile_model
+    from dsv2_mlc.compiler.cuda import check_fatbin
+    from dsv2_mlc.runtime.layout import LIBRARY
+
+    out = compile_model(
+        checkpoints["A"], tmp_path / "A", device="cuda", dtype="float16", progress=False
+    ).out_dir
+    lib = out / LIBRARY
+    check_fatbin(lib, "sm_90")
+    data = lib.read_bytes()
+    assert SPLIT_KV.encode() in data  # host wrapper and kernel names
