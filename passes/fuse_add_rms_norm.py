@@ -14,12 +14,15 @@ from tvm import relax, te
 from tvm.ir import IRModule
 
 from ..model.deepseek_v2 import RMS_NORM_ATTR, rms_norm_te
+from ..schedules.rms_norm_cuda import ADD_RMS_NORM
 from ._rewrite import bound_call, primfunc_attr, rewrite_relax_functions
 
 
 def add_rms_norm_te(a: te.Tensor, b: te.Tensor, w: te.Tensor, eps: float) -> list[te.Tensor]:
     """``[a + b, rms_norm(a + b, w)]``."""
-    total = te.compute(a.shape, lambda *i: a(*i) + b(*i), name="residual_add")
+    total = te.compute(
+        a.shape, lambda *i: a(*i) + b(*i), name="residual_add", attrs=dict([ADD_RMS_NORM])
+    )
     return [total, rms_norm_te(total, w, eps, name="add_rms_norm")]
 
 

@@ -12,6 +12,7 @@ import tvm
 from tvm import relax, te
 from tvm.ir import IRModule
 
+from ..schedules.decode_gemv_cuda import DECODE_GEMV
 from ._rewrite import bound_call, primfunc_attr, rewrite_relax_functions
 from .quantize_int4 import DEQUANTIZE_ATTR, dequantize_expr
 
@@ -29,6 +30,7 @@ def dequantize_matmul_te(
             axis=r,
         ),
         name="dequantize_matmul",
+        attrs=dict([DECODE_GEMV]),
     )
     if x.dtype == "float32":
         return acc

@@ -9,7 +9,8 @@ Phases, in order (weight quantization, ``QuantizeInt4``, rewrites the nn model b
    so no transposed weight is materialised per call, then drop dead code.
 3. ``fuse``: legalize Relax ops to TIR, annotate op patterns, and fuse producer/consumer chains
    into single kernels (``FuseOps`` + ``FuseTIR``).
-4. ``schedule``: per-target kernel schedules (GPU targets: dlight rules; LLVM: none yet).
+4. ``schedule``: per-target kernel schedules (GPU targets: hand schedules for the tagged decode
+   kernels, ``ScheduleDecodeKernels``, then dlight rules for the rest; LLVM: none yet).
 5. ``lower``: TVM's VM lowering (memory planning, builtins, shape lowering).
 """
 
@@ -54,14 +55,17 @@ def _schedule(target: Target) -> list[tvm.transform.Pass]:
         return []
     from tvm.s_tir import dlight as dl
 
+    from .schedule_decode_kernels import ScheduleDecodeKernels
+
     return [
+        ScheduleDecodeKernels,
         dl.ApplyDefaultSchedule(
             dl.gpu.Matmul(),
             dl.gpu.GEMV(),
             dl.gpu.Reduction(),
             dl.gpu.GeneralReduction(),
             dl.gpu.Fallback(),
-        )
+        ),
     ]
 
 

@@ -18,6 +18,7 @@ from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import Tensor, op
 from tvm.target import Target
 
+from ..schedules.decode_gemv_cuda import DECODE_GEMV
 from ..schedules.moe_routing import moe_route
 from .config import DeepseekV2Config
 
@@ -55,10 +56,21 @@ def gather_matmul(
             xv = xt[t, j, r] if per_slot else xt[t, r]
             return te.sum(xv.astype("float32") * read(list(wts), it[t, j], o, r), axis=r)
 
-        acc = te.compute((n, k, out_dim), f, name=f"{name}_acc")
+        acc = te.compute((n, k, out_dim), f, name=f"{name}_acc", attrs=dict([DECODE_GEMV]))
         return te.compute(acc.shape, lambda *i: acc(*i).astype(xt.dtype), name=name)
 
     return nn.tensor_expr_op(compute, name, [x, idx, *weights])
+
+
+def gate_logits_te(x: te.Tensor, w: te.Tensor) -> te.Tensor:
+    """Router logits ``x [n, H] @ w[E, H]^T`` in float32: an NT GEMV tagged for decode."""
+    r = te.reduce_axis((0, int(x.shape[-1])), name="r")
+    return te.compute(
+        (x.shape[0], w.shape[0]),
+        lambda t, e: te.sum(x[t, r].astype("float32") * w[e, r], axis=r),
+        name="moe_gate_logits",
+        attrs=dict([DECODE_GEMV]),
+    )
 
 
 class DeepseekV2MLP(nn.Module):
@@ -88,7 +100,7 @@ class DeepseekV2Gate(nn.Module):
         """
         cfg = self.cfg
         n, k = x.shape[0], cfg.num_experts_per_tok
-        logits = op.matmul(x.astype("float32"), op.permute_dims(self.weight))
+        logits = nn.tensor_expr_op(gate_logits_te, "moe_gate_logits", [x, self.weight])
         route = moe_route(
             Target.current(allow_none=True),
             cfg.n_routed_experts,
