@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -20,3 +23,17 @@ def replace_dir(new: Path, dest: Path) -> None:
     os.replace(new, dest)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def staged_dir(dest: Path) -> Iterator[Path]:
+    """A temporary folder beside ``dest`` to build into; it replaces ``dest`` (``replace_dir``)
+    when the block succeeds, and is deleted, leaving ``dest`` untouched, when it raises."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.partial-", dir=dest.parent))
+    try:
+        yield tmp
+        replace_dir(tmp, dest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

@@ -11,7 +11,6 @@ import contextlib
 import io
 import json
 import shutil
-import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -20,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import UsageError
-from ..fsutil import replace_dir
+from ..fsutil import staged_dir
 from ..model.checkpoint import SafetensorsCheckpoint
 from ..model.config import DeepseekV2Config
 from ..model.weights import check_checkpoint, convert, weight_map
@@ -120,17 +119,12 @@ def compile_model(
     check_checkpoint(convs, ckpt)
     target = make_target(device, arch)
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=out_dir.parent))
     try:
-        build = _build(cfg, ckpt, convs, target, device, quant, tmp, dump_ir, progress)
-        for name in TOKENIZER_FILES:
-            if (model_dir / name).is_file():
-                shutil.copy2(model_dir / name, tmp / name)
-        replace_dir(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        with staged_dir(out_dir) as tmp:
+            build = _build(cfg, ckpt, convs, target, device, quant, tmp, dump_ir, progress)
+            for name in TOKENIZER_FILES:
+                if (model_dir / name).is_file():
+                    shutil.copy2(model_dir / name, tmp / name)
     finally:
         ckpt.close()
     return CompileResult(out_dir, build, time.perf_counter() - start)
@@ -264,19 +258,13 @@ def compile_random_model(
     cfg = DeepseekV2Config.from_file(config)
     target = make_target(device, arch)
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=out_dir.parent))
-    try:
+    with staged_dir(out_dir) as tmp:
         mod, named_params, _ = _export(cfg, target, quant)
         mod = add_fill_kernels(mod, (quant.dtype, "float32"))
         _compile_library(mod, target, device, tmp, dump_ir)
         spec = init_spec((name, p.shape, p.dtype) for name, p in named_params)
         write_spec(tmp, spec)
         build = _write_build_config(cfg, quant, device, target, [p.name for p in spec], tmp)
-        replace_dir(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return CompileResult(out_dir, build, time.perf_counter() - start)
 
 
