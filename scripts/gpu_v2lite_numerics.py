@@ -1,0 +1,75 @@
+"""V2-Lite-shape numerics on the GPU: our fp16 build vs HF transformers on the same random weights.
+
+Device side (no TVM compiler there). Our build (``dsv2-mlc compile CONFIG --random-weights
+--device cuda --quantization q0f16``) creates its weights on the GPU; ``load_into_hf`` copies the
+same weights into ``DeepseekV2ForCausalLM`` (fp16, eager). We prefill a random prompt, decode
+``--steps`` tokens greedily, then run HF once over prompt + our tokens (teacher forcing) and
+compare the logits that predicted each generated token: max |difference| and top-1 agreement.
+
+    PYTHONPATH=build/v2n/src:.site python3 scripts/gpu_v2lite_numerics.py \\
+        --build build/v2n/v2-lite-q0f16 --lib-dir .devcarry/tvm-lib --out $OUT/v2lite.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+import torch
+
+from dsv2_mlc.hf_export import load_into_hf
+from dsv2_mlc.runtime.engine import Engine
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--build", required=True)
+    ap.add_argument("--lib-dir", default=None)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="v2lite_numerics.json")
+    args = ap.parse_args()
+
+    t0 = time.perf_counter()
+    eng = Engine(args.build, random_weights=args.seed, lib_dir=args.lib_dir, context_window=1024)
+    prompt = np.random.default_rng(args.seed).integers(0, 100000, args.prompt_len).tolist()
+    seq = eng.add_sequence()
+    logits = [eng.prefill([seq], [prompt])[0]]
+    tokens: list[int] = []
+    for _ in range(args.steps):
+        tokens.append(int(np.argmax(logits[-1])))
+        logits.append(eng.decode([seq], [tokens[-1]])[0])
+    ours = np.stack(logits[: args.steps])
+    t1 = time.perf_counter()
+
+    hf = load_into_hf(eng, device="cuda", dtype="float16")
+    ids = torch.tensor([prompt + tokens[:-1]], device="cuda")
+    with torch.no_grad():
+        ref = hf(ids, attention_mask=torch.ones_like(ids)).logits[0, len(prompt) - 1 :]
+    ref = ref.float().cpu().numpy()
+    diff = np.abs(ours - ref)
+    report = {
+        "build": args.build,
+        "prompt_len": args.prompt_len,
+        "steps": args.steps,
+        "max_abs_diff": float(diff.max()),
+        "median_step_max_abs_diff": float(np.median(diff.max(axis=1))),
+        "max_abs_logit": float(np.abs(ref).max()),
+        "top1_agreement": float(np.mean(ours.argmax(-1) == ref.argmax(-1))),
+        "first_disagreement": next(
+            (int(i) for i in np.flatnonzero(ours.argmax(-1) != ref.argmax(-1))), None
+        ),
+        "ours_s": t1 - t0,
+        "hf_s": time.perf_counter() - t1,
+        "gpu": torch.cuda.get_device_name(),
+    }
+    print(json.dumps(report, indent=1))
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
