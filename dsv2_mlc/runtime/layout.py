@@ -45,19 +45,28 @@ class BuildConfig:
     @classmethod
     def read(cls, build_dir: str | Path) -> BuildConfig:
         """Read and check ``build_dir/dsv2-mlc.json``."""
-        path = Path(build_dir) / BUILD_CONFIG
-        if not path.is_file():
-            raise BuildError(
-                f"{build_dir}: not a compiled dsv2-mlc model (no {BUILD_CONFIG}); "
-                "run `dsv2-mlc compile MODEL_DIR -o OUT_DIR` first"
-            )
-        try:
-            data = json.loads(path.read_text())
-        except json.JSONDecodeError as err:
-            raise BuildError(f"{path}: corrupted ({err}); compile the model again") from err
-        if data.get("format_version") != FORMAT_VERSION:
-            raise BuildError(
-                f"{path}: build format {data.get('format_version')} is not the supported "
-                f"{FORMAT_VERSION}; compile the model again with this dsv2-mlc"
-            )
+        data = read_build_json(
+            Path(build_dir) / BUILD_CONFIG,
+            "format_version",
+            FORMAT_VERSION,
+            missing=f"{build_dir}: not a compiled dsv2-mlc model (no {BUILD_CONFIG}); "
+            "run `dsv2-mlc compile MODEL_DIR -o OUT_DIR` first",
+        )
         return cls(**data)
+
+
+def read_build_json(path: Path, version_key: str, version: int, missing: str) -> dict[str, Any]:
+    """A JSON file of a build folder whose ``version_key`` must equal ``version``; a missing,
+    corrupted or other-version file is a :class:`BuildError` (``missing`` is that message)."""
+    if not path.is_file():
+        raise BuildError(missing)
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise BuildError(f"{path}: corrupted ({err}); compile the model again") from err
+    if data.get(version_key) != version:
+        raise BuildError(
+            f"{path}: {version_key} {data.get(version_key)} is not the supported {version}; "
+            "compile the model again with this dsv2-mlc"
+        )
+    return data

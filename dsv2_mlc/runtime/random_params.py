@@ -30,7 +30,7 @@ import numpy as np
 import tvm_ffi
 
 from .device import device_of
-from .layout import BuildError
+from .layout import BuildError, read_build_json
 from .tvm_runtime import global_func
 
 SPEC_FILE = "random-params.json"
@@ -116,18 +116,13 @@ def has_spec(path: str | Path) -> bool:
 
 def read_spec(path: str | Path) -> list[ParamInit]:
     """Read ``random-params.json`` of the build folder ``path``."""
-    file = Path(path) / SPEC_FILE
-    if not file.is_file():
-        raise BuildError(
-            f"{path}: no {SPEC_FILE}; random weights need a build made with "
-            "`dsv2-mlc compile CONFIG --random-weights`"
-        )
-    try:
-        data = json.loads(file.read_text())
-    except json.JSONDecodeError as err:
-        raise BuildError(f"{file}: corrupted ({err}); compile the model again") from err
-    if data.get("version") != SPEC_VERSION:
-        raise BuildError(f"{file}: version {data.get('version')} unsupported; compile again")
+    data = read_build_json(
+        Path(path) / SPEC_FILE,
+        "version",
+        SPEC_VERSION,
+        missing=f"{path}: no {SPEC_FILE}; random weights need a build made with "
+        "`dsv2-mlc compile CONFIG --random-weights`",
+    )
     return [ParamInit(**{**p, "shape": tuple(p["shape"])}) for p in data["params"]]
 
 
