@@ -73,6 +73,7 @@ class BenchOptions:
     hf_attn: str = "eager"
     hf_decode_tokens: int = 32
     lib_dir: str | None = None
+    cuda_graph: bool = True
 
     def check(self) -> None:
         """Raise :class:`BenchError` for impossible values."""
@@ -271,6 +272,14 @@ def _one_run(engine: Any, prompts: np.ndarray, gen_len: int) -> dict[str, Any]:
     }
 
 
+def _graph_report(before: dict | None, after: dict | None) -> dict[str, Any] | None:
+    """Decode CUDA graphs: totals, and what the timed runs themselves captured / replayed."""
+    if before is None or after is None:
+        return None
+    timed = {k: after[k] - before[k] for k in ("captures", "replays", "failures", "capture_s")}
+    return {"total": after, "timed_runs": timed}
+
+
 def sync_check(engine: Any, prompt: list[int], steps: int = 3) -> dict[str, float]:
     """One sequence: per decode step, host time until the VM call returns (kernels enqueued),
     until the device is idle (stream sync), and until the logits are on the host. Uses the
@@ -386,6 +395,7 @@ def _open_engine(opts: BenchOptions, log: Callable[[str], None]) -> tuple[Any, f
         prefill_chunk_size=opts.prompt_len * opts.batch,
         lib_dir=opts.lib_dir,
         random_weights=None if has_params else opts.seed,
+        cuda_graph=opts.cuda_graph,
     )
     _sync(engine.device)
     seconds = time.perf_counter() - t0
@@ -419,6 +429,7 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None] = print) -> dict[st
         log(f"warm-up {i + 1}/{opts.warmup}")
         _one_run(engine, prompts, opts.gen_len)
         memory.sample()
+    graphs_before = engine.cuda_graph_stats
     runs = []
     for i in range(opts.repeat):
         runs.append(_one_run(engine, prompts, opts.gen_len))
@@ -493,6 +504,7 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None] = print) -> dict[st
                 float(np.median([a for r in runs for a in r["argmax_s"]])) * 1e6 if steps else None
             ),
             "host_argmax_us": _host_argmax_us(opts.batch, vocab),
+            "cuda_graph": _graph_report(graphs_before, engine.cuda_graph_stats),
         },
         "roofline": {
             "hbm_bandwidth": opts.hbm_bandwidth,

@@ -32,25 +32,11 @@ def _compile(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    from dataclasses import fields
+
     from .bench import BenchOptions, bench_main
 
-    opts = BenchOptions(
-        model=args.model,
-        prompt_len=args.prompt_len,
-        gen_len=args.gen_len,
-        batch=args.batch,
-        warmup=args.warmup,
-        repeat=args.repeat,
-        seed=args.seed,
-        hbm_bandwidth=args.hbm_bandwidth,
-        profile=args.profile,
-        profile_steps=args.profile_steps,
-        compare_hf=args.compare_hf,
-        hf_dtype=args.hf_dtype,
-        hf_attn=args.hf_attn,
-        hf_decode_tokens=args.hf_decode_tokens,
-        lib_dir=args.lib_dir,
-    )
+    opts = BenchOptions(**{f.name: getattr(args, f.name) for f in fields(BenchOptions)})
     bench_main(opts, args.json)
     return 0
 
@@ -81,6 +67,12 @@ def _add_bench_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--hf-attn", default="eager", help="HF attention implementation (eager)")
     p.add_argument("--hf-decode-tokens", type=int, default=32, help="HF decode steps (32)")
     p.add_argument("--lib-dir", default=None, help="folder of libtvm_runtime*.so")
+    p.add_argument(
+        "--no-cuda-graph",
+        dest="cuda_graph",
+        action="store_false",
+        help="decode without CUDA graphs (each step enqueued by the VM)",
+    )
     p.add_argument("--json", default=None, help="write the full report (every raw number) here")
     p.set_defaults(func=_bench)
 

@@ -2,9 +2,22 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import tvm
 from tvm import relax
 from tvm.ir import IRModule
+
+# Relax function attribute naming what an entry point runs ("prefill", "extend" or "decode"), set
+# by the model when it is exported (``DeepseekV2ForCausalLM.annotate_entries``).
+ENTRY_KIND_ATTR = "dsv2_mlc.entry_kind"
+
+
+def entry_kind(func: relax.Function) -> str | None:
+    """The entry kind a Relax function was annotated with, if any."""
+    if func.attrs is None or ENTRY_KIND_ATTR not in func.attrs:
+        return None
+    return str(func.attrs[ENTRY_KIND_ATTR])
 
 
 def bound_call(mutator: relax.PyExprMutator, expr: relax.Expr, op_name: str) -> relax.Call | None:
@@ -35,9 +48,14 @@ def primfunc_attr(mod: IRModule, call: relax.Call | None, key: str):
     return func.attrs[key]
 
 
-def rewrite_relax_functions(mod: IRModule, mutator: relax.PyExprMutator) -> IRModule:
-    """Run ``mutator`` over every Relax function of ``mod`` and drop what became dead."""
+def rewrite_relax_functions(
+    mod: IRModule,
+    mutator: relax.PyExprMutator,
+    select: Callable[[relax.Function], bool] | None = None,
+) -> IRModule:
+    """Run ``mutator`` over every Relax function of ``mod`` (those ``select`` accepts) and drop
+    what became dead."""
     for gv, func in list(mod.functions.items()):
-        if isinstance(func, relax.Function):
+        if isinstance(func, relax.Function) and (select is None or select(func)):
             mutator.builder_.update_func(gv, mutator.visit_expr(func))
     return relax.transform.DeadCodeElimination()(mutator.builder_.get())

@@ -1,9 +1,16 @@
 """FuseDequantizeMatmul: ``matmul(x, permute_dims(dequantize(qw, scale)))`` -> one kernel.
 
 The INT4 weight is dequantised inside the matmul's reduction, element by element, so no
-full-precision copy of any weight is ever written to memory (decode GEMV and prefill GEMM alike);
-accumulation is float32. ``dequantize`` kernels are recognised by the PrimFunc attribute that
-``QuantizeInt4`` sets, not by name.
+full-precision copy of the weight is written to memory; accumulation is float32. ``dequantize``
+kernels are recognised by the PrimFunc attribute that ``QuantizeInt4`` sets, not by name.
+
+Where it fires: everywhere on CPU. On GPU targets only in the decode entry point (batch-1 GEMVs,
+bandwidth-bound: reading INT4 is the point) and for weights whose float copy would exceed
+``MAX_MATERIALISED_BYTES`` (the vocab-sized lm_head, which prefill applies to one row per
+sequence). Prefill / extend GEMMs on GPU are compute-bound: there the weight is dequantised to a
+float buffer per call (a few MB, memory-bound, microseconds) and the float matmul gets dlight's
+tensor-core schedule, which a fused INT4 reduction does not (measured 2.7 TFLOP/s fused on the
+H200, docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -13,14 +20,23 @@ from tvm import relax, te
 from tvm.ir import IRModule
 
 from ..schedules.decode_gemv_cuda import DECODE_GEMV
-from ._rewrite import bound_call, primfunc_attr, rewrite_relax_functions
+from ._rewrite import bound_call, entry_kind, primfunc_attr, rewrite_relax_functions
 from .quantize_int4 import DEQUANTIZE_ATTR, dequantize_expr
+
+# Larger float copies of a weight are never materialised per call (GPU prefill), see above.
+MAX_MATERIALISED_BYTES = 256 << 20
 
 
 def dequantize_matmul_te(
-    x: te.Tensor, qw: te.Tensor, scale: te.Tensor, k_dim: int, group: int
+    x: te.Tensor,
+    qw: te.Tensor,
+    scale: te.Tensor,
+    k_dim: int,
+    group: int,
+    out_dtype: str | None = None,
 ) -> te.Tensor:
-    """``x [..., K] @ dequantize(qw, scale)^T`` -> ``[..., N]`` in the dtype of ``x``."""
+    """``x [..., K] @ dequantize(qw, scale)^T`` -> ``[..., N]`` in ``out_dtype`` (default: the
+    dtype of ``x``), accumulated in float32."""
     r = te.reduce_axis((0, k_dim), name="k")
     out_shape = (*x.shape[:-1], qw.shape[0])
     acc = te.compute(
@@ -32,16 +48,20 @@ def dequantize_matmul_te(
         name="dequantize_matmul",
         attrs=dict([DECODE_GEMV]),
     )
-    if x.dtype == "float32":
+    out_dtype = out_dtype or x.dtype
+    if out_dtype == "float32":
         return acc
-    return te.compute(out_shape, lambda *i: acc(*i).astype(x.dtype), name="dequantize_matmul_cast")
+    return te.compute(
+        out_shape, lambda *i: acc(*i).astype(out_dtype), name="dequantize_matmul_cast"
+    )
 
 
 @relax.expr_functor.mutator
 class _Rewriter(relax.PyExprMutator):
-    def __init__(self, mod: IRModule):
+    def __init__(self, mod: IRModule, min_bytes: int = 0):
         super().__init__(mod)
         self.mod = mod
+        self.min_bytes = min_bytes  # fuse only weights whose float copy is at least this big
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:
         call = self.visit_expr_post_order(call)
@@ -62,7 +82,10 @@ class _Rewriter(relax.PyExprMutator):
         if group is None:
             return call
         qw, scale = dequant.args[1].fields
-        k_dim = int(transpose.args[0].ty.shape[1])
+        w_ty = transpose.args[0].ty
+        k_dim = int(w_ty.shape[1])
+        if int(w_ty.shape[0]) * k_dim * tvm.DataType(w_ty.dtype).bits // 8 < self.min_bytes:
+            return call
         return self.builder_.call_te(
             dequantize_matmul_te,
             call.args[0],
@@ -70,6 +93,7 @@ class _Rewriter(relax.PyExprMutator):
             scale,
             k_dim,
             int(group),
+            str(call.ty.dtype),
             primfunc_name_hint="fused_dequantize_matmul",
         )
 
@@ -77,4 +101,11 @@ class _Rewriter(relax.PyExprMutator):
 @tvm.transform.module_pass(opt_level=0, name="FuseDequantizeMatmul")
 def FuseDequantizeMatmul(mod: IRModule, _ctx: tvm.transform.PassContext) -> IRModule:  # noqa: N802
     """Fuse INT4 dequantisation into the consuming matmul (see the module docstring)."""
-    return rewrite_relax_functions(mod, _Rewriter(mod))
+    target = tvm.target.Target.current(allow_none=True)
+    gpu = target is not None and "gpu" in target.keys
+    decode = rewrite_relax_functions(mod, _Rewriter(mod), lambda f: entry_kind(f) == "decode")
+    return rewrite_relax_functions(
+        decode,
+        _Rewriter(decode, MAX_MATERIALISED_BYTES if gpu else 0),
+        lambda f: entry_kind(f) != "decode",
+    )

@@ -26,27 +26,36 @@ def silu_mul_te(gate_up: te.Tensor) -> te.Tensor:
     return te.compute((*gate_up.shape[:-1], half), f, name="silu_mul")
 
 
+def match_swiglu(mutator: relax.PyExprMutator, call: relax.Expr) -> relax.Expr | None:
+    """The fused gate/up tensor if ``call`` is ``silu(split(gu, 2)[0]) * split(gu, 2)[1]`` (split
+    over the last axis), else None."""
+    if not isinstance(call, relax.Call) or call.op != tvm.ir.Op.get("relax.multiply"):
+        return None
+    silu = bound_call(mutator, call.args[0], "relax.nn.silu")
+    gate = bound_tuple_item(mutator, silu.args[0]) if silu is not None else None
+    up = bound_tuple_item(mutator, call.args[1])
+    if gate is None or up is None or (gate.index, up.index) != (0, 1):
+        return None
+    if not gate.tuple_value.same_as(up.tuple_value):
+        return None
+    split = bound_call(mutator, gate.tuple_value, "relax.split")
+    if split is None:
+        return None
+    data = split.args[0]
+    ndim = len(data.ty.shape)
+    sections = split.attrs.indices_or_sections
+    even_halves = isinstance(sections, tvm.tirx.IntImm) and int(sections) == 2
+    if not even_halves or int(split.attrs.axis) % ndim != ndim - 1:
+        return None
+    return data
+
+
 @relax.expr_functor.mutator
 class _Rewriter(relax.PyExprMutator):
     def visit_call_(self, call: relax.Call) -> relax.Expr:
         call = self.visit_expr_post_order(call)
-        if call.op != tvm.ir.Op.get("relax.multiply"):
-            return call
-        silu = bound_call(self, call.args[0], "relax.nn.silu")
-        gate = bound_tuple_item(self, silu.args[0]) if silu is not None else None
-        up = bound_tuple_item(self, call.args[1])
-        if gate is None or up is None or (gate.index, up.index) != (0, 1):
-            return call
-        if not gate.tuple_value.same_as(up.tuple_value):
-            return call
-        split = bound_call(self, gate.tuple_value, "relax.split")
-        if split is None:
-            return call
-        data = split.args[0]
-        ndim = len(data.ty.shape)
-        sections = split.attrs.indices_or_sections
-        even_halves = isinstance(sections, tvm.tirx.IntImm) and int(sections) == 2
-        if not even_halves or int(split.attrs.axis) % ndim != ndim - 1:
+        data = match_swiglu(self, call)
+        if data is None:
             return call
         return self.builder_.call_te(silu_mul_te, data, primfunc_name_hint="fused_silu_mul")
 

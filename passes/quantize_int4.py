@@ -18,7 +18,7 @@ from tvm.ir.expr import Expr
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import Tensor, op
 
-from ..model.moe import DeepseekV2Experts, gather_matmul
+from ..model.moe import DeepseekV2Experts, gather_matmul, grouped_experts, use_grouped_experts
 from ..quantization import Quantization, packed_shape, quantize_int4
 
 # PrimFunc attribute by which FuseDequantizeMatmul recognises the dequantize kernels.
@@ -67,7 +67,10 @@ class GroupQuantLinear(nn.Module):
         w = nn.tensor_expr_op(
             compute, "dequantize", [self.q_weight, self.q_scale], attrs={DEQUANTIZE_ATTR: group}
         )
-        return op.matmul(x, op.permute_dims(w))
+        if dtype == "float32":
+            return op.matmul(x, op.permute_dims(w))
+        # Accumulate in float32 whatever kernel computes it (fused GEMV, tensor-core GEMM).
+        return op.matmul(x, op.permute_dims(w), out_dtype="float32").astype(dtype)
 
 
 class GroupQuantEmbedding(nn.Module):
@@ -98,7 +101,7 @@ class GroupQuantExperts(nn.Module):
 
     def __init__(self, experts: DeepseekV2Experts, q: Quantization):
         e, i2, h = experts.gate_up_proj.shape
-        self.intermediate, self.hidden = experts.intermediate, int(h)
+        self.num_experts, self.intermediate, self.hidden = int(e), experts.intermediate, int(h)
         self.group_size = q.group_size
         gu_w, gu_s = packed_shape((e, i2, h), q.group_size)
         dn_w, dn_s = packed_shape((e, h, experts.intermediate), q.group_size)
@@ -107,11 +110,19 @@ class GroupQuantExperts(nn.Module):
         self.down_q_weight = nn.Parameter(dn_w, "uint32")
         self.down_q_scale = nn.Parameter(dn_s, q.scale_dtype)
 
-    def forward(self, x: Tensor, weights: Tensor, idx: Tensor) -> Tensor:
+    def forward(self, x: Tensor, weights: Tensor, idx: Tensor, mode: str | None = None) -> Tensor:
+        """As ``DeepseekV2Experts.forward``: grouped GEMMs for prefill / extend on CUDA."""
         group = self.group_size
 
         def read(ws: list[te.Tensor], e: Expr, o: Expr, r: Expr) -> Expr:
             return dequantize_expr(ws[0], ws[1], (e, o), r, group)
+
+        if use_grouped_experts(mode):
+            return grouped_experts(
+                x, weights, idx, [self.gate_up_q_weight, self.gate_up_q_scale],
+                [self.down_q_weight, self.down_q_scale], self.num_experts, self.intermediate,
+                "moe_grouped_q4", read,
+            )  # fmt: skip
 
         gate_up = gather_matmul(
             x, [self.gate_up_q_weight, self.gate_up_q_scale], idx, 2 * self.intermediate,

@@ -16,7 +16,7 @@ width (64); the page size is 16 (as TVM's CUDA kernels and the C++ cache use).
 
 Design (one PrimFunc, two kernels):
 
-1. **Split kernel**, grid ``(total * nsplit, H / HG)``, 256 threads. A block owns one query row,
+1. **Split kernel**, grid ``(total * smax, H / HG)``, 256 threads. A block owns one query row,
    a group of ``HG = min(H, 16)`` heads and a contiguous range of the row's pages (split ``s`` of
    ``nsplit``). All heads of a row attend to the *same* latent rows, so the block loads each page
    (16 tokens x 576 fp16 = 18 KB, 16-byte vector loads) into shared memory **once** and uses it
@@ -31,11 +31,26 @@ Design (one PrimFunc, two kernels):
    ``lse = m + log2(sum 2^(lse_s - m))``, ``o = sum 2^(lse_s - lse) o_s``. With ``nsplit == 1``
    the split kernel writes ``out``/``lse`` itself and the merge kernel returns at once.
 
-``nsplit = clamp(min(ceil(264 / total), ceil(avg_pages / 2)), 1, 64)``: about two blocks per SM
-of the H200's 132 for decode, at least 2 pages per split, no split for long extends (which have
-``total`` rows of parallelism already). Multi-row queries (chunked prefill / extend) run one
-block per row, each reading the row's whole prefix (from L2 after the first): correct, but a
-prefill-style kernel that tiles rows would read less (see schedules/results/mla_attention.md).
+**Tensor-core path (the default for fp16, 16 heads per block):** Q stays in registers as
+``mma.sync.m16n8k16`` A fragments (each of the 8 warps holds its k-steps ``w, w + 8, ...`` of the
+36), scores come from 16x8x16 MMAs against the shared page (partial sums of the 8 warps through
+shared memory), the online softmax runs on all 256 threads (one head per 16 lanes, warp-shuffle
+max/sum), P goes to shared as fp16 and ``O += P @ V`` is 8 MMAs per warp (64 columns each) with
+the accumulators in registers (CUDA helpers passed as source through ``T.cuda.func_call``).
+**Merge (default "parallel"):** grid ``total * H * (L / 64)``, 256 threads: the split lse go to
+shared memory, every warp reduces their max/sum by shuffles, 16 split lanes x 16 column lanes
+read the partial outputs (float4, 4 splits in flight per thread), a shared-memory sum finishes.
+
+The grid provides ``smax = clamp(ceil(target_blocks / total), 1, max_split)`` splits per row
+(defaults 528 and 256); a row uses ``pps = ceil(visible_pages / clamp(ceil(visible_pages /
+min_pages_per_split), 1, smax))`` pages per split (default at least 1) and ``nsplit =
+ceil(visible_pages / pps)`` splits, read from its page table on the device (``ws_n`` tells the
+merge), and the blocks past it do nothing. So the launch configuration depends on the number
+of rows only, not on the context length: a captured CUDA graph of a decode step stays valid
+while the sequence grows (:mod:`dsv2_mlc.runtime.cuda_graph`). Multi-row queries (chunked
+prefill / extend) run one block per row, each reading the row's whole prefix (from L2 after the
+first): correct, but a prefill-style kernel that tiles rows would read less (see
+schedules/results/mla_attention.md).
 
 Bytes and FLOPs, V2-Lite (H=16, L=512, R=64), batch 1, 4K context, one layer: the pages are
 ``4096 * 576 * 2 B = 4.7 MB`` (at 3-4 TB/s about 1.5 us), the workspace ``64 * 16 * 512 * 4 B =
@@ -52,14 +67,11 @@ __all__ = ["MLA_CUDA_PAGE_SIZE", "mla_attention_cuda", "mla_attention_cuda_suppo
 
 MLA_CUDA_PAGE_SIZE = 16
 _LOG2E = math.log2(math.e)
-_THREADS = 256  # split kernel block size
-_MERGE_THREADS = 128
-_TARGET_BLOCKS = 264  # two per SM on the H200 (132 SMs)
-_MAX_SPLIT = 64
-_MIN_PAGES_PER_SPLIT = 2
+_MERGE_THREADS = 256
 _LOAD_BYTES = 16  # one vector load per thread and step
 _ELEM_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 _MAX_SHARED_BYTES = 49152  # static shared memory of one block (no opt-in)
+_MERGE_UNROLL = 4  # splits a merge thread has in flight
 
 
 def mla_attention_cuda_supports(
@@ -73,27 +85,153 @@ def mla_attention_cuda_supports(
     return True
 
 
+def _mma_source(tag: str, KS: int, KSW: int, NTW: int, SROW: int, PS: int) -> str:
+    """CUDA device helpers of the tensor-core path (``mma.sync.m16n8k16`` fp16 -> fp32).
+
+    One warp ``w`` of 8: QK^T over the k-steps ``w, w + 8, ...`` of the 16 heads x 16 tokens
+    tile (Q fragments in registers, K fragments from the shared page), partial scores to
+    ``s_part[w, 16, 16]``; PV over the columns ``[w * NTW * 8, (w + 1) * NTW * 8)`` (P fp16
+    from shared, V fragments from the shared page), accumulators in the mma C layout: rows
+    ``g`` and ``g + 8`` (``g = lane / 4``), columns ``2 * (lane % 4) + {0, 1}`` of each n-tile.
+    """
+    # Every call site carries this source (codegen keys it by the called name): a guard keeps
+    # one definition.
+    return f"""
+#ifndef MLA_SPLIT_KV_HELPERS_{tag}
+#define MLA_SPLIT_KV_HELPERS_{tag}
+__device__ __forceinline__ void mla_mma_{tag}(float* c, unsigned a0, unsigned a1, unsigned a2,
+                                              unsigned a3, unsigned b0, unsigned b1) {{
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {{%0,%1,%2,%3}}, {{%4,%5,%6,%7}}, "
+      "{{%8,%9}}, {{%0,%1,%2,%3}};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}}
+__device__ __forceinline__ void mla_load_q_{tag}(unsigned* qf, const half* q, int D, int w,
+                                                 int lane) {{
+  const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int i = 0; i < {KSW}; ++i) {{
+    const int ks = w + 8 * i;
+    if (ks < {KS}) {{
+      const half* p0 = q + g * D + ks * 16 + t * 2;
+      const half* p1 = p0 + 8 * D;
+      qf[4 * i + 0] = *reinterpret_cast<const unsigned*>(p0);
+      qf[4 * i + 1] = *reinterpret_cast<const unsigned*>(p1);
+      qf[4 * i + 2] = *reinterpret_cast<const unsigned*>(p0 + 8);
+      qf[4 * i + 3] = *reinterpret_cast<const unsigned*>(p1 + 8);
+    }} else {{
+      qf[4 * i + 0] = 0u; qf[4 * i + 1] = 0u; qf[4 * i + 2] = 0u; qf[4 * i + 3] = 0u;
+    }}
+  }}
+}}
+__device__ __forceinline__ void mla_qk_{tag}(float* s_part, const unsigned* qf, const half* kv,
+                                             int w, int lane) {{
+  const int g = lane >> 2, t = lane & 3;
+  float c[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) c[i] = 0.f;
+#pragma unroll
+  for (int i = 0; i < {KSW}; ++i) {{
+    const int ks = w + 8 * i;
+    if (ks < {KS}) {{
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {{
+        const half* kp = kv + (nt * 8 + g) * {SROW} + ks * 16 + t * 2;
+        const unsigned b0 = *reinterpret_cast<const unsigned*>(kp);
+        const unsigned b1 = *reinterpret_cast<const unsigned*>(kp + 8);
+        mla_mma_{tag}(c + 4 * nt, qf[4 * i], qf[4 * i + 1], qf[4 * i + 2], qf[4 * i + 3], b0, b1);
+      }}
+    }}
+  }}
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt) {{
+    float* r0 = s_part + (w * 16 + g) * 16 + nt * 8 + t * 2;
+    float* r1 = r0 + 8 * 16;
+    r0[0] = c[4 * nt + 0]; r0[1] = c[4 * nt + 1];
+    r1[0] = c[4 * nt + 2]; r1[1] = c[4 * nt + 3];
+  }}
+}}
+__device__ __forceinline__ unsigned mla_pack_{tag}(half lo, half hi) {{
+  return (unsigned)__half_as_ushort(lo) | ((unsigned)__half_as_ushort(hi) << 16);
+}}
+__device__ __forceinline__ void mla_pv_{tag}(float* acc, const half* p, const half* kv,
+                                             const float* r, int w, int lane) {{
+  const int g = lane >> 2, t = lane & 3;
+  const float r0 = r[g], r1 = r[g + 8];
+  const unsigned a0 = *reinterpret_cast<const unsigned*>(p + g * {PS} + t * 2);
+  const unsigned a1 = *reinterpret_cast<const unsigned*>(p + (g + 8) * {PS} + t * 2);
+  const unsigned a2 = *reinterpret_cast<const unsigned*>(p + g * {PS} + t * 2 + 8);
+  const unsigned a3 = *reinterpret_cast<const unsigned*>(p + (g + 8) * {PS} + t * 2 + 8);
+#pragma unroll
+  for (int j = 0; j < {NTW}; ++j) {{
+    const half* vp = kv + (t * 2) * {SROW} + w * {NTW * 8} + j * 8 + g;
+    const unsigned b0 = mla_pack_{tag}(vp[0], vp[{SROW}]);
+    const unsigned b1 = mla_pack_{tag}(vp[8 * {SROW}], vp[9 * {SROW}]);
+    float* c = acc + 4 * j;
+    c[0] *= r0; c[1] *= r0; c[2] *= r1; c[3] *= r1;
+    mla_mma_{tag}(c, a0, a1, a2, a3, b0, b1);
+  }}
+}}
+#endif
+"""
+
+
 def mla_attention_cuda(
-    num_heads: int, latent_dim: int, rope_dim: int, dtype: str = "float16"
+    num_heads: int,
+    latent_dim: int,
+    rope_dim: int,
+    dtype: str = "float16",
+    *,
+    heads_per_block: int = 16,
+    threads: int = 256,
+    min_pages_per_split: int = 1,
+    max_split: int = 256,
+    target_blocks: int = 528,
+    mma: bool = True,
+    merge: str = "parallel",
+    merge_cols: int = 64,
 ) -> tirx.PrimFunc:
-    """The split-KV MLA attention PrimFunc (module docstring) for ``num_heads`` query heads."""
+    """The split-KV MLA attention PrimFunc (module docstring) for ``num_heads`` query heads.
+
+    The keyword arguments select a variant (``scripts/kernel_lab_mla.py`` measures them; the
+    defaults are the model's kernel): ``heads_per_block`` (HG, at most 16), ``threads`` of the
+    split kernel (SIMT path), ``min_pages_per_split`` and ``max_split`` (pages of a split, splits
+    of a row), ``target_blocks`` (split blocks the grid aims at: ``smax = clamp(ceil(
+    target_blocks / rows), 1, max_split)``), ``mma`` (tensor-core scores and PV: used when
+    ``dtype`` is float16, HG is 16, the threads are 256, ``(L + R) % 16 == 0`` and
+    ``L % 64 == 0``; else the SIMT path), ``merge`` (``"parallel"``: splits and column chunks of
+    ``merge_cols`` over the threads and blocks; ``"serial"``: one block per row/head looping over
+    the splits) .
+    """
     if dtype not in _ELEM_BYTES:
         raise ValueError(f"mla_attention_cuda supports {sorted(_ELEM_BYTES)}, got {dtype}")
+    if merge not in ("parallel", "serial"):
+        raise ValueError(f"merge must be 'parallel' or 'serial', got {merge!r}")
+    if min_pages_per_split < 1 or max_split < 1 or target_blocks < 1:
+        raise ValueError("min_pages_per_split, max_split and target_blocks must be >= 1")
     _VEC = _LOAD_BYTES // _ELEM_BYTES[dtype]  # lanes of one 16-byte load
     H = num_heads
     DL = latent_dim
     D = latent_dim + rope_dim
     P = MLA_CUDA_PAGE_SIZE
-    HG = min(H, 16)  # heads per block
+    HG = min(H, heads_per_block)  # heads per block
     if H % HG or HG not in (2, 4, 8, 16):
         raise ValueError(
-            f"mla_attention_cuda needs 2, 4, 8 or 16 heads or a multiple of 16, got {H}"
+            f"mla_attention_cuda needs 2, 4, 8 or 16 heads or a multiple of 16, got {H} "
+            f"(heads per block {heads_per_block})"
         )
     if D % _VEC:
         raise ValueError(f"mla_attention_cuda needs (latent + rope) % {_VEC} == 0, got {D}")
-    NT = _THREADS
+    NT = threads
+    if NT not in (128, 256, 512, 1024):
+        raise ValueError(f"threads must be 128, 256, 512 or 1024, got {threads}")
+    use_mma = bool(mma) and dtype == "float16" and HG == 16 and NT == 256
+    use_mma = use_mma and D % 16 == 0 and DL % 64 == 0
     HGH = HG // 2
     TT = HGH * 8  # score tile threads: (head pair, token pair) per thread
+    if NT % TT:
+        raise ValueError(f"threads {NT} not a multiple of {TT} (heads per block {HG})")
     DS = NT // TT  # the head dim is split over DS thread groups
     DCH = (D + DS - 1) // DS
     D_EXACT = DCH * DS == D
@@ -106,25 +244,59 @@ def mla_attention_cuda(
     DV = D // _VEC
     LOAD_ITERS = (P * DV + NT - 1) // NT
     Q_ITERS = (HG * DV + NT - 1) // NT
-    smem = (HG + P) * SROW * _ELEM_BYTES[dtype] + (DS + 2) * HG * P * 4 + 3 * HG * 4
+    # tensor-core path: 8 warps; k-steps of QK^T and n-tiles of PV per warp
+    KS = D // 16
+    KSW = (KS + 7) // 8
+    NTW = max(DL // 64, 1)
+    PS = 24  # p_s row stride (halves): conflict-free A-fragment loads
+    tag = f"{H}_{DL}_{D}"
+    mma_src = _mma_source(tag, KS, KSW, NTW, SROW, PS) if use_mma else ""
+    if use_mma:
+        smem = P * SROW * 2 + 8 * HG * P * 4 + HG * PS * 2 + 3 * HG * 4
+    else:
+        smem = (HG + P) * SROW * _ELEM_BYTES[dtype] + (DS + 2) * HG * P * 4 + 3 * HG * 4
     if smem > _MAX_SHARED_BYTES:
         raise ValueError(
             f"mla_attention_cuda needs {smem} bytes of shared memory for {dtype} rows of {D}, "
             f"more than {_MAX_SHARED_BYTES}"
         )
+    # merge kernel
     MT = _MERGE_THREADS
-    MCPT = (DL + MT - 1) // MT
+    MCPT = (DL + MT - 1) // MT  # serial merge: columns per thread
+    MV = 4 if DL % 4 == 0 else 1  # parallel merge: float4 workspace reads
+    MCOLS = min(merge_cols, DL)
+    if MCOLS % MV or DL % MCOLS or MCOLS // MV > 32:
+        MCOLS = DL if DL // MV <= 32 else 32 * MV
+        if DL % MCOLS:
+            MV, MCOLS = 1, DL if DL <= 32 else 32
+    CL = MCOLS // MV  # column lanes
+    SL = MT // CL  # split lanes
+    NCH = (DL + MCOLS - 1) // MCOLS  # column chunks (blocks) per row and head
+    MC_EXACT = NCH * MCOLS == DL
+    SMX = max_split
     log2e = _LOG2E
     n_hg = H // HG
     neg_inf = -math.inf
+    min_pps = min_pages_per_split
+    n_merge_blocks = NCH if merge == "parallel" else 1
+    Q_SH = 1 if use_mma else HG * SROW
+    SP_N = 8 if use_mma else DS
+    SIMT_HP = 1 if use_mma else HG * P
+    PH_N = HG * PS if use_mma else 1
+    LSE_SH = SMX if merge == "parallel" else 1
+    RED_N = SL * MCOLS if merge == "parallel" else 1
 
-    def num_splits(total_len, nnz_pages, batch_size):
-        avg_pages = T.floordiv(nnz_pages + batch_size - 1, T.max(batch_size, 1))
-        want = T.min(
-            T.floordiv(_TARGET_BLOCKS + total_len - 1, T.max(total_len, 1)),
-            T.floordiv(avg_pages + _MIN_PAGES_PER_SPLIT - 1, _MIN_PAGES_PER_SPLIT),
-        )
-        return T.max(T.min(want, _MAX_SPLIT), 1)
+    def max_splits(total_len):
+        # Splits per row the grid and workspace provide for: depends on the row count only, so
+        # one captured CUDA graph stays valid while the context grows (nothing else of the
+        # launch configuration reads the page count).
+        want = T.floordiv(target_blocks + total_len - 1, T.max(total_len, 1))
+        return T.max(T.min(want, max_split), 1)
+
+    def row_pps(vis_pages, smax):
+        # Pages per split of a row: at least min_pps, at most smax splits (page table).
+        want = T.max(T.min(T.floordiv(vis_pages + min_pps - 1, min_pps), smax), 1)
+        return T.max(T.floordiv(vis_pages + want - 1, want), 1)
 
     @T.prim_func(s_tir=True)
     def batch_mla_paged_attention_split_kv(
@@ -171,33 +343,27 @@ def mla_attention_cuda(
         ws_o = T.alloc_buffer(
             (
                 T.if_then_else(
-                    num_splits(total_len, nnz_pages, batch_size) > 1,
-                    total_len * num_splits(total_len, nnz_pages, batch_size) * H * DL,
-                    1,
+                    max_splits(total_len) > 1, total_len * max_splits(total_len) * H * DL, 1
                 ),
             ),
             "float32",
             scope="global",
         )
-        ws_lse = T.alloc_buffer(
-            (total_len * num_splits(total_len, nnz_pages, batch_size) * H,),
-            "float32",
-            scope="global",
-        )
+        ws_lse = T.alloc_buffer((total_len * max_splits(total_len) * H,), "float32", scope="global")
+        ws_n = T.alloc_buffer((total_len,), "int32", scope="global")  # splits used per row
 
-        for bx in T.thread_binding(
-            total_len * num_splits(total_len, nnz_pages, batch_size), thread="blockIdx.x"
-        ):
+        for bx in T.thread_binding(total_len * max_splits(total_len), thread="blockIdx.x"):
             for by in T.thread_binding(n_hg, thread="blockIdx.y"):
                 for tx in T.thread_binding(NT, thread="threadIdx.x"):
                     with T.sblock("split_attn"):
                         T.reads()
                         T.writes()
-                        q_s = T.sblock_alloc_buffer((HG * SROW,), dtype, scope="shared")
+                        q_s = T.sblock_alloc_buffer((Q_SH,), dtype, scope="shared")
                         kv_s = T.sblock_alloc_buffer((P * SROW,), dtype, scope="shared")
-                        s_part = T.sblock_alloc_buffer((DS, HG, P), "float32", scope="shared")
-                        s_s = T.sblock_alloc_buffer((HG, P), "float32", scope="shared")
-                        p_s = T.sblock_alloc_buffer((HG, P), "float32", scope="shared")
+                        s_part = T.sblock_alloc_buffer((SP_N, HG, P), "float32", scope="shared")
+                        s_s = T.sblock_alloc_buffer((SIMT_HP,), "float32", scope="shared")
+                        p_s = T.sblock_alloc_buffer((SIMT_HP,), "float32", scope="shared")
+                        ph_s = T.sblock_alloc_buffer((PH_N,), dtype, scope="shared")
                         m_s = T.sblock_alloc_buffer((HG,), "float32", scope="shared")
                         d_s = T.sblock_alloc_buffer((HG,), "float32", scope="shared")
                         r_s = T.sblock_alloc_buffer((HG,), "float32", scope="shared")
@@ -208,10 +374,14 @@ def mla_attention_cuda(
                         tmax = T.sblock_alloc_buffer((1,), "float32", scope="local")
                         pl = T.sblock_alloc_buffer((P,), "float32", scope="local")
                         psum = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                        qf = T.sblock_alloc_buffer((KSW * 4,), "uint32", scope="local")
+                        macc = T.sblock_alloc_buffer((NTW * 4,), "float32", scope="local")
+                        m_run = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                        d_run = T.sblock_alloc_buffer((1,), "float32", scope="local")
 
-                        nsplit: T.let[T.int32] = num_splits(total_len, nnz_pages, batch_size)
-                        row: T.let[T.int32] = bx // nsplit
-                        split: T.let[T.int32] = bx % nsplit
+                        smax: T.let[T.int32] = max_splits(total_len)
+                        row: T.let[T.int32] = bx // smax
+                        split: T.let[T.int32] = bx % smax
                         # Binary search: the sequence b with q_indptr[b] <= row < q_indptr[b+1].
                         lo[0] = 0
                         hi[0] = batch_size
@@ -236,163 +406,294 @@ def mla_attention_cuda(
                             0,
                         )
                         vis_pages: T.let[T.int32] = (n_vis + P - 1) // P
-                        pps: T.let[T.int32] = (vis_pages + nsplit - 1) // nsplit
+                        pps: T.let[T.int32] = row_pps(vis_pages, smax)
+                        nsplit: T.let[T.int32] = T.max((vis_pages + pps - 1) // pps, 1)
+                        if split == 0 and by == 0 and tx == 0:
+                            ws_n[row] = nsplit
                         pg_lo: T.let[T.int32] = T.min(split * pps, vis_pages)
                         pg_hi: T.let[T.int32] = T.min(pg_lo + pps, vis_pages)
                         h0: T.let[T.int32] = by * HG
 
-                        # Q rows of the head group -> shared (16-byte vectors).
-                        for it in T.serial(Q_ITERS):
-                            if it * NT + tx < HG * DV:
-                                qh: T.let[T.int32] = (it * NT + tx) // DV
-                                qv: T.let[T.int32] = (it * NT + tx) % DV
-                                for k in T.vectorized(_VEC):
-                                    q_s[qh * SROW + qv * _VEC + k] = q[row, h0 + qh, qv * _VEC + k]
-                        if tx < HG:
-                            m_s[tx] = T.float32(neg_inf)
-                            d_s[tx] = T.float32(0)
-                        for i in T.unroll(HPT * CPT):
-                            acc[i] = T.float32(0)
-                        T.tvm_storage_sync("shared")
-
-                        for pg in T.serial(pg_hi - pg_lo):
-                            page_id: T.let[T.int32] = page_values[page_begin + pg_lo + pg]
-                            tok0: T.let[T.int32] = (pg_lo + pg) * P
-                            # The page -> shared; rows past the visible length are zeroed.
-                            for it in T.serial(LOAD_ITERS):
-                                if it * NT + tx < P * DV:
-                                    kt: T.let[T.int32] = (it * NT + tx) // DV
-                                    kvv: T.let[T.int32] = (it * NT + tx) % DV
-                                    if tok0 + kt < n_vis:
-                                        for k in T.vectorized(_VEC):
-                                            kv_s[kt * SROW + kvv * _VEC + k] = pages[
-                                                page_id, kt, kvv * _VEC + k
-                                            ]
-                                    else:
-                                        for k in T.serial(_VEC):
-                                            kv_s[kt * SROW + kvv * _VEC + k] = T.cast(0, dtype)
-                            T.tvm_storage_sync("shared")
-
-                            # Partial scores: (heads hp, hp + HG/2) x (tokens tp, tp + 8).
-                            ds: T.let[T.int32] = tx // TT
-                            hp: T.let[T.int32] = (tx % TT) // 8
-                            tp: T.let[T.int32] = tx % 8
-                            for i in T.unroll(4):
-                                sc[i] = T.float32(0)
-                            for kd in T.serial(DCH):
-                                dd: T.let[T.int32] = ds * DCH + kd
-                                if D_EXACT or dd < D:
-                                    qa: T.let[T.float32] = T.cast(q_s[hp * SROW + dd], "float32")
-                                    qb: T.let[T.float32] = T.cast(
-                                        q_s[(hp + HGH) * SROW + dd], "float32"
-                                    )
-                                    ka: T.let[T.float32] = T.cast(kv_s[tp * SROW + dd], "float32")
-                                    kb: T.let[T.float32] = T.cast(
-                                        kv_s[(tp + 8) * SROW + dd], "float32"
-                                    )
-                                    sc[0] = sc[0] + qa * ka
-                                    sc[1] = sc[1] + qa * kb
-                                    sc[2] = sc[2] + qb * ka
-                                    sc[3] = sc[3] + qb * kb
-                            s_part[ds, hp, tp] = sc[0]
-                            s_part[ds, hp, tp + 8] = sc[1]
-                            s_part[ds, hp + HGH, tp] = sc[2]
-                            s_part[ds, hp + HGH, tp + 8] = sc[3]
-                            T.tvm_storage_sync("shared")
-
-                            if tx < HG * P:
-                                sh: T.let[T.int32] = tx // P
-                                st: T.let[T.int32] = tx % P
+                        if use_mma:
+                            # Q fragments of this warp's k-steps -> registers (global).
+                            for i in T.unroll(KSW * 4):  # (full extent: no buffer compaction)
+                                qf[i] = T.uint32(0)
+                            if split < nsplit:
+                                T.cuda.func_call(
+                                    f"mla_load_q_{tag}",
+                                    T.address_of(qf[0]),
+                                    T.address_of(q[row, h0, 0]),
+                                    D,
+                                    tx // 32,
+                                    tx % 32,
+                                    source_code=mma_src,
+                                )
+                            m_run[0] = T.float32(neg_inf)
+                            d_run[0] = T.float32(0)
+                            for i in T.unroll(NTW * 4):
+                                macc[i] = T.float32(0)
+                            for upg in T.serial(pg_hi - pg_lo):
+                                upage: T.let[T.int32] = page_values[page_begin + pg_lo + upg]
+                                utok0: T.let[T.int32] = (pg_lo + upg) * P
+                                for it in T.serial(LOAD_ITERS):
+                                    if it * NT + tx < P * DV:
+                                        ukt: T.let[T.int32] = (it * NT + tx) // DV
+                                        ukv: T.let[T.int32] = (it * NT + tx) % DV
+                                        if utok0 + ukt < n_vis:
+                                            for k in T.vectorized(_VEC):
+                                                kv_s[ukt * SROW + ukv * _VEC + k] = pages[
+                                                    upage, ukt, ukv * _VEC + k
+                                                ]
+                                        else:
+                                            for k in T.serial(_VEC):
+                                                kv_s[ukt * SROW + ukv * _VEC + k] = T.cast(0, dtype)
+                                T.tvm_storage_sync("shared")
+                                # Partial scores of this warp's k-steps (tensor cores).
+                                T.cuda.func_call(
+                                    f"mla_qk_{tag}",
+                                    T.address_of(s_part[0, 0, 0]),
+                                    T.address_of(qf[0]),
+                                    T.address_of(kv_s[0]),
+                                    tx // 32,
+                                    tx % 32,
+                                    source_code=mma_src,
+                                )
+                                T.tvm_storage_sync("shared")
+                                # Online softmax: thread (head tx/16, token tx%16); the
+                                # running max/sum live in the 16 lanes of a head.
+                                ush: T.let[T.int32] = tx // P
+                                ust: T.let[T.int32] = tx % P
                                 psum[0] = T.float32(0)
-                                for k in T.unroll(DS):
-                                    psum[0] = psum[0] + s_part[k, sh, st]
-                                s_s[sh, st] = T.if_then_else(
-                                    tok0 + st < n_vis,
+                                for k in T.unroll(8):
+                                    psum[0] = psum[0] + s_part[k, ush, ust]
+                                usv: T.let[T.float32] = T.if_then_else(
+                                    utok0 + ust < n_vis,
                                     psum[0] * sm_scale * log2e,
                                     T.float32(neg_inf),
                                 )
+                                umax: T.let[T.float32] = T.max(
+                                    m_run[0], T.cuda.warp_reduce(usv, "max", P)
+                                )
+                                upv: T.let[T.float32] = T.if_then_else(
+                                    umax == T.float32(neg_inf),
+                                    T.float32(0),
+                                    T.exp2(usv - umax),
+                                )
+                                urs: T.let[T.float32] = T.if_then_else(
+                                    m_run[0] == T.float32(neg_inf),
+                                    T.float32(0),
+                                    T.exp2(m_run[0] - umax),
+                                )
+                                d_run[0] = d_run[0] * urs + T.cuda.warp_reduce(upv, "sum", P)
+                                m_run[0] = umax
+                                ph_s[ush * PS + ust] = T.cast(upv, dtype)
+                                if ust == 0:
+                                    r_s[ush] = urs
+                                T.tvm_storage_sync("shared")
+                                # O = O * rescale + P @ V (tensor cores).
+                                T.cuda.func_call(
+                                    f"mla_pv_{tag}",
+                                    T.address_of(macc[0]),
+                                    T.address_of(ph_s[0]),
+                                    T.address_of(kv_s[0]),
+                                    T.address_of(r_s[0]),
+                                    tx // 32,
+                                    tx % 32,
+                                    source_code=mma_src,
+                                )
+                                T.tvm_storage_sync("shared")
+                            if tx % P == 0:
+                                m_s[tx // P] = m_run[0]
+                                d_s[tx // P] = d_run[0]
+                            T.tvm_storage_sync("shared")
+                            # Epilogue (mma C layout): final state or a partial one.
+                            uw: T.let[T.int32] = tx // 32
+                            ug: T.let[T.int32] = (tx % 32) // 4
+                            ut: T.let[T.int32] = tx % 4
+                            for j in T.unroll(NTW):
+                                for e in T.unroll(4):
+                                    uhl: T.let[T.int32] = ug + 8 * (e // 2)
+                                    ucol: T.let[T.int32] = uw * (NTW * 8) + j * 8 + ut * 2 + e % 2
+                                    udsum: T.let[T.float32] = d_s[uhl]
+                                    uval: T.let[T.float32] = T.if_then_else(
+                                        udsum > T.float32(0),
+                                        macc[j * 4 + e] / udsum,
+                                        T.float32(0),
+                                    )
+                                    if nsplit == 1 and split == 0:
+                                        output[row, h0 + uhl, ucol] = T.cast(uval, dtype)
+                                    elif split < nsplit:
+                                        ws_o[((bx * H) + h0 + uhl) * DL + ucol] = uval
+                            if tx < HG:
+                                ulse: T.let[T.float32] = T.if_then_else(
+                                    d_s[tx] > T.float32(0),
+                                    m_s[tx] + T.log2(d_s[tx]),
+                                    T.float32(neg_inf),
+                                )
+                                if nsplit == 1 and split == 0:
+                                    lse[row, h0 + tx] = ulse
+                                elif split < nsplit:
+                                    ws_lse[bx * H + h0 + tx] = ulse
+                        else:
+                            # Q rows of the head group -> shared (16-byte vectors).
+                            for it in T.serial(Q_ITERS):
+                                if it * NT + tx < HG * DV:
+                                    qh: T.let[T.int32] = (it * NT + tx) // DV
+                                    qv: T.let[T.int32] = (it * NT + tx) % DV
+                                    for k in T.vectorized(_VEC):
+                                        q_s[qh * SROW + qv * _VEC + k] = q[
+                                            row, h0 + qh, qv * _VEC + k
+                                        ]
+                            if tx < HG:
+                                m_s[tx] = T.float32(neg_inf)
+                                d_s[tx] = T.float32(0)
+                            for i in T.unroll(HPT * CPT):
+                                acc[i] = T.float32(0)
                             T.tvm_storage_sync("shared")
 
-                            # Online softmax, one thread per head.
-                            if tx < HG:
-                                m_old: T.let[T.float32] = m_s[tx]
-                                tmax[0] = m_old
-                                for t in T.unroll(P):
-                                    pl[t] = s_s[tx, t]
-                                    tmax[0] = T.max(tmax[0], pl[t])
-                                psum[0] = T.float32(0)
-                                for t in T.unroll(P):
-                                    pl[t] = T.if_then_else(
-                                        tmax[0] == T.float32(neg_inf),
-                                        T.float32(0),
-                                        T.exp2(pl[t] - tmax[0]),
+                            for pg in T.serial(pg_hi - pg_lo):
+                                page_id: T.let[T.int32] = page_values[page_begin + pg_lo + pg]
+                                tok0: T.let[T.int32] = (pg_lo + pg) * P
+                                # The page -> shared; rows past the visible length are zeroed.
+                                for it in T.serial(LOAD_ITERS):
+                                    if it * NT + tx < P * DV:
+                                        kt: T.let[T.int32] = (it * NT + tx) // DV
+                                        kvv: T.let[T.int32] = (it * NT + tx) % DV
+                                        if tok0 + kt < n_vis:
+                                            for k in T.vectorized(_VEC):
+                                                kv_s[kt * SROW + kvv * _VEC + k] = pages[
+                                                    page_id, kt, kvv * _VEC + k
+                                                ]
+                                        else:
+                                            for k in T.serial(_VEC):
+                                                kv_s[kt * SROW + kvv * _VEC + k] = T.cast(0, dtype)
+                                T.tvm_storage_sync("shared")
+
+                                # Partial scores: (heads hp, hp + HG/2) x (tokens tp, tp + 8).
+                                ds: T.let[T.int32] = tx // TT
+                                hp: T.let[T.int32] = (tx % TT) // 8
+                                tp: T.let[T.int32] = tx % 8
+                                for i in T.unroll(4):
+                                    sc[i] = T.float32(0)
+                                for kd in T.serial(DCH):
+                                    dd: T.let[T.int32] = ds * DCH + kd
+                                    if D_EXACT or dd < D:
+                                        qa: T.let[T.float32] = T.cast(
+                                            q_s[hp * SROW + dd], "float32"
+                                        )
+                                        qb: T.let[T.float32] = T.cast(
+                                            q_s[(hp + HGH) * SROW + dd], "float32"
+                                        )
+                                        ka: T.let[T.float32] = T.cast(
+                                            kv_s[tp * SROW + dd], "float32"
+                                        )
+                                        kb: T.let[T.float32] = T.cast(
+                                            kv_s[(tp + 8) * SROW + dd], "float32"
+                                        )
+                                        sc[0] = sc[0] + qa * ka
+                                        sc[1] = sc[1] + qa * kb
+                                        sc[2] = sc[2] + qb * ka
+                                        sc[3] = sc[3] + qb * kb
+                                s_part[ds, hp, tp] = sc[0]
+                                s_part[ds, hp, tp + 8] = sc[1]
+                                s_part[ds, hp + HGH, tp] = sc[2]
+                                s_part[ds, hp + HGH, tp + 8] = sc[3]
+                                T.tvm_storage_sync("shared")
+
+                                if tx < HG * P:
+                                    sh: T.let[T.int32] = tx // P
+                                    st: T.let[T.int32] = tx % P
+                                    psum[0] = T.float32(0)
+                                    for k in T.unroll(DS):
+                                        psum[0] = psum[0] + s_part[k, sh, st]
+                                    s_s[sh * P + st] = T.if_then_else(
+                                        tok0 + st < n_vis,
+                                        psum[0] * sm_scale * log2e,
+                                        T.float32(neg_inf),
                                     )
-                                    psum[0] = psum[0] + pl[t]
-                                    p_s[tx, t] = pl[t]
-                                r_s[tx] = T.if_then_else(
-                                    m_old == T.float32(neg_inf),
-                                    T.float32(0),
-                                    T.exp2(m_old - tmax[0]),
-                                )
-                                d_s[tx] = (
-                                    d_s[tx]
-                                    * T.if_then_else(
+                                T.tvm_storage_sync("shared")
+
+                                # Online softmax, one thread per head.
+                                if tx < HG:
+                                    m_old: T.let[T.float32] = m_s[tx]
+                                    tmax[0] = m_old
+                                    for t in T.unroll(P):
+                                        pl[t] = s_s[tx * P + t]
+                                        tmax[0] = T.max(tmax[0], pl[t])
+                                    psum[0] = T.float32(0)
+                                    for t in T.unroll(P):
+                                        pl[t] = T.if_then_else(
+                                            tmax[0] == T.float32(neg_inf),
+                                            T.float32(0),
+                                            T.exp2(pl[t] - tmax[0]),
+                                        )
+                                        psum[0] = psum[0] + pl[t]
+                                        p_s[tx * P + t] = pl[t]
+                                    r_s[tx] = T.if_then_else(
                                         m_old == T.float32(neg_inf),
                                         T.float32(0),
                                         T.exp2(m_old - tmax[0]),
                                     )
-                                    + psum[0]
-                                )
-                                m_s[tx] = tmax[0]
-                            T.tvm_storage_sync("shared")
-
-                            # O[heads, cols] = O * rescale + P @ V.
-                            hh: T.let[T.int32] = tx // CG
-                            cg: T.let[T.int32] = tx % CG
-                            for i in T.unroll(HPT):
-                                for j in T.unroll(CPT):
-                                    acc[i * CPT + j] = acc[i * CPT + j] * r_s[hh * HPT + i]
-                            for t in T.serial(P):
-                                for j in T.unroll(CPT):
-                                    if C_EXACT or cg + j * CG < DL:
-                                        vv: T.let[T.float32] = T.cast(
-                                            kv_s[t * SROW + cg + j * CG], "float32"
+                                    d_s[tx] = (
+                                        d_s[tx]
+                                        * T.if_then_else(
+                                            m_old == T.float32(neg_inf),
+                                            T.float32(0),
+                                            T.exp2(m_old - tmax[0]),
                                         )
-                                        for i in T.unroll(HPT):
-                                            acc[i * CPT + j] = (
-                                                acc[i * CPT + j] + p_s[hh * HPT + i, t] * vv
-                                            )
-                            T.tvm_storage_sync("shared")
-
-                        # Epilogue: the final state (nsplit == 1) or a partial one.
-                        ho: T.let[T.int32] = tx // CG
-                        co: T.let[T.int32] = tx % CG
-                        for i in T.unroll(HPT):
-                            hl: T.let[T.int32] = ho * HPT + i
-                            dsum: T.let[T.float32] = d_s[hl]
-                            for j in T.unroll(CPT):
-                                if C_EXACT or co + j * CG < DL:
-                                    val: T.let[T.float32] = T.if_then_else(
-                                        dsum > T.float32(0),
-                                        acc[i * CPT + j] / dsum,
-                                        T.float32(0),
+                                        + psum[0]
                                     )
-                                    if nsplit == 1:
-                                        output[row, h0 + hl, co + j * CG] = T.cast(val, dtype)
-                                    else:
-                                        ws_o[((bx * H) + h0 + hl) * DL + co + j * CG] = val
-                        if tx < HG:
-                            lse_v: T.let[T.float32] = T.if_then_else(
-                                d_s[tx] > T.float32(0),
-                                m_s[tx] + T.log2(d_s[tx]),
-                                T.float32(neg_inf),
-                            )
-                            if nsplit == 1:
-                                lse[row, h0 + tx] = lse_v
-                            else:
-                                ws_lse[bx * H + h0 + tx] = lse_v
+                                    m_s[tx] = tmax[0]
+                                T.tvm_storage_sync("shared")
 
-        for mbx in T.thread_binding(total_len * H, thread="blockIdx.x"):
+                                # O[heads, cols] = O * rescale + P @ V.
+                                hh: T.let[T.int32] = tx // CG
+                                cg: T.let[T.int32] = tx % CG
+                                for i in T.unroll(HPT):
+                                    for j in T.unroll(CPT):
+                                        acc[i * CPT + j] = acc[i * CPT + j] * r_s[hh * HPT + i]
+                                for t in T.serial(P):
+                                    for j in T.unroll(CPT):
+                                        if C_EXACT or cg + j * CG < DL:
+                                            vv: T.let[T.float32] = T.cast(
+                                                kv_s[t * SROW + cg + j * CG], "float32"
+                                            )
+                                            for i in T.unroll(HPT):
+                                                acc[i * CPT + j] = (
+                                                    acc[i * CPT + j]
+                                                    + p_s[(hh * HPT + i) * P + t] * vv
+                                                )
+                                T.tvm_storage_sync("shared")
+
+                            # Epilogue: the final state (nsplit == 1) or a partial one.
+                            ho: T.let[T.int32] = tx // CG
+                            co: T.let[T.int32] = tx % CG
+                            for i in T.unroll(HPT):
+                                hl: T.let[T.int32] = ho * HPT + i
+                                dsum: T.let[T.float32] = d_s[hl]
+                                for j in T.unroll(CPT):
+                                    if C_EXACT or co + j * CG < DL:
+                                        val: T.let[T.float32] = T.if_then_else(
+                                            dsum > T.float32(0),
+                                            acc[i * CPT + j] / dsum,
+                                            T.float32(0),
+                                        )
+                                        if nsplit == 1 and split == 0:
+                                            output[row, h0 + hl, co + j * CG] = T.cast(val, dtype)
+                                        elif split < nsplit:
+                                            ws_o[((bx * H) + h0 + hl) * DL + co + j * CG] = val
+                            if tx < HG:
+                                lse_v: T.let[T.float32] = T.if_then_else(
+                                    d_s[tx] > T.float32(0),
+                                    m_s[tx] + T.log2(d_s[tx]),
+                                    T.float32(neg_inf),
+                                )
+                                if nsplit == 1 and split == 0:
+                                    lse[row, h0 + tx] = lse_v
+                                elif split < nsplit:
+                                    ws_lse[bx * H + h0 + tx] = lse_v
+
+        for mbx in T.thread_binding(total_len * H * n_merge_blocks, thread="blockIdx.x"):
             for mtx in T.thread_binding(MT, thread="threadIdx.x"):
                 with T.sblock("merge"):
                     T.reads()
@@ -400,46 +701,116 @@ def mla_attention_cuda(
                     mmax = T.sblock_alloc_buffer((1,), "float32", scope="local")
                     wsum = T.sblock_alloc_buffer((1,), "float32", scope="local")
                     macc = T.sblock_alloc_buffer((MCPT,), "float32", scope="local")
-                    msplit: T.let[T.int32] = num_splits(total_len, nnz_pages, batch_size)
-                    mrow: T.let[T.int32] = mbx // H
-                    mh: T.let[T.int32] = mbx % H
-                    if msplit > 1:
-                        mmax[0] = T.float32(neg_inf)
-                        for s in T.serial(msplit):
-                            mmax[0] = T.max(mmax[0], ws_lse[(mrow * msplit + s) * H + mh])
-                        wsum[0] = T.float32(0)
-                        for j in T.unroll(MCPT):
-                            macc[j] = T.float32(0)
-                        if mmax[0] > T.float32(neg_inf):
-                            for s in T.serial(msplit):
-                                ls: T.let[T.float32] = ws_lse[(mrow * msplit + s) * H + mh]
-                                if ls > T.float32(neg_inf):
-                                    w: T.let[T.float32] = T.exp2(ls - mmax[0])
-                                    wsum[0] = wsum[0] + w
-                                    for j in T.unroll(MCPT):
-                                        if mtx + j * MT < DL:
-                                            macc[j] = (
-                                                macc[j]
-                                                + w
-                                                * ws_o[
-                                                    ((mrow * msplit + s) * H + mh) * DL
-                                                    + mtx
-                                                    + j * MT
+                    vacc = T.sblock_alloc_buffer((MV,), "float32", scope="local")
+                    vld = T.sblock_alloc_buffer((MV,), "float32", scope="local")
+                    csum = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                    lse_sh = T.sblock_alloc_buffer((LSE_SH,), "float32", scope="shared")
+                    red = T.sblock_alloc_buffer((RED_N,), "float32", scope="shared")
+                    mrow: T.let[T.int32] = mbx // (H * n_merge_blocks)
+                    msplit: T.let[T.int32] = ws_n[mrow]
+                    mmax_s: T.let[T.int32] = max_splits(total_len)
+                    mh: T.let[T.int32] = (mbx // n_merge_blocks) % H
+                    mch: T.let[T.int32] = mbx % n_merge_blocks
+                    if merge == "parallel":
+                        # Block (row, head, column chunk); thread (split lane, column lane).
+                        if msplit > 1:
+                            for i in T.serial((SMX + MT - 1) // MT):
+                                if i * MT + mtx < msplit:
+                                    lse_sh[i * MT + mtx] = ws_lse[
+                                        (mrow * mmax_s + i * MT + mtx) * H + mh
+                                    ]
+                            T.tvm_storage_sync("shared")
+                            mlane: T.let[T.int32] = mtx % 32
+                            mmax[0] = T.float32(neg_inf)
+                            for i in T.serial((SMX + 31) // 32):
+                                if i * 32 + mlane < msplit:
+                                    mmax[0] = T.max(mmax[0], lse_sh[i * 32 + mlane])
+                            gmax: T.let[T.float32] = T.cuda.warp_reduce(mmax[0], "max", 32)
+                            wsum[0] = T.float32(0)
+                            if gmax > T.float32(neg_inf):
+                                for i in T.serial((SMX + 31) // 32):
+                                    if i * 32 + mlane < msplit:
+                                        wsum[0] = wsum[0] + T.exp2(lse_sh[i * 32 + mlane] - gmax)
+                            gsum: T.let[T.float32] = T.cuda.warp_reduce(wsum[0], "sum", 32)
+                            msl: T.let[T.int32] = mtx // CL
+                            mcl: T.let[T.int32] = mtx % CL
+                            mcol: T.let[T.int32] = mch * MCOLS + mcl * MV
+                            for v in T.unroll(MV):
+                                vacc[v] = T.float32(0)
+                            if gmax > T.float32(neg_inf) and (MC_EXACT or mcol < DL):
+                                for so in T.serial(
+                                    (msplit + SL * _MERGE_UNROLL - 1) // (SL * _MERGE_UNROLL)
+                                ):
+                                    for u in T.unroll(_MERGE_UNROLL):
+                                        ms: T.let[T.int32] = (so * _MERGE_UNROLL + u) * SL + msl
+                                        if ms < msplit:
+                                            mw: T.let[T.float32] = T.exp2(lse_sh[ms] - gmax)
+                                            for v in T.vectorized(MV):
+                                                vld[v] = ws_o[
+                                                    ((mrow * mmax_s + ms) * H + mh) * DL + mcol + v
                                                 ]
-                                            )
-                        for j in T.unroll(MCPT):
-                            if mtx + j * MT < DL:
-                                output[mrow, mh, mtx + j * MT] = T.cast(
-                                    T.if_then_else(
-                                        wsum[0] > T.float32(0), macc[j] / wsum[0], T.float32(0)
-                                    ),
-                                    dtype,
+                                            for v in T.unroll(MV):
+                                                vacc[v] = vacc[v] + mw * vld[v]
+                            for v in T.unroll(MV):
+                                red[msl * MCOLS + mcl * MV + v] = vacc[v]
+                            T.tvm_storage_sync("shared")
+                            for i in T.serial((MCOLS + MT - 1) // MT):
+                                if i * MT + mtx < MCOLS and (
+                                    MC_EXACT or mch * MCOLS + i * MT + mtx < DL
+                                ):
+                                    csum[0] = T.float32(0)
+                                    for k in T.serial(SL):
+                                        csum[0] = csum[0] + red[k * MCOLS + i * MT + mtx]
+                                    output[mrow, mh, mch * MCOLS + i * MT + mtx] = T.cast(
+                                        T.if_then_else(
+                                            gsum > T.float32(0), csum[0] / gsum, T.float32(0)
+                                        ),
+                                        dtype,
+                                    )
+                            if mch == 0 and mtx == 0:
+                                lse[mrow, mh] = T.if_then_else(
+                                    gsum > T.float32(0),
+                                    gmax + T.log2(gsum),
+                                    T.float32(neg_inf),
                                 )
-                        if mtx == 0:
-                            lse[mrow, mh] = T.if_then_else(
-                                wsum[0] > T.float32(0),
-                                mmax[0] + T.log2(wsum[0]),
-                                T.float32(neg_inf),
-                            )
+                    else:
+                        if msplit > 1:
+                            mmax[0] = T.float32(neg_inf)
+                            for s in T.serial(msplit):
+                                mmax[0] = T.max(mmax[0], ws_lse[(mrow * mmax_s + s) * H + mh])
+                            wsum[0] = T.float32(0)
+                            for j in T.unroll(MCPT):
+                                macc[j] = T.float32(0)
+                            if mmax[0] > T.float32(neg_inf):
+                                for s in T.serial(msplit):
+                                    ls: T.let[T.float32] = ws_lse[(mrow * mmax_s + s) * H + mh]
+                                    if ls > T.float32(neg_inf):
+                                        w: T.let[T.float32] = T.exp2(ls - mmax[0])
+                                        wsum[0] = wsum[0] + w
+                                        for j in T.unroll(MCPT):
+                                            if mtx + j * MT < DL:
+                                                macc[j] = (
+                                                    macc[j]
+                                                    + w
+                                                    * ws_o[
+                                                        ((mrow * mmax_s + s) * H + mh) * DL
+                                                        + mtx
+                                                        + j * MT
+                                                    ]
+                                                )
+                            for j in T.unroll(MCPT):
+                                if mtx + j * MT < DL:
+                                    output[mrow, mh, mtx + j * MT] = T.cast(
+                                        T.if_then_else(
+                                            wsum[0] > T.float32(0), macc[j] / wsum[0], T.float32(0)
+                                        ),
+                                        dtype,
+                                    )
+                            if mtx == 0:
+                                lse[mrow, mh] = T.if_then_else(
+                                    wsum[0] > T.float32(0),
+                                    mmax[0] + T.log2(wsum[0]),
+                                    T.float32(neg_inf),
+                                )
 
     return batch_mla_paged_attention_split_kv

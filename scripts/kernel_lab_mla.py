@@ -1,19 +1,21 @@
-"""Kernel lab, MLA attention over the paged latent cache: TVM 0.27's kernel vs ours, on one GPU.
+"""Kernel lab, MLA attention over the paged latent cache: TVM 0.27's kernel vs our variants.
 
-``python scripts/kernel_lab_mla.py prepare`` (build box, TVM + nvcc, no GPU): compiles two
-TIR-only libraries for CUDA sm_90 (precompiled fatbins, :mod:`dsv2_mlc.compiler.cuda`) into
+``python scripts/kernel_lab_mla.py prepare`` (build box, TVM + nvcc, no GPU): compiles TIR-only
+libraries for CUDA sm_90 (precompiled fatbins, :mod:`dsv2_mlc.compiler.cuda`) into
 ``build/lab/``: ``mla_tvm.so`` (TVM's ``batch_prefill_paged_kv_mla``, what
-``TIRPagedKVCache(attn_kind="mla")`` uses for decode and extend) and ``mla_ours.so``
-(:func:`dsv2_mlc.schedules.mla_attention_cuda.mla_attention_cuda`), both for V2-Lite's shapes
-(16 heads, latent 512, rope 64, fp16, page size 16), plus ``manifest.json``.
+``TIRPagedKVCache(attn_kind="mla")`` uses for decode and extend) and one ``mla_<variant>.so`` per
+entry of :data:`VARIANTS` (:func:`dsv2_mlc.schedules.mla_attention_cuda.mla_attention_cuda` with
+those keyword arguments; ``ours`` = the defaults, what the model uses), all for V2-Lite's shapes
+(16 heads, latent 512, rope 64, fp16, page size 16), plus ``manifest.json`` (which lists them).
 
 ``python3 scripts/kernel_lab_mla.py run --lib-dir .devcarry/tvm-lib`` (GPU machine; needs torch
 and ``tvm_ffi``, compiles nothing, never imports tvm): random q / pages / page tables for decode
 (batch 1, 4, 16 x context 512, 4K, 32K), an extend case (several rows per sequence, causal 0
-and 1) and a batch with an empty sequence; runs both kernels, checks them against a float32
-torch reference (relative L2 of ``out``, max ``lse`` error over finite entries, ``-inf`` rows),
-times them with CUDA events (median of several loops of back-to-back calls) and prints a
-table with the bytes each call must read (pages + q + out) and the bandwidth achieved.
+and 1) and a batch with an empty sequence; runs every kernel of the manifest, checks it against a
+float32 torch reference (relative L2 of ``out``, max ``lse`` error over finite entries, ``-inf``
+rows), times it with CUDA events (median of several loops of back-to-back calls) and prints one
+table (case x kernel, us; ``!`` marks a wrong result) plus an error summary per kernel.
+``--only a,b`` restricts the kernels, ``--cases substr`` the cases.
 """
 
 from __future__ import annotations
@@ -31,12 +33,26 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 LAB_DIR = ROOT / "build" / "lab"
 HEADS, LATENT, ROPE, PAGE = 16, 512, 64, 16
-KERNELS = {"tvm": ("mla_tvm.so", "mla_tvm"), "ours": ("mla_ours.so", "mla_ours")}
+# name -> mla_attention_cuda keyword arguments ("ours": the defaults, the model's kernel)
+VARIANTS: dict[str, dict] = {
+    "ours": {},
+    "v0": dict(  # the kernel before this round: 2 pages/split, <= 64 splits, serial merge, SIMT
+        mma=False, min_pages_per_split=2, max_split=64, target_blocks=264, merge="serial"
+    ),
+    "simt": dict(mma=False),  # 1 page/split, <= 256 splits, parallel merge
+    "simt_hg8": dict(mma=False, heads_per_block=8),
+    "simt_hg4": dict(mma=False, heads_per_block=4),
+    "simt_t512": dict(mma=False, threads=512),
+    "mma_s128": dict(max_split=128, target_blocks=264),
+    "mma_pp2": dict(min_pages_per_split=2),
+    "mma_serial": dict(merge="serial"),
+}
+BAD_REL, BAD_LSE = 2e-3, 1e-3  # a result worse than this is flagged "!"
 
 
 # -- here: builds ----------------------------------------------------------------------------------
 def prepare(args: argparse.Namespace) -> int:
-    """Compile both kernels for CUDA into build/lab (no GPU needed)."""
+    """Compile TVM's kernel and every variant for CUDA into build/lab (no GPU needed)."""
     from dsv2_mlc.compiler.cuda import check_fatbin, cuda_codegen, make_cuda_target
 
     target = make_cuda_target(args.arch)
@@ -46,20 +62,27 @@ def prepare(args: argparse.Namespace) -> int:
     from dsv2_mlc.schedules.mla_attention_cuda import mla_attention_cuda
 
     LAB_DIR.mkdir(parents=True, exist_ok=True)
-    funcs = {
-        "tvm": _attention_prefill_mla(HEADS, LATENT, ROPE, "float16", False, target),
-        "ours": mla_attention_cuda(HEADS, LATENT, ROPE, "float16"),
-    }
+    for old in LAB_DIR.glob("mla_*.so"):
+        old.unlink()
+    funcs = {"tvm": _attention_prefill_mla(HEADS, LATENT, ROPE, "float16", False, target)}
+    for name, kwargs in VARIANTS.items():
+        funcs[name] = mla_attention_cuda(HEADS, LATENT, ROPE, "float16", **kwargs)
     built = {}
     for key, func in funcs.items():
-        lib, symbol = KERNELS[key]
+        lib, symbol = f"mla_{key}.so", f"mla_{key}"
         mod = tvm.IRModule({symbol: func.with_attr("global_symbol", symbol)})
         start = time.time()
         with cuda_codegen(), target:
             exe = tvm.compile(mod, target=target)
         exe.export_library(str(LAB_DIR / lib))
         check_fatbin(LAB_DIR / lib, args.arch)
-        built[key] = {"library": lib, "symbol": symbol, "compile_s": round(time.time() - start, 1)}
+        built[key] = {
+            "library": lib,
+            "symbol": symbol,
+            "kwargs": VARIANTS.get(key, "TVM _attention_prefill_mla"),
+            "compile_s": round(time.time() - start, 1),
+            "bytes": (LAB_DIR / lib).stat().st_size,
+        }
         print(f"{key}: build/lab/{lib} ({built[key]['compile_s']} s)", flush=True)
 
     def git(*cmd: str) -> str:
@@ -78,14 +101,17 @@ def prepare(args: argparse.Namespace) -> int:
 
 
 # -- there: measurement ----------------------------------------------------------------------------
-def _load_kernels(lib_dir: str) -> dict:
+def _load_kernels(lib_dir: str, only: str | None) -> dict:
     import tvm_ffi
 
     for name in ("libtvm_runtime.so", "libtvm_runtime_cuda.so"):
         ctypes.CDLL(str(Path(lib_dir) / name), mode=ctypes.RTLD_GLOBAL)
+    built = json.loads((LAB_DIR / "manifest.json").read_text())["kernels"]
+    keep = set(only.split(",")) if only else None
     return {
-        key: tvm_ffi.load_module(str(LAB_DIR / lib))[symbol]
-        for key, (lib, symbol) in KERNELS.items()
+        key: tvm_ffi.load_module(str(LAB_DIR / k["library"]))[k["symbol"]]
+        for key, k in built.items()
+        if keep is None or key in keep
     }
 
 
@@ -191,46 +217,74 @@ def _time(torch, func, c: dict, budget_s: float) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def _bad(e: dict) -> bool:
+    return (
+        not e["rel_l2"] <= BAD_REL
+        or not e["lse_max_err"] <= BAD_LSE
+        or not e["empty_rows_ok"]
+        or e["nan"]
+    )
+
+
 def run(args: argparse.Namespace) -> int:
-    """Check and time both kernels on every case; print the table, write results JSON."""
+    """Check and time every kernel on every case; print the table, write results JSON."""
     import torch
 
-    kernels = _load_kernels(args.lib_dir)
+    kernels = _load_kernels(args.lib_dir, args.only)
     props = torch.cuda.get_device_properties(0)
     print(f"GPU: {props.name}, {props.multi_processor_count} SMs; torch {torch.__version__}")
     cases: list[tuple[str, list[int], list[int], int]] = []
     for batch in (1, 4, 16):
         for ctx in (512, 4096, 32768):
-            cases.append((f"decode b{batch} ctx{ctx}", [ctx] * batch, [1] * batch, 0))
-    cases.append(("extend b2 q37 ctx1000 (causal 0)", [1000, 1000], [37, 37], 0))
-    cases.append(("extend b2 q37 ctx1000 (causal 1)", [1000, 1000], [37, 37], 1))
-    cases.append(("extend b1 q512 ctx4096 (causal 0)", [4096], [512], 0))
-    cases.append(("mixed: empty seq, b3 q[1,3,2] ctx[77,0,300]", [77, 0, 300], [1, 3, 2], 0))
+            cases.append((f"dec b{batch} {ctx}", [ctx] * batch, [1] * batch, 0))
+    cases.append(("ext b2 q37 1000 c0", [1000, 1000], [37, 37], 0))
+    cases.append(("ext b2 q37 1000 c1", [1000, 1000], [37, 37], 1))
+    cases.append(("ext b1 q512 4096 c0", [4096], [512], 0))
+    cases.append(("mixed q[1,3,2] [77,0,300]", [77, 0, 300], [1, 3, 2], 0))
+    keys = list(kernels)
+    width = max(8, *(len(k) + 1 for k in keys))
+    print("us per call ('!' = wrong result)")
+    print(f"{'case':26s}" + "".join(f"{k:>{width}s}" for k in keys), flush=True)
     results = []
     for i, (name, kv_lens, q_lens, causal) in enumerate(cases):
+        if args.cases and args.cases not in name:
+            continue
         c = _case(torch, kv_lens, q_lens, causal, seed=i)
         ref = _reference(torch, c)
         row: dict = {"case": name, "kv_lens": kv_lens, "q_lens": q_lens, "causal": causal}
         n_tok = sum(kv_lens)
         total = sum(q_lens)
         row["bytes"] = n_tok * (LATENT + ROPE) * 2 + total * HEADS * (LATENT + ROPE + LATENT) * 2
+        cells = []
         for key, func in kernels.items():
-            got = _call(torch, func, c)
-            torch.cuda.synchronize()
-            row[key] = _errors(torch, got, ref)
-            row[key]["s"] = _time(torch, func, c, args.budget_per_case_s)
+            try:
+                got = _call(torch, func, c)
+                torch.cuda.synchronize()
+                row[key] = _errors(torch, got, ref)
+                budget = args.budget_per_case_s / (4 if key == "tvm" else 1)
+                row[key]["s"] = _time(torch, func, c, budget)
+                mark = "!" if _bad(row[key]) else " "
+                cells.append(f"{row[key]['s'] * 1e6:{width - 1}.1f}{mark}")
+            except Exception as err:  # noqa: BLE001 - report and go on with the next kernel
+                row[key] = {"error": str(err)[:300]}
+                cells.append(f"{'ERR':>{width}s}")
         del c, ref
         torch.cuda.empty_cache()
         results.append(row)
-        t_b, t_o = row["tvm"]["s"], row["ours"]["s"]
-        print(
-            f"{name:46s} tvm {t_b * 1e6:10.1f} us  ours {t_o * 1e6:9.1f} us  "
-            f"x{t_b / t_o:7.1f}  ours {row['bytes'] / t_o / 1e9:7.1f} GB/s  "
-            f"err ours rel {row['ours']['rel_l2']:.1e} lse {row['ours']['lse_max_err']:.1e} "
-            f"empty {row['ours']['empty_rows_ok']} nan {row['ours']['nan']} | "
-            f"tvm rel {row['tvm']['rel_l2']:.1e}",
-            flush=True,
-        )
+        print(f"{name:26s}" + "".join(cells), flush=True)
+    print("errors: max rel L2 / max lse err / empty rows ok / nan")
+    for key in keys:
+        errs = [r[key] for r in results if key in r and "rel_l2" in r[key]]
+        failed = sum(1 for r in results if key in r and "error" in r[key])
+        if errs:
+            print(
+                f"  {key:12s} {max(e['rel_l2'] for e in errs):.1e} "
+                f"{max(e['lse_max_err'] for e in errs):.1e} "
+                f"{all(e['empty_rows_ok'] for e in errs)} {any(e['nan'] for e in errs)}"
+                + (f"  ({failed} cases raised)" if failed else "")
+            )
+        else:
+            print(f"  {key:12s} all cases raised")
     out = Path(args.out) if args.out else None
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
@@ -243,12 +297,14 @@ def run(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
-    p = sub.add_parser("prepare", help="compile both kernels into build/lab (build box)")
+    p = sub.add_parser("prepare", help="compile the kernels into build/lab (build box)")
     p.add_argument("--arch", default="sm_90")
-    r = sub.add_parser("run", help="check and time both kernels (GPU machine)")
+    r = sub.add_parser("run", help="check and time the kernels (GPU machine)")
     r.add_argument("--lib-dir", default=os.environ.get("DSV2_MLC_TVM_LIB_DIR", ".devcarry/tvm-lib"))
     r.add_argument("--out", default=os.environ.get("OUT"))
-    r.add_argument("--budget-per-case-s", type=float, default=1.0)
+    r.add_argument("--budget-per-case-s", type=float, default=0.3)
+    r.add_argument("--only", default=None, help="comma-separated kernel names")
+    r.add_argument("--cases", default=None, help="only cases whose name contains this")
     args = parser.parse_args(argv)
     return prepare(args) if args.cmd == "prepare" else run(args)
 

@@ -9,6 +9,8 @@ on an H200 by ``scripts/kernel_lab_mla.py run`` (schedules/results/mla_attention
 
 from __future__ import annotations
 
+import importlib.util
+import re
 import shutil
 from pathlib import Path
 
@@ -47,6 +49,71 @@ def test_kernel_compiles_to_sm90(tmp_path: Path, heads, latent, rope, dtype) -> 
     lib = tmp_path / "mla.so"
     exe.export_library(str(lib))
     check_fatbin(lib, "sm_90")
+
+
+def _lab_variants() -> dict:
+    path = Path(__file__).resolve().parent.parent / "scripts" / "kernel_lab_mla.py"
+    spec = importlib.util.spec_from_file_location("kernel_lab_mla", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.VARIANTS
+
+
+@needs_nvcc
+@pytest.mark.parametrize("variant", sorted(_lab_variants()))
+def test_lab_variants_compile(tmp_path: Path, variant: str) -> None:
+    """Every variant ``kernel_lab_mla.py prepare`` builds compiles to sm_90 (V2-Lite shapes)."""
+    from dsv2_mlc.compiler.cuda import check_fatbin, cuda_codegen, make_cuda_target
+
+    target = make_cuda_target("sm_90")
+    kwargs = _lab_variants()[variant]
+    func = mla_attention_cuda(16, 512, 64, "float16", **kwargs).with_attr("global_symbol", "m")
+    with cuda_codegen(), target:
+        exe = tvm.compile(tvm.IRModule({"m": func}), target=target)
+    exe.export_library(str(tmp_path / "m.so"))
+    check_fatbin(tmp_path / "m.so", "sm_90")
+
+
+# Names of the PrimFunc's shape variables and buffers besides ``total_len`` (the query rows).
+_CONTEXT_NAMES = (
+    "nnz_pages",
+    "max_num_pages",
+    "batch_size",
+    "q_indptr",
+    "page_indptr",
+    "page_values",
+    "length_info",
+    "pages",
+    "causal",
+)
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{}, {"mma": False, "heads_per_block": 8}, {"merge": "serial", "max_split": 64}]
+)
+def test_launch_config_depends_on_rows_only(kwargs: dict) -> None:
+    """Grid extents and workspace sizes read ``total_len`` only, never the page table: a captured
+    CUDA graph replays the same launch while the context grows."""
+    script = mla_attention_cuda(16, 512, 64, "float16", **kwargs).script()
+    launch = [
+        line
+        for line in script.splitlines()
+        if "T.thread_binding(" in line or re.match(r"\s*ws_\w+ = T.alloc_buffer\(", line)
+    ]
+    assert sum("blockIdx.x" in line for line in launch) == 2  # split and merge kernels
+    assert sum("alloc_buffer(" in line for line in launch) == 3  # ws_o, ws_lse, ws_n
+    for line in launch:
+        words = set(re.findall(r"[A-Za-z_][A-Za-z_0-9]*", line))
+        assert not words & set(_CONTEXT_NAMES), line
+
+
+def test_kernel_rejects_bad_variant_arguments() -> None:
+    with pytest.raises(ValueError, match="merge"):
+        mla_attention_cuda(16, 512, 64, merge="tree")
+    with pytest.raises(ValueError, match="threads"):
+        mla_attention_cuda(16, 512, 64, threads=384)
+    with pytest.raises(ValueError, match=">= 1"):
+        mla_attention_cuda(16, 512, 64, min_pages_per_split=0)
 
 
 def test_kernel_rejects_unsupported_shapes() -> None:

@@ -149,7 +149,7 @@ def test_compiled_int4_module_has_fused_kernels_and_no_dequantized_weight(int4_b
         "moe_gate_up_q4",
         "moe_down_q4",
         "embedding_dequantize",
-        "rope_k_concatenate",  # RoPE fused into the latent that is appended to the cache
+        "latent_norm_rope",  # RMSNorm + RoPE of the latent appended to the cache: one kernel
     ):
         assert any(kernel in k for k in kernels), kernel  # FuseOps may prefix/suffix it
     assert "dsv2_mlc.dequantize_int4_group" not in final

@@ -186,7 +186,7 @@ def _export(cfg: DeepseekV2Config, target, quant: Quantization) -> tuple:
     plan = quantize_model(model, quant)
     with target:  # kernels chosen while tracing (the MoE router) follow Target.current()
         mod, named_params = model.export_tvm(spec=model.get_default_spec())
-    return mod, named_params, plan
+    return model.annotate_entries(mod), named_params, plan
 
 
 def _compile_library(mod, target, device: str, tmp: Path, dump_ir: str | Path | None) -> None:

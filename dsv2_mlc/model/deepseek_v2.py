@@ -24,16 +24,19 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from tvm import te, tirx
+from tvm.ir import IRModule
 from tvm.ir.expr import Expr
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import Tensor, op
 from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache
 from tvm.target import Target
 
+from ..passes._rewrite import ENTRY_KIND_ATTR
 from .config import DeepseekV2Config
 from .kv_cache import MLAPagedKVCache
+from .mla_ops import absorb_query, absorb_value, latent_norm_rope
 from .moe import DeepseekV2MLP, DeepseekV2MoE
-from .rope import apply_rope
+from .rope import apply_rope, rope_table
 
 Mode = Literal["prefill", "extend", "decode"]
 
@@ -108,8 +111,11 @@ class DeepseekV2Attention(nn.Module):
         self.kv_b_proj = KVBProj(cfg, dtype)
         self.o_proj = nn.Linear(heads * cfg.v_head_dim, h, bias=False, dtype=dtype)
 
-    def forward(self, x: Tensor, cache: PagedKVCache, mode: Mode) -> tuple[Tensor, PagedKVCache]:
-        """x: [n, hidden] (all tokens of the batch) -> ([n, hidden], cache)."""
+    def forward(
+        self, x: Tensor, rope: Tensor, cache: PagedKVCache, mode: Mode
+    ) -> tuple[Tensor, PagedKVCache]:
+        """x: [n, hidden] (all tokens of the batch), rope: [n, R] float32 (the tokens'
+        ``rope_table``) -> ([n, hidden], cache)."""
         cfg = self.cfg
         n = x.shape[0]
         heads, nope, rope_dim = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
@@ -119,20 +125,18 @@ class DeepseekV2Attention(nn.Module):
             q = self.q_proj(x)
         else:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        q = op.reshape(q, (n, heads, cfg.qk_head_dim))
-        q_nope, q_pe = op.split(q, [nope], axis=2)
-        c_kv, k_pe = op.split(self.kv_a_proj_with_mqa(x), [lora], axis=1)
-        c_kv = self.kv_a_layernorm(c_kv)
-
-        positions = cache.get_query_positions(n)
-        q_pe = apply_rope(q_pe, positions, cfg.rope, "rope_q")
-        k_pe = apply_rope(k_pe, positions, cfg.rope, "rope_k")
-        latent = op.concat([c_kv, k_pe], dim=1)
+        # The cached latent [RMSNorm(c_kv), rope(k_pe)], one kernel (mla_ops).
+        latent = latent_norm_rope(
+            self.kv_a_proj_with_mqa(x), self.kv_a_layernorm.weight, rope, cfg, LORA_NORM_EPS
+        )
         cache = cache.append_mla_kv(self.layer_id, op.reshape(latent, (1, n, 1, cfg.latent_dim)))
 
         out = None
         if mode != "decode":
             # Non-absorbed (prefill) attention over the new tokens: decompress the latent.
+            c_kv, k_pe = op.split(latent, [lora], axis=1)
+            q_nope, q_pe = op.split(op.reshape(q, (n, heads, cfg.qk_head_dim)), [nope], axis=2)
+            q_pe = apply_rope(q_pe, rope, "rope_q")
             k_nope = op.matmul(c_kv, op.permute_dims(op.reshape(self.kv_b_proj.w_uk, (-1, lora))))
             value = op.matmul(c_kv, op.permute_dims(op.reshape(self.kv_b_proj.w_uv, (-1, lora))))
             k_nope = op.reshape(k_nope, (n, heads, nope))
@@ -143,13 +147,13 @@ class DeepseekV2Attention(nn.Module):
             out, lse = cache.self_attention(self.layer_id, query, key, value, scale)
         if mode != "prefill":
             # Absorbed attention over the cached latent pages.
-            q_abs = op.matmul(op.permute_dims(q_nope, [1, 0, 2]), self.kv_b_proj.w_uk)
-            q_abs = op.permute_dims(q_abs, [1, 0, 2])  # [n, heads, lora]
-            q_lat = op.reshape(op.concat([q_abs, q_pe], dim=2), (1, n, heads, cfg.latent_dim))
+            q_lat = absorb_query(q, self.kv_b_proj.w_uk, rope, cfg, Target.current(allow_none=True))
+            q_lat = op.reshape(q_lat, (1, n, heads, cfg.latent_dim))
             o_lat, lse_lat = cache.cross_attention(self.layer_id, q_lat, lora, scale)
-            o_lat = op.permute_dims(op.reshape(o_lat, (n, heads, lora)), [1, 0, 2])
-            o_cross = op.matmul(o_lat, op.permute_dims(self.kv_b_proj.w_uv, [0, 2, 1]))
-            o_cross = op.reshape(op.permute_dims(o_cross, [1, 0, 2]), (1, n, heads, v_dim))
+            o_cross = absorb_value(
+                op.reshape(o_lat, (n, heads, lora)), self.kv_b_proj.w_uv, mode == "decode"
+            )
+            o_cross = op.reshape(o_cross, (1, n, heads, v_dim))
             if out is None:
                 out = o_cross
             else:
@@ -169,10 +173,12 @@ class DeepseekV2DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
-    def forward(self, x: Tensor, cache: PagedKVCache, mode: Mode) -> tuple[Tensor, PagedKVCache]:
-        attn, cache = self.self_attn(self.input_layernorm(x), cache, mode)
+    def forward(
+        self, x: Tensor, rope: Tensor, cache: PagedKVCache, mode: Mode
+    ) -> tuple[Tensor, PagedKVCache]:
+        attn, cache = self.self_attn(self.input_layernorm(x), rope, cache, mode)
         x = x + attn
-        x = x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.mlp(self.post_attention_layernorm(x), mode)
         return x, cache
 
 
@@ -200,8 +206,11 @@ class DeepseekV2ForCausalLM(nn.Module):
     def _body(self, input_ids: Tensor, cache: PagedKVCache, mode: Mode) -> tuple[Tensor, Any]:
         n = input_ids.shape[0] * input_ids.shape[1]
         x = op.reshape(self.model.embed_tokens(op.reshape(input_ids, (n,))), (n, -1))
+        # One RoPE cos/sin table per forward pass, read by every layer.
+        positions = cache.get_query_positions(n)
+        rope = rope_table(positions, self.cfg.rope, self.cfg.qk_rope_head_dim)
         for layer in self.model.layers:
-            x, cache = layer(x, cache, mode)
+            x, cache = layer(x, rope, cache, mode)
         return x, cache
 
     def _logits(self, x: Tensor) -> Tensor:
@@ -260,6 +269,16 @@ class DeepseekV2ForCausalLM(nn.Module):
             dtype=self.dtype,
             target=self.target,
         )
+
+    # What each entry point runs; passes read it from the function attribute ENTRY_KIND_ATTR.
+    ENTRY_KINDS = {"batch_prefill": "prefill", "batch_extend": "extend", "batch_decode": "decode"}
+
+    def annotate_entries(self, mod: IRModule) -> IRModule:
+        """``mod`` (this model's export) with each entry point's kind as a function attribute."""
+        for gv, func in list(mod.functions_items()):
+            if gv.name_hint in self.ENTRY_KINDS:
+                mod[gv] = func.with_attr(ENTRY_KIND_ATTR, self.ENTRY_KINDS[gv.name_hint])
+        return mod
 
     def get_default_spec(self) -> nn.spec.ModuleSpec:
         """The export spec of the entry points."""

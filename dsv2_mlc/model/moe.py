@@ -12,12 +12,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from tvm import te
+from tvm import te, tirx
 from tvm.ir.expr import Expr
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import Tensor, op
 from tvm.target import Target
 
+from ..schedules import moe_grouped_cuda as grouped
 from ..schedules.decode_gemv_cuda import DECODE_GEMV
 from ..schedules.moe_routing import moe_route
 from .config import DeepseekV2Config
@@ -28,6 +29,28 @@ WeightReader = Callable[[list[te.Tensor], Expr, Expr, Expr], Expr]
 def read_float_weight(ws: list[te.Tensor], e: Expr, o: Expr, r: Expr):
     """Element ``[e, o, r]`` of a float weight ``ws[0]`` [E, out, in], as float32."""
     return ws[0][e, o, r].astype("float32")
+
+
+def gather_matmul_te(
+    xt: te.Tensor,
+    it: te.Tensor,
+    wts: list[te.Tensor],
+    out_dim: int,
+    name: str,
+    read: WeightReader = read_float_weight,
+) -> te.Tensor:
+    """The TE of :func:`gather_matmul` (``xt`` [n, d] or [n, k, d], ``it`` [n, k] int32)."""
+    per_slot = len(xt.shape) == 3
+    red_dim = int(xt.shape[-1])
+    n, k = it.shape
+    r = te.reduce_axis((0, red_dim), name="r")
+
+    def f(t: Expr, j: Expr, o: Expr) -> Expr:
+        xv = xt[t, j, r] if per_slot else xt[t, r]
+        return te.sum(xv.astype("float32") * read(list(wts), it[t, j], o, r), axis=r)
+
+    acc = te.compute((n, k, out_dim), f, name=f"{name}_acc", attrs=dict([DECODE_GEMV]))
+    return te.compute(acc.shape, lambda *i: acc(*i).astype(xt.dtype), name=name)
 
 
 def gather_matmul(
@@ -45,21 +68,86 @@ def gather_matmul(
     through ``read`` so a dequantised weight is never materialised; ``idx`` is [n, k] int32.
     Returns [n, k, out_dim] in the dtype of ``x``.
     """
-    per_slot = len(x.shape) == 3
-    red_dim = int(x.shape[-1])
 
     def compute(xt: te.Tensor, it: te.Tensor, *wts: te.Tensor) -> te.Tensor:
-        n, k = it.shape
-        r = te.reduce_axis((0, red_dim), name="r")
-
-        def f(t: Expr, j: Expr, o: Expr) -> Expr:
-            xv = xt[t, j, r] if per_slot else xt[t, r]
-            return te.sum(xv.astype("float32") * read(list(wts), it[t, j], o, r), axis=r)
-
-        acc = te.compute((n, k, out_dim), f, name=f"{name}_acc", attrs=dict([DECODE_GEMV]))
-        return te.compute(acc.shape, lambda *i: acc(*i).astype(xt.dtype), name=name)
+        return gather_matmul_te(xt, it, list(wts), out_dim, name, read)
 
     return nn.tensor_expr_op(compute, name, [x, idx, *weights])
+
+
+def use_grouped_experts(mode: str | None) -> bool:
+    """Whether the routed experts run as grouped GEMMs (:mod:`dsv2_mlc.schedules.moe_grouped_cuda`):
+    prefill / extend on a CUDA target (``Target.current()``); decode and the CPU keep the gather
+    kernels."""
+    target = Target.current(allow_none=True)
+    return mode in ("prefill", "extend") and target is not None and target.kind.name == "cuda"
+
+
+def grouped_experts(
+    x: Tensor,
+    weights: Tensor,
+    idx: Tensor,
+    gate_up: list[Tensor],
+    down: list[Tensor],
+    num_experts: int,
+    intermediate: int,
+    name: str,
+    read: WeightReader = read_float_weight,
+) -> Tensor:
+    """``sum_j weights[:, j] * expert_{idx[:, j]}(x)`` through the expert-sorted grouped GEMMs:
+    align (sort the (token, slot) pairs by expert), gate/up with SwiGLU, down, combine.
+
+    ``gate_up`` / ``down`` are the stacked weights (one float tensor, or packed INT4 + scales,
+    read through ``read``), ``[E, 2I, H]`` / ``[E, H, I]`` in the float layout.
+    """
+    n, k = idx.shape
+    h = int(x.shape[-1])
+    tm = grouped.TM
+    tiles = grouped.num_tiles(n, k, num_experts, tm)
+    rows, tile_expert, inv, _counts = op.tensor_ir_op(
+        grouped.moe_align(num_experts, int(k), tm),
+        "moe_align",
+        args=[idx],
+        out=[
+            Tensor.placeholder((tiles, tm), "int32"),
+            Tensor.placeholder((tiles,), "int32"),
+            Tensor.placeholder((n, k), "int32"),
+            Tensor.placeholder((num_experts,), "int32"),
+        ],
+    )
+
+    def te_args(tensors: list[Tensor]) -> list[te.Tensor]:
+        return [te.placeholder(t.shape, t.dtype, name=f"w{i}") for i, t in enumerate(tensors)]
+
+    nt = tirx.Var("num_tiles", "int64")
+    nv = tirx.Var("n", "int64")
+    rows_te = te.placeholder((nt, tm), "int32", name="rows")
+    te_te = te.placeholder((nt,), "int32", name="tile_expert")
+    x_te = te.placeholder((nv, h), x.dtype, name="x")
+    gu_te = te_args(gate_up)
+    gate_up_fn = grouped.grouped_gemm_cuda(
+        x_te, rows_te, te_te, gu_te, read, intermediate, 2, True, f"{name}_gate_up"
+    )
+    hidden = op.tensor_ir_op(
+        gate_up_fn, f"{name}_gate_up", args=[x, rows, tile_expert, *gate_up],
+        out=Tensor.placeholder((tiles, tm, intermediate), x.dtype),
+    )  # fmt: skip
+    h_te = te.placeholder((nt, tm, intermediate), x.dtype, name="hidden")
+    down_fn = grouped.grouped_gemm_cuda(
+        h_te, rows_te, te_te, te_args(down), read, h, 1, False, f"{name}_down"
+    )
+    rows_out = op.tensor_ir_op(
+        down_fn, f"{name}_down", args=[hidden, rows, tile_expert, *down],
+        out=Tensor.placeholder((tiles, tm, h), x.dtype),
+    )  # fmt: skip
+    d_te = te.placeholder((nt, tm, h), x.dtype, name="down")
+    inv_te = te.placeholder((nv, int(k)), "int32", name="inv")
+    w_te = te.placeholder((nv, int(k)), "float32", name="weights")
+    combine_fn = grouped.combine_cuda(d_te, inv_te, w_te, f"{name}_combine")
+    return op.tensor_ir_op(
+        combine_fn, f"{name}_combine", args=[rows_out, inv, weights],
+        out=Tensor.placeholder((n, h), x.dtype),
+    )  # fmt: skip
 
 
 def gate_logits_te(x: te.Tensor, w: te.Tensor) -> te.Tensor:
@@ -81,7 +169,8 @@ class DeepseekV2MLP(nn.Module):
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False, dtype=dtype)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False, dtype=dtype)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, mode: str | None = None) -> Tensor:
+        """``mode`` (the entry point's, see ``DeepseekV2MoE``) does not change a dense MLP."""
         gate, up = op.split(self.gate_up_proj(x), 2, axis=-1)
         return self.down_proj(op.silu(gate) * up)
 
@@ -127,12 +216,19 @@ class DeepseekV2Experts(nn.Module):
 
     def __init__(self, cfg: DeepseekV2Config, dtype: str):
         e, i, h = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
-        self.intermediate = i
+        self.num_experts, self.intermediate = e, i
         self.gate_up_proj = nn.Parameter((e, 2 * i, h), dtype)
         self.down_proj = nn.Parameter((e, h, i), dtype)
 
-    def forward(self, x: Tensor, weights: Tensor, idx: Tensor) -> Tensor:
-        """x [n, H], weights [n, k] fp32, idx [n, k] -> sum_j weights[:, j] * expert_j(x)."""
+    def forward(self, x: Tensor, weights: Tensor, idx: Tensor, mode: str | None = None) -> Tensor:
+        """x [n, H], weights [n, k] fp32, idx [n, k] -> sum_j weights[:, j] * expert_j(x).
+
+        Prefill / extend on CUDA: grouped GEMMs (:func:`grouped_experts`); otherwise gathers."""
+        if use_grouped_experts(mode):
+            return grouped_experts(
+                x, weights, idx, [self.gate_up_proj], [self.down_proj], self.num_experts,
+                self.intermediate, "moe_grouped",
+            )  # fmt: skip
         i2, h = 2 * self.intermediate, x.shape[-1]
         gate_up = gather_matmul(x, [self.gate_up_proj], idx, i2, "moe_gate_up")
         gate, up = op.split(gate_up, 2, axis=-1)
@@ -154,10 +250,13 @@ class DeepseekV2MoE(nn.Module):
             else None
         )
 
-    def forward(self, x: Tensor) -> Tensor:
-        """x: [n, H] (the tokens of the batch, flattened) -> [n, H]."""
+    def forward(self, x: Tensor, mode: str | None = None) -> Tensor:
+        """x: [n, H] (the tokens of the batch, flattened) -> [n, H].
+
+        ``mode`` is the entry point's ("prefill" | "extend" | "decode"): the routed experts of
+        prefill and extend on CUDA run as grouped GEMMs, the rest keeps the gather kernels."""
         weights, idx = self.gate(x)
-        out = self.experts(x, weights, idx)
+        out = self.experts(x, weights, idx, mode)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out

@@ -55,35 +55,56 @@ def rope_cos_sin_scale(rope: RopeConfig) -> float:
     )
 
 
-def apply_rope(x: nn.Tensor, positions: nn.Tensor, rope: RopeConfig, name: str) -> nn.Tensor:
-    """Rotate interleaved pairs of the last axis of ``x`` ([n, ..., d]) at ``positions`` ([n]).
-
-    The angle and the rotation are computed in float32 whatever the dtype of ``x``.
-    """
-    dim = int(x.shape[-1])
+def rope_cos_sin(rope: RopeConfig, dim: int, pos: Expr, pair: Expr) -> tuple[Expr, Expr]:
+    """float32 ``(cos, sin)`` of pair ``pair`` (of ``dim // 2``) at position ``pos`` (a TIR
+    expression), with DeepSeek's cos/sin scale folded in."""
     inv_freq = [float(v) for v in rope_inv_freq(rope, dim)]
-    scale = rope_cos_sin_scale(rope)
+    scale = tirx.const(rope_cos_sin_scale(rope), "float32")
+    # A select chain over compile-time constants: exact float32 values, no parameter needed.
+    freq = tirx.const(inv_freq[-1], "float32")
+    for j in range(len(inv_freq) - 2, -1, -1):
+        freq = tirx.Select(pair == j, tirx.const(inv_freq[j], "float32"), freq)
+    angle = pos.astype("float32") * freq
+    return tirx.cos(angle) * scale, tirx.sin(angle) * scale
+
+
+def rotate_pair(d: Expr, even: Expr, odd: Expr, cos: Expr, sin: Expr) -> Expr:
+    """Element ``d`` of a rotated interleaved pair ``(even, odd)`` (float32 values)."""
+    return tirx.Select(d % 2 == 0, even * cos - odd * sin, odd * cos + even * sin)
+
+
+def rope_table(positions: nn.Tensor, rope: RopeConfig, dim: int) -> nn.Tensor:
+    """``[n, dim]`` float32: ``(cos, sin)`` of pair ``p`` at columns ``2p, 2p + 1`` for each
+    position (DeepSeek's cos/sin scale folded in). Computed once per forward pass and read by
+    every RoPE of every layer, instead of each of them evaluating cos and sin per element."""
+
+    def compute(pos: te.Tensor) -> te.Tensor:
+        def f(t: Expr, j: Expr) -> Expr:
+            cos, sin = rope_cos_sin(rope, dim, pos[t], j // 2)
+            return tirx.Select(j % 2 == 0, cos, sin)
+
+        return te.compute((pos.shape[0], dim), f, name="rope_table")
+
+    return nn.tensor_expr_op(compute, "rope_table", [positions])
+
+
+def apply_rope(x: nn.Tensor, table: nn.Tensor, name: str) -> nn.Tensor:
+    """Rotate interleaved pairs of the last axis of ``x`` ([n, ..., d]) with the
+    :func:`rope_table` of its tokens ([n, d]).
+
+    The rotation is computed in float32 whatever the dtype of ``x``.
+    """
     dtype = x.dtype
 
-    def inv_freq_of(i: Expr) -> Expr:
-        # A select chain over compile-time constants: exact float32 values, no parameter needed.
-        expr = tirx.const(inv_freq[-1], "float32")
-        for j in range(len(inv_freq) - 2, -1, -1):
-            expr = tirx.Select(i == j, tirx.const(inv_freq[j], "float32"), expr)
-        return expr
-
-    def compute(xt: te.Tensor, pos: te.Tensor) -> te.Tensor:
+    def compute(xt: te.Tensor, tab: te.Tensor) -> te.Tensor:
         def f(*idx: Expr) -> Expr:
             d = idx[-1]
             pair = d // 2
-            angle = pos[idx[0]].astype("float32") * inv_freq_of(pair)
-            cos = tirx.cos(angle) * tirx.const(scale, "float32")
-            sin = tirx.sin(angle) * tirx.const(scale, "float32")
+            cos, sin = tab[idx[0], pair * 2], tab[idx[0], pair * 2 + 1]
             even = xt(*idx[:-1], pair * 2).astype("float32")
             odd = xt(*idx[:-1], pair * 2 + 1).astype("float32")
-            out = tirx.Select(d % 2 == 0, even * cos - odd * sin, odd * cos + even * sin)
-            return out.astype(dtype)
+            return rotate_pair(d, even, odd, cos, sin).astype(dtype)
 
         return te.compute(xt.shape, f, name=name)
 
-    return nn.tensor_expr_op(compute, name, [x, positions])
+    return nn.tensor_expr_op(compute, name, [x, table])

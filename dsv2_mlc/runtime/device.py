@@ -22,7 +22,7 @@ from .tvm_runtime import global_func
 
 DEVICE_TYPES = {"cpu": 1, "cuda": 2}  # DLPack device types (kDLCPU, kDLCUDA)
 
-__all__ = ["DEVICE_TYPES", "device_of", "to_device", "to_numpy"]
+__all__ = ["DEVICE_TYPES", "copy_into", "device_of", "to_device", "to_numpy"]
 
 
 def device_of(name: str, index: int = 0) -> tvm_ffi.Device:
@@ -48,6 +48,16 @@ def to_device(
             tensor, ctypes.c_void_p(array.ctypes.data), array.nbytes
         )
     return tensor
+
+
+def copy_into(tensor: tvm_ffi.Tensor, array: np.ndarray) -> None:
+    """Overwrite ``tensor`` (any device) with ``array`` of the same shape and dtype."""
+    array = np.ascontiguousarray(array, dtype=np.dtype(str(tensor.dtype)))
+    if tuple(array.shape) != tuple(int(s) for s in tensor.shape):
+        raise ValueError(f"shape {array.shape} does not match the tensor's {tensor.shape}")
+    global_func("runtime.TVMTensorCopyFromBytes")(
+        tensor, ctypes.c_void_p(array.ctypes.data), array.nbytes
+    )
 
 
 def to_numpy(tensor: tvm_ffi.Tensor) -> np.ndarray:

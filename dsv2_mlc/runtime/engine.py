@@ -9,13 +9,14 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import tvm_ffi
 
 from ..model.config import DeepseekV2Config
-from .device import to_device, to_numpy
+from .cuda_graph import DecodeGraphs, decode_graph_key
+from .device import copy_into, to_device, to_numpy
 from .generation import GenerationResult, GenerationStream, StreamDelta, run_generation
 from .layout import LIBRARY, PARAMS_DIR, BuildConfig, BuildError
 from .sampling import SamplingParams
@@ -73,10 +74,12 @@ class Engine:
         prefill_chunk_size: int = 512,
         lib_dir: str | Path | None = None,
         random_weights: int | None = None,
+        cuda_graph: bool = True,
     ):
         """``random_weights=SEED`` creates deterministic random weights on the device instead of
         reading ``params/`` (required for builds made with ``--random-weights``; see
-        :mod:`dsv2_mlc.runtime.random_params`)."""
+        :mod:`dsv2_mlc.runtime.random_params`). ``cuda_graph`` (CUDA builds): replay decode steps
+        from captured CUDA graphs (:mod:`dsv2_mlc.runtime.cuda_graph`)."""
         self.path = Path(model)
         self.build = BuildConfig.read(self.path)
         self.config = DeepseekV2Config.from_dict(self.build.model)
@@ -131,6 +134,9 @@ class Engine:
             _shape(0),
         )
         self._seq_len: dict[int, int] = {}
+        self._shared: set[int] = set()  # sequences that share pages (forks): no graphs
+        self._graphs = DecodeGraphs(self.device) if cuda_graph and self.device == "cuda" else None
+        self._query_positions = global_func("vm.builtin.attention_kv_cache_get_query_positions")
         self._ids = itertools.count()
         self._tokenizer: Tokenizer | None = None
         self._chat: ChatNamespace | None = None
@@ -243,11 +249,13 @@ class Engine:
         """Drop a sequence and free its pages."""
         self._kv_state["remove_sequence"](self._cache, seq)
         del self._seq_len[seq]
+        self._shared.discard(seq)
 
     def fork_sequence(self, parent: int, fork_pos: int = -1) -> int:
         """A new sequence sharing ``parent``'s first ``fork_pos`` tokens (-1: all of them)."""
         child = next(self._ids)
         self._kv_state["fork_sequence"](self._cache, parent, child, fork_pos)
+        self._shared.update((parent, child))
         length = self._seq_len[parent]
         self._seq_len[child] = length if fork_pos < 0 else min(fork_pos, length)
         return child
@@ -267,6 +275,7 @@ class Engine:
         """Remove every sequence."""
         self._kv_state["clear"](self._cache)
         self._seq_len.clear()
+        self._shared.clear()
 
     # -- forward --------------------------------------------------------------------------------
     def _check_room(self, seq_ids: Sequence[int], lengths: Sequence[int]) -> None:
@@ -307,9 +316,7 @@ class Engine:
         self._kv_state["begin_forward"](self._cache, tvm_ffi.Shape(seq_ids), tvm_ffi.Shape(lengths))
         try:
             if all(n == 1 for n in lengths):
-                out = self._fn["batch_decode"](
-                    to_device(ids.reshape(-1, 1), self.device), self._cache, self._params
-                )
+                out = self._decode_call(seq_ids, ids.reshape(-1, 1))
             else:
                 ends = np.cumsum(lengths)
                 if all_logits:
@@ -329,6 +336,24 @@ class Engine:
             self._seq_len[seq] += n
         logits = to_numpy(out[0])  # a copy on the host, whatever the device
         return logits.reshape(-1, self.config.vocab_size)
+
+    def _decode_call(self, seq_ids: list[int], ids: np.ndarray) -> Any:
+        """``batch_decode`` for a begun step: from a CUDA graph where one applies."""
+
+        def call(ids_t: tvm_ffi.Tensor) -> Any:
+            return self._fn["batch_decode"](ids_t, self._cache, self._params)
+
+        graphs = self._graphs
+        if graphs is None or self._shared.intersection(seq_ids):
+            return call(to_device(ids, self.device))
+        key = decode_graph_key(PAGE_SIZE, [self._seq_len[s] + 1 for s in seq_ids])
+        self._query_positions(self._cache)  # page tables to the device now, outside the graph
+        return graphs.run(key, ids, call, lambda a: to_device(a, self.device), copy_into)
+
+    @property
+    def cuda_graph_stats(self) -> dict[str, float] | None:
+        """Decode graphs captured / replayed / failed (None: graphs off or not CUDA)."""
+        return None if self._graphs is None else dict(self._graphs.stats)
 
     def prefill(
         self, seq_ids: Sequence[int], token_lists: Sequence[Sequence[int]], all_logits: bool = False

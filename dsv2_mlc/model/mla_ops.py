@@ -1,0 +1,113 @@
+"""MLA's small per-token operators as single kernels: latent norm + RoPE, and the two absorptions.
+
+Each replaces a chain of Relax ops (and launches) that decode runs 27 times per token:
+
+* :func:`latent_norm_rope`: ``kv_a_proj_with_mqa``'s output ``[n, L + R]`` -> the cached latent
+  ``[RMSNorm(c_kv), rope(k_pe)]`` in one kernel (was split + rms_norm + rope + concatenate);
+* :func:`absorb_query`: ``q_proj``'s output -> the latent-space query
+  ``[q_nope @ W_UK, rope(q_pe)]`` ``[n, H, L + R]``; on CUDA one hand kernel
+  (:mod:`dsv2_mlc.schedules.mla_absorb_cuda`), elsewhere the Relax composition (split, transpose,
+  batched matmul, rope, concatenate);
+* :func:`absorb_value`: the attention output over latents ``[n, H, L]`` -> ``o @ W_UV^T``
+  ``[n, H * V]`` as one GEMV-shaped reduction tagged for the decode GEMV schedule (was transpose,
+  batched matmul, transpose).
+
+All accumulate in float32 and round once, as the compositions they replace do.
+"""
+
+from __future__ import annotations
+
+from tvm import te, tirx
+from tvm.ir.expr import Expr
+from tvm.relax.frontend import nn
+from tvm.relax.frontend.nn import Tensor, op
+from tvm.target import Target
+
+from ..schedules.decode_gemv_cuda import DECODE_GEMV
+from ..schedules.mla_absorb_cuda import absorb_q_cuda
+from .config import DeepseekV2Config
+from .rope import apply_rope, rotate_pair
+
+__all__ = ["absorb_query", "absorb_value", "latent_norm_rope"]
+
+
+def latent_norm_rope(
+    kv: Tensor, weight: Tensor, rope: Tensor, cfg: DeepseekV2Config, eps: float
+) -> Tensor:
+    """``kv [n, L + R]`` -> ``[weight * RMSNorm(kv[:, :L]), rope(kv[:, L:])]`` (same dtype);
+    ``rope`` is the tokens' :func:`~dsv2_mlc.model.rope.rope_table`."""
+    lora = cfg.kv_lora_rank
+
+    def compute(x: te.Tensor, w: te.Tensor, tab: te.Tensor) -> te.Tensor:
+        r = te.reduce_axis((0, lora), name="r")
+        sq = te.compute(
+            (x.shape[0],),
+            lambda t: te.sum(x[t, r].astype("float32") * x[t, r].astype("float32"), axis=r),
+            name="latent_sq",
+        )
+
+        def f(t: Expr, c: Expr) -> Expr:
+            inv = tirx.rsqrt(sq[t] / tirx.const(lora, "float32") + tirx.const(eps, "float32"))
+            normed = w[tirx.min(c, lora - 1)] * (x[t, c].astype("float32") * inv).astype(x.dtype)
+            d = tirx.max(c - lora, 0)
+            pair = d // 2
+            cos, sin = tab[t, pair * 2], tab[t, pair * 2 + 1]
+            even = x[t, lora + pair * 2].astype("float32")
+            odd = x[t, lora + pair * 2 + 1].astype("float32")
+            rotated = rotate_pair(d, even, odd, cos, sin).astype(x.dtype)
+            return tirx.Select(c < lora, normed, rotated)
+
+        return te.compute(x.shape, f, name="latent_norm_rope")
+
+    return nn.tensor_expr_op(compute, "latent_norm_rope", [kv, weight, rope])
+
+
+def absorb_query(
+    q: Tensor, w_uk: Tensor, rope: Tensor, cfg: DeepseekV2Config, target: Target | None
+) -> Tensor:
+    """``q [n, H * (nope + R)]`` -> ``[q_nope @ W_UK, rope(q_pe)]`` ``[n, H, L + R]`` (``rope``:
+    the tokens' :func:`~dsv2_mlc.model.rope.rope_table`)."""
+    n, heads = q.shape[0], cfg.num_attention_heads
+    nope, rope_dim, lora = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
+    if target is not None and target.kind.name == "cuda":
+        kernel = absorb_q_cuda(heads, nope, rope_dim, lora, q.dtype)
+        return op.tensor_ir_op(
+            kernel,
+            "absorb_q",
+            args=[q, w_uk, rope],
+            out=Tensor.placeholder((n, heads, lora + rope_dim), q.dtype),
+        )
+    q_nope, q_pe = op.split(op.reshape(q, (n, heads, nope + rope_dim)), [nope], axis=2)
+    q_pe = apply_rope(q_pe, rope, "rope_q")
+    q_abs = op.permute_dims(op.matmul(op.permute_dims(q_nope, [1, 0, 2]), w_uk), [1, 0, 2])
+    return op.concat([q_abs, q_pe], dim=2)
+
+
+def absorb_value(o_lat: Tensor, w_uv: Tensor, decode: bool) -> Tensor:
+    """``o_lat [n, H, L]`` x ``W_UV [H, V, L]`` -> ``[n, H * V]`` (``out[t, h*V + v] =
+    sum_c o_lat[t, h, c] * W_UV[h, v, c]``). ``decode``: one GEMV-shaped kernel for the decode
+    schedule; otherwise (extend: many rows) the batched matmul, which dlight tiles."""
+    if not decode:
+        n, heads, _ = o_lat.shape
+        out = op.matmul(op.permute_dims(o_lat, [1, 0, 2]), op.permute_dims(w_uv, [0, 2, 1]))
+        return op.reshape(op.permute_dims(out, [1, 0, 2]), (n, heads * w_uv.shape[1]))
+
+    def compute(o: te.Tensor, w: te.Tensor) -> te.Tensor:
+        n, heads, lora = o.shape
+        v_dim = w.shape[1]
+        r = te.reduce_axis((0, lora), name="r")
+        acc = te.compute(
+            (n, heads * v_dim),
+            lambda t, hv: te.sum(
+                o[t, hv // v_dim, r].astype("float32")
+                * w[hv // v_dim, hv % v_dim, r].astype("float32"),
+                axis=r,
+            ),
+            name="absorb_v_acc",
+            attrs=dict([DECODE_GEMV]),
+        )
+        if o.dtype == "float32":
+            return acc
+        return te.compute(acc.shape, lambda *i: acc(*i).astype(o.dtype), name="absorb_v")
+
+    return nn.tensor_expr_op(compute, "absorb_v", [o_lat, w_uv])

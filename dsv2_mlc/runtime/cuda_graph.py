@@ -1,0 +1,193 @@
+"""CUDA graphs for decode steps: one whole ``batch_decode`` call captured, then replayed per token.
+
+A decode step at batch 1 launches about 700 small kernels through the Relax VM; enqueueing them
+(VM bookkeeping + one driver call each) takes several milliseconds on the host, longer than the
+kernels run (docs/benchmarks.md). A CUDA graph of the whole call replays the same launches with
+one ``cudaGraphLaunch``.
+
+**What a replay relies on.** A graph replays the kernels with the arguments they had at capture:
+device pointers, shapes and scalars. A decode step's kernels read
+
+* the token ids, from an input tensor the graph owns (:class:`DecodeGraphs` copies the new ids
+  into it before a replay);
+* the weights and the KV pages (allocated once), and intermediate tensors from the VM's pooled
+  allocator (same sizes every call, so the same blocks; nothing allocated from the pool after a
+  capture is kept alive across a replay);
+* the KV cache's auxiliary arrays (page table, positions), which the cache copies to one device
+  buffer in ``begin_forward``'s first use and hands to the kernels as views at offsets. The
+  offsets depend on the batch size and, for the arrays after the page table, on the number of
+  pages rounded up to 4 (``paged_kv_cache.cc``: 16-byte aligned int32 arrays). So the graph key
+  is :func:`decode_graph_key` ``(batch size, ceil(pages / 4))``; the MLA attention kernel reads
+  its split count from the page table on the device, so its launch shape depends on the batch
+  size only (``schedules/mla_attention_cuda.py``).
+
+Sequences that share pages (forks) have more than one block "depth" in the cache, which changes
+the arrays' layout: the engine does not use graphs for them. Capture runs right after an eager
+run of the same step (which loads modules and warms the pools) on a blocking stream, so ordering
+with the legacy default stream (where the runtime's copies run) is implicit. If a capture fails,
+the step's eager result stands and that key is not tried again.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import tvm_ffi
+
+from .device import device_of
+
+__all__ = ["CudaRuntime", "DecodeGraphs", "decode_graph_key"]
+
+PAGE_ALIGN = 4  # int32 elements per 16-byte alignment unit of the KV cache's auxiliary buffer
+_CAPTURE_MODE_RELAXED = 2  # cudaStreamCaptureModeRelaxed
+
+
+def decode_graph_key(page_size: int, lengths_after: list[int]) -> tuple[int, int]:
+    """The graph key of a decode step: batch size and the pages of the batch in units of 4.
+
+    ``lengths_after`` are the sequences' lengths including the token this step appends."""
+    pages = sum(-(-n // page_size) for n in lengths_after)
+    return len(lengths_after), -(-pages // PAGE_ALIGN)
+
+
+class CudaRuntime:
+    """The few CUDA runtime calls graphs need, through the ``libcudart`` the TVM runtime loaded."""
+
+    def __init__(self) -> None:
+        lib = None
+        for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so"):
+            try:
+                lib = ctypes.CDLL(name)
+                break
+            except OSError:
+                continue
+        if lib is None:
+            raise RuntimeError("libcudart not found; CUDA graphs need the CUDA runtime library")
+        self.lib = lib
+        lib.cudaGetErrorString.restype = ctypes.c_char_p
+
+    def _check(self, err: int, what: str) -> None:
+        if err != 0:
+            msg = self.lib.cudaGetErrorString(err).decode()
+            raise RuntimeError(f"{what} failed: {msg} (cudaError {err})")
+
+    def create_stream(self) -> int:
+        stream = ctypes.c_void_p()
+        self._check(self.lib.cudaStreamCreate(ctypes.byref(stream)), "cudaStreamCreate")
+        return int(stream.value or 0)
+
+    def begin_capture(self, stream: int) -> None:
+        self._check(
+            self.lib.cudaStreamBeginCapture(ctypes.c_void_p(stream), _CAPTURE_MODE_RELAXED),
+            "cudaStreamBeginCapture",
+        )
+
+    def end_capture(self, stream: int) -> int:
+        graph = ctypes.c_void_p()
+        self._check(
+            self.lib.cudaStreamEndCapture(ctypes.c_void_p(stream), ctypes.byref(graph)),
+            "cudaStreamEndCapture",
+        )
+        return int(graph.value or 0)
+
+    def instantiate(self, graph: int) -> int:
+        exe = ctypes.c_void_p()
+        err = self.lib.cudaGraphInstantiate(
+            ctypes.byref(exe), ctypes.c_void_p(graph), ctypes.c_ulonglong(0)
+        )
+        self.lib.cudaGraphDestroy(ctypes.c_void_p(graph))
+        self._check(err, "cudaGraphInstantiate")
+        return int(exe.value or 0)
+
+    def launch(self, exe: int, stream: int) -> None:
+        self._check(
+            self.lib.cudaGraphLaunch(ctypes.c_void_p(exe), ctypes.c_void_p(stream)),
+            "cudaGraphLaunch",
+        )
+
+    def destroy(self, exe: int) -> None:
+        self.lib.cudaGraphExecDestroy(ctypes.c_void_p(exe))
+
+    def clear_error(self) -> None:
+        self.lib.cudaGetLastError()
+
+
+@dataclass
+class _Graph:
+    exe: int
+    ids: tvm_ffi.Tensor  # the input the graph reads [b, 1] int32
+    out: Any  # what the captured call returned (its tensors are the graph's outputs)
+
+
+class DecodeGraphs:
+    """Captured decode steps by :func:`decode_graph_key` (at most ``capacity``, LRU)."""
+
+    def __init__(self, device: str, capacity: int = 64, cuda: CudaRuntime | None = None) -> None:
+        self.cuda = cuda or CudaRuntime()
+        self.device = device_of(device)
+        self.stream = self.cuda.create_stream()  # blocking: ordered with the legacy stream
+        self.capacity = capacity
+        self._graphs: OrderedDict[tuple, _Graph] = OrderedDict()
+        self._failed: set[tuple] = set()
+        self.stats: dict[str, float] = dict(captures=0, replays=0, failures=0, capture_s=0.0)
+        self.last_error: str | None = None
+
+    def run(
+        self,
+        key: tuple,
+        ids: np.ndarray,
+        call: Callable[[tvm_ffi.Tensor], Any],
+        to_device: Callable[[np.ndarray], tvm_ffi.Tensor],
+        write: Callable[[tvm_ffi.Tensor, np.ndarray], None],
+    ) -> Any:
+        """``call(ids_tensor)`` for this step: replayed from a graph when one is cached for
+        ``key``; otherwise run eagerly and then captured for the next steps with that key."""
+        graph = self._graphs.get(key)
+        if graph is not None:
+            self._graphs.move_to_end(key)
+            write(graph.ids, ids)
+            self.cuda.launch(graph.exe, self.stream)
+            self.stats["replays"] += 1
+            return graph.out
+        ids_t = to_device(ids)
+        out = call(ids_t)  # this step's result; also loads kernels and warms the pools
+        if key not in self._failed:
+            self._capture(key, ids_t, call)
+        return out
+
+    def _capture(self, key: tuple, ids_t: tvm_ffi.Tensor, call: Callable) -> None:
+        cuda = self.cuda
+        start = time.perf_counter()
+        try:
+            with tvm_ffi.use_raw_stream(self.device, self.stream):
+                cuda.begin_capture(self.stream)
+                try:
+                    out = call(ids_t)
+                finally:
+                    graph = cuda.end_capture(self.stream)
+            exe = cuda.instantiate(graph)
+        except Exception as err:  # noqa: BLE001 (fall back to eager steps for this key)
+            cuda.clear_error()
+            self._failed.add(key)
+            self.stats["failures"] += 1
+            self.last_error = str(err)
+            return
+        self._graphs[key] = _Graph(exe, ids_t, out)
+        self.stats["captures"] += 1
+        self.stats["capture_s"] += time.perf_counter() - start
+        while len(self._graphs) > self.capacity:
+            _, old = self._graphs.popitem(last=False)
+            cuda.destroy(old.exe)
+
+    def clear(self) -> None:
+        """Drop every graph (after the cache's page layout was reset)."""
+        for graph in self._graphs.values():
+            self.cuda.destroy(graph.exe)
+        self._graphs.clear()
+        self._failed.clear()

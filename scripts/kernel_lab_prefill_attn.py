@@ -1,0 +1,395 @@
+"""Kernel lab, causal ragged prefill attention (MLA ``self_attention``): TVM 0.27's kernel vs ours.
+
+``python scripts/kernel_lab_prefill_attn.py prepare`` (build box, TVM + nvcc, no GPU): compiles
+TIR-only libraries for CUDA sm_90 (precompiled fatbins, :mod:`dsv2_mlc.compiler.cuda`) into
+``build/lab_attn/``: ``attn_tvm.so`` (TVM's ``_attention_prefill_ragged``, what
+``TIRPagedKVCache(attn_kind="mla")`` puts in the ragged-prefill slot) and one ``attn_<variant>.so``
+per entry of :data:`VARIANTS` (:func:`dsv2_mlc.schedules.prefill_attention_cuda.
+prefill_attention_cuda` with those keyword arguments; ``ours`` = the defaults, the model's
+kernel), all for V2-Lite's shapes (16 heads, q/k head dim 192, v head dim 128, fp16), plus
+``manifest.json``.
+
+``python3 scripts/kernel_lab_prefill_attn.py run --lib-dir .devcarry/tvm-lib --out DIR`` (GPU
+machine; torch and ``tvm_ffi`` only, never imports tvm): random ragged batches (causal; a 1-token
+sequence; an empty one; ``q_len < kv_len``; non-causal; n = 512, 4096; 3 sequences of mixed
+lengths), every kernel of the manifest checked against a float32 torch reference (relative L2
+of ``out``, max ``lse`` error, base 2) and timed with CUDA events (median of loops of
+back-to-back calls); torch's SDPA as a yardstick where it applies. One compact table (case x
+kernel, us, ``!`` = wrong), an error summary, ``prefill_attn_lab.json`` in ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+LAB_DIR = ROOT / "build" / "lab_attn"
+HEADS, D_QK, D_V = 16, 192, 128
+# name -> prefill_attention_cuda keyword arguments ("ours": the defaults, the model's kernel)
+VARIANTS: dict[str, dict] = {
+    "ours": {},  # 64 query rows (4 warps) x 32 keys, Q in registers
+    "bn64": dict(block_n=64),
+    "bm128": dict(block_m=128),
+    "bn32_qs": dict(q_smem=True),
+    "bn16": dict(block_n=16),
+    "bn16_qs": dict(block_n=16, q_smem=True),
+}
+BAD_REL, BAD_LSE = 2e-3, 2e-3  # a result worse than this is flagged "!"
+
+
+# -- here: builds ----------------------------------------------------------------------------------
+def prepare(args: argparse.Namespace) -> int:
+    """Compile TVM's kernel and every variant for CUDA into build/lab_attn (no GPU needed)."""
+    from dsv2_mlc.compiler.cuda import check_fatbin, cuda_codegen, make_cuda_target
+
+    target = make_cuda_target(args.arch)
+    import tvm
+    from tvm.relax.frontend.nn.llm.kv_cache import _attention_prefill_ragged
+
+    from dsv2_mlc.schedules.prefill_attention_cuda import prefill_attention_cuda
+
+    LAB_DIR.mkdir(parents=True, exist_ok=True)
+    for old in LAB_DIR.glob("attn_*.so"):
+        old.unlink()
+    funcs = {"tvm": _attention_prefill_ragged(HEADS, HEADS, D_QK, D_V, "float16", {}, target)}
+    for name, kwargs in VARIANTS.items():
+        funcs[name] = prefill_attention_cuda(HEADS, HEADS, D_QK, D_V, "float16", **kwargs)
+    built = {}
+    for key, func in funcs.items():
+        lib, symbol = f"attn_{key}.so", f"attn_{key}"
+        mod = tvm.IRModule({symbol: func.with_attr("global_symbol", symbol)})
+        start = time.time()
+        with cuda_codegen(), target:
+            exe = tvm.compile(mod, target=target)
+        exe.export_library(str(LAB_DIR / lib))
+        check_fatbin(LAB_DIR / lib, args.arch)
+        built[key] = {
+            "library": lib,
+            "symbol": symbol,
+            "kwargs": VARIANTS.get(key, "TVM _attention_prefill_ragged"),
+            "compile_s": round(time.time() - start, 1),
+            "bytes": (LAB_DIR / lib).stat().st_size,
+        }
+        print(f"{key}: build/lab_attn/{lib} ({built[key]['compile_s']} s)", flush=True)
+
+    def git(*cmd: str) -> str:
+        return subprocess.run(["git", *cmd], cwd=ROOT, capture_output=True, text=True).stdout
+
+    manifest = {
+        "commit": git("rev-parse", "--short", "HEAD").strip(),
+        "uncommitted": git("status", "--short").splitlines(),
+        "prepared": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "arch": args.arch,
+        "shapes": {"heads": HEADS, "d_qk": D_QK, "d_v": D_V},
+        "kernels": built,
+    }
+    (LAB_DIR / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    return 0
+
+
+# -- there: measurement ----------------------------------------------------------------------------
+def _load_kernels(lib_dir: str, only: str | None) -> dict:
+    import tvm_ffi
+
+    for name in ("libtvm_runtime.so", "libtvm_runtime_cuda.so"):
+        ctypes.CDLL(str(Path(lib_dir) / name), mode=ctypes.RTLD_GLOBAL)
+    built = json.loads((LAB_DIR / "manifest.json").read_text())["kernels"]
+    keep = set(only.split(",")) if only else None
+    return {
+        key: tvm_ffi.load_module(str(LAB_DIR / k["library"]))[k["symbol"]]
+        for key, k in built.items()
+        if keep is None or key in keep
+    }
+
+
+# (name, q_lens, kv_lens, causal, timed)
+CASES: list[tuple[str, list[int], list[int], int, bool]] = [
+    ("1 token", [1], [1], 1, False),
+    ("b3 [1,77,300]", [1, 77, 300], [1, 77, 300], 1, False),
+    ("b3 [50,0,33]", [50, 0, 33], [50, 0, 33], 1, False),
+    ("q<kv [100,5]/[300,21]", [100, 5], [300, 21], 1, False),
+    ("nc [200,64]", [200, 64], [200, 64], 0, False),
+    ("q>kv [40]/[20]", [40], [20], 1, False),  # rows that see no key: 0 / -inf (TVM differs)
+    ("n512", [512], [512], 1, True),
+    ("n4096", [4096], [4096], 1, True),
+    ("b3 [1000,2500,596]", [1000, 2500, 596], [1000, 2500, 596], 1, True),
+    ("b4 x1024", [1024] * 4, [1024] * 4, 1, True),
+    ("n8192", [8192], [8192], 1, True),
+]
+
+
+def _case(torch, q_lens: list[int], kv_lens: list[int], causal: int, seed: int) -> dict:
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    dev = "cuda"
+    n, m = sum(q_lens), sum(kv_lens)
+
+    def indptr(lens):
+        return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen, device=dev).to(torch.float16)
+
+    return {
+        "q": rnd(n, HEADS, D_QK),
+        "q_indptr": indptr(q_lens).to(dev),
+        "k": rnd(m, HEADS, D_QK),
+        "v": rnd(m, HEADS, D_V),
+        "kv_indptr": indptr(kv_lens).to(dev),
+        "q_rope_position": torch.zeros(max(n, 1), dtype=torch.int32, device=dev)[:n],
+        "k_rope_pos_offset": torch.zeros(len(q_lens), dtype=torch.int32, device=dev),
+        "causal": causal,
+        "sm_scale": 1.0 / math.sqrt(D_QK),
+        "q_lens": q_lens,
+        "kv_lens": kv_lens,
+    }
+
+
+def _flops(q_lens, kv_lens, causal) -> float:
+    pairs = 0
+    for ql, kl in zip(q_lens, kv_lens, strict=True):
+        if causal:
+            pairs += sum(max(0, min(kl, kl - ql + r + 1)) for r in range(ql))
+        else:
+            pairs += ql * kl
+    return 2.0 * pairs * HEADS * (D_QK + D_V)
+
+
+def _reference(torch, c: dict):
+    """float32 attention per sequence: (out[n, H, Dv], lse[n, H] base 2); no key: 0, -inf."""
+    q, k, v = c["q"].float(), c["k"].float(), c["v"].float()
+    out = torch.zeros(q.shape[0], HEADS, D_V, device="cuda")
+    lse = torch.full((q.shape[0], HEADS), -math.inf, device="cuda")
+    qi, ki = c["q_indptr"].tolist(), c["kv_indptr"].tolist()
+    for i in range(len(c["q_lens"])):
+        ql, kl = qi[i + 1] - qi[i], ki[i + 1] - ki[i]
+        if ql == 0 or kl == 0:
+            continue
+        rows, cols = slice(qi[i], qi[i + 1]), slice(ki[i], ki[i + 1])
+        s = torch.einsum("rhd,khd->hrk", q[rows], k[cols]) * c["sm_scale"]
+        if c["causal"]:
+            r = torch.arange(ql, device="cuda")[:, None]
+            col = torch.arange(kl, device="cuda")[None, :]
+            s = s.masked_fill(col >= kl - ql + r + 1, -math.inf)
+        ln = torch.logsumexp(s, dim=-1)  # [h, r]
+        p = torch.exp(s - ln[..., None]).nan_to_num(0.0)
+        out[rows] = torch.einsum("hrk,khd->rhd", p, v[cols])
+        lse[rows] = (ln / math.log(2)).T
+        del s, p
+    return out, lse
+
+
+def _args(c: dict, out, lse, rotary_mode: int = 0) -> list:
+    import tvm_ffi
+
+    names = ("q", "q_indptr", "k", "v", "kv_indptr", "q_rope_position", "k_rope_pos_offset")
+    tensors = [c[k] for k in names] + [out, lse]
+    return [tvm_ffi.from_dlpack(t) for t in tensors] + [
+        c["causal"], rotary_mode, 1.0, 10000.0, c["sm_scale"]
+    ]  # fmt: skip
+
+
+def _call(torch, func, c: dict):
+    n = c["q"].shape[0]
+    out = torch.full((n, HEADS, D_V), 7.0, dtype=torch.float16, device="cuda")
+    lse = torch.full((n, HEADS), 7.0, dtype=torch.float32, device="cuda")
+    func(*_args(c, out, lse))
+    return out, lse
+
+
+def _errors(torch, got, ref) -> dict:
+    out, lse = got
+    r_out, r_lse = ref
+    diff = out.float() - r_out
+    rel = float(diff.norm() / r_out.norm().clamp_min(1e-30))
+    fin = torch.isfinite(r_lse)
+    lse_err = float((lse[fin] - r_lse[fin]).abs().max()) if bool(fin.any()) else 0.0
+    empty_ok = bool((lse[~fin] == -math.inf).all()) and bool((out[~fin] == 0).all())
+    nan = bool(torch.isnan(out).any() or torch.isnan(lse).any())
+    res = {"rel_l2": rel, "max_abs": float(diff.abs().max()), "lse_max_err": lse_err,
+           "empty_rows_ok": empty_ok, "nan": nan}  # fmt: skip
+    # where it goes wrong: rows whose output or lse is off (diagnosis from one device run)
+    row_err = diff.abs().amax(dim=2) / r_out.abs().amax().clamp_min(1e-30)
+    lse_row = torch.where(fin, (lse - r_lse).abs(), torch.zeros_like(lse))
+    bad = (row_err > 2e-2) | (lse_row > 1e-2) | torch.isnan(row_err)
+    if bool(bad.any()):
+        idx = bad.nonzero()
+        res["bad_rows"] = int(bad.any(dim=1).sum())
+        res["bad_heads"] = sorted(set(idx[:, 1].tolist()))[:8]
+        res["first_bad"] = idx[:6].tolist()
+    return res
+
+
+def _time(torch, func, args: list, budget_s: float) -> float:
+    """Median seconds per call over loops of back-to-back calls (CUDA events)."""
+    torch.cuda.synchronize()
+    t0 = time.time()
+    func(*args)
+    torch.cuda.synchronize()
+    one = max(time.time() - t0, 1e-6)
+    inner = int(min(50, max(1, 0.02 / one)))
+    loops = int(min(9, max(3, budget_s / (one * inner))))
+    times = []
+    for _ in range(loops):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(inner):
+            func(*args)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / inner)
+    return sorted(times)[len(times) // 2]
+
+
+def _bad(e: dict) -> bool:
+    return (
+        not e["rel_l2"] <= BAD_REL
+        or not e["lse_max_err"] <= BAD_LSE
+        or not e["empty_rows_ok"]
+        or e["nan"]
+    )
+
+
+def _sdpa(torch, c: dict):
+    """torch SDPA (causal, one sequence, q_len == kv_len) as a callable, or None."""
+    if len(c["q_lens"]) != 1 or c["q_lens"] != c["kv_lens"] or not c["causal"]:
+        return None
+    import torch.nn.functional as F
+
+    q, k, v = (c[x].transpose(0, 1).unsqueeze(0) for x in ("q", "k", "v"))
+
+    def run():
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=c["sm_scale"])
+
+    return run
+
+
+def run(args: argparse.Namespace) -> int:
+    """Check and time every kernel on every case; print the table, write results JSON."""
+    import torch
+
+    kernels = _load_kernels(args.lib_dir, args.only)
+    props = torch.cuda.get_device_properties(0)
+    print(f"GPU: {props.name}, {props.multi_processor_count} SMs; torch {torch.__version__}")
+    keys = list(kernels)
+    width = max(9, *(len(k) + 2 for k in keys))
+    print("us per call ('!' = wrong result, '-' = not timed); TFLOP/s of the best in brackets")
+    print(f"{'case':24s}" + "".join(f"{k:>{width}s}" for k in keys) + f"{'sdpa':>9s}", flush=True)
+    results = []
+    for i, (name, q_lens, kv_lens, causal, timed) in enumerate(CASES):
+        if args.cases and args.cases not in name:
+            continue
+        c = _case(torch, q_lens, kv_lens, causal, seed=i)
+        ref = _reference(torch, c)
+        flops = _flops(q_lens, kv_lens, causal)
+        row: dict = {"case": name, "q_lens": q_lens, "kv_lens": kv_lens, "causal": causal,
+                     "flops": flops}  # fmt: skip
+        cells = []
+        for key, func in kernels.items():
+            try:
+                got = _call(torch, func, c)
+                torch.cuda.synchronize()
+                row[key] = _errors(torch, got, ref)
+                mark = "!" if _bad(row[key]) else " "
+                if timed:
+                    budget = args.budget_per_case_s / (4 if key == "tvm" else 1)
+                    row[key]["s"] = _time(torch, func, _args(c, *got), budget)
+                    cells.append(f"{row[key]['s'] * 1e6:{width - 1}.1f}{mark}")
+                else:
+                    cells.append(f"{'-':>{width - 1}s}{mark}")
+                del got
+            except Exception as err:  # noqa: BLE001 - report and go on with the next kernel
+                row[key] = {"error": str(err)[:300]}
+                cells.append(f"{'ERR':>{width}s}")
+        sd = _sdpa(torch, c) if timed else None
+        if sd is not None:
+            try:
+                row["sdpa_s"] = _time(torch, lambda sd=sd: sd(), [], args.budget_per_case_s)
+                cells.append(f"{row['sdpa_s'] * 1e6:9.1f}")
+            except Exception as err:  # noqa: BLE001
+                row["sdpa_error"] = str(err)[:200]
+                cells.append(f"{'ERR':>9s}")
+        timed_ok = [row[k]["s"] for k in keys if "s" in row.get(k, {}) and not _bad(row[k])]
+        best = f" [{flops / min(timed_ok) / 1e12:.0f}]" if timed_ok else ""
+        del c, ref
+        torch.cuda.empty_cache()
+        results.append(row)
+        print(f"{name:24s}" + "".join(cells) + best, flush=True)
+
+    # rotary_mode 1 (inline RoPE) must be refused by our kernels, not silently ignored
+    c = _case(torch, [8], [8], 1, seed=99)
+    refused = {}
+    for key, func in kernels.items():
+        if key == "tvm":
+            continue
+        out = torch.zeros(8, HEADS, D_V, dtype=torch.float16, device="cuda")
+        lse = torch.zeros(8, HEADS, dtype=torch.float32, device="cuda")
+        try:
+            func(*_args(c, out, lse, rotary_mode=1))
+            torch.cuda.synchronize()
+            refused[key] = False
+        except Exception:  # noqa: BLE001
+            refused[key] = True
+    print("rotary_mode=1 refused:", refused)
+    print("errors: max rel L2 / max abs / max lse err / empty rows ok / nan (! = some case bad)")
+    for key in keys:
+        errs = [r[key] for r in results if key in r and "rel_l2" in r[key]]
+        failed = [r["case"] for r in results if key in r and "error" in r[key]]
+        bad = [r["case"] for r in results if key in r and "rel_l2" in r[key] and _bad(r[key])]
+        if errs:
+            print(
+                f"  {key:11s} {max(e['rel_l2'] for e in errs):.1e} "
+                f"{max(e['max_abs'] for e in errs):.1e} "
+                f"{max(e['lse_max_err'] for e in errs):.1e} "
+                f"{all(e['empty_rows_ok'] for e in errs)} {any(e['nan'] for e in errs)}"
+                + (f"  bad: {bad}" if bad else "")
+                + (f"  raised: {failed}" if failed else "")
+            )
+            for r in results:
+                e = r.get(key, {})
+                if "bad_rows" in e and key != "tvm":
+                    print(f"    {r['case']}: {e['bad_rows']} bad rows, heads {e['bad_heads']}, "
+                          f"first {e['first_bad']}")  # fmt: skip
+        else:
+            print(f"  {key:11s} all cases raised: {failed}")
+    out_dir = Path(args.out) if args.out else None
+    if out_dir is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "prefill_attn_lab.json").write_text(
+            json.dumps(
+                {
+                    "gpu": props.name,
+                    "torch": torch.__version__,
+                    "cases": results,
+                    "rotary_mode_1_refused": refused,
+                },
+                indent=1,
+            )  # fmt: skip
+        )
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("prepare", help="compile the kernels into build/lab_attn (build box)")
+    p.add_argument("--arch", default="sm_90")
+    r = sub.add_parser("run", help="check and time the kernels (GPU machine)")
+    r.add_argument("--lib-dir", default=os.environ.get("DSV2_MLC_TVM_LIB_DIR", ".devcarry/tvm-lib"))
+    r.add_argument("--out", default=os.environ.get("OUT"))
+    r.add_argument("--budget-per-case-s", type=float, default=0.25)
+    r.add_argument("--only", default=None, help="comma-separated kernel names")
+    r.add_argument("--cases", default=None, help="only cases whose name contains this")
+    args = parser.parse_args(argv)
+    return prepare(args) if args.cmd == "prepare" else run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,365 @@
+"""The expert-sorted grouped MoE kernels (schedules/moe_grouped_cuda.py): the bookkeeping and the
+grouped GEMMs' TE against NumPy on LLVM, the CUDA schedules compiling for sm_90 (nvcc, no GPU),
+and the wiring (prefill / extend on CUDA only). GPU numerics and speed: scripts/kernel_lab_moe.py.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tvm
+from tvm import te, tirx
+
+from dsv2_mlc.model.config import DeepseekV2Config
+from dsv2_mlc.passes.quantize_int4 import dequantize_expr
+from dsv2_mlc.quantization import get_quantization, quantize_int4
+from dsv2_mlc.schedules import moe_grouped_cuda as grouped
+
+sys.path.insert(0, str(Path(__file__).parent))
+from hf_reference import CONFIG_A  # noqa: E402
+
+needs_nvcc = pytest.mark.skipif(
+    shutil.which("nvcc") is None or shutil.which("gcc") is None,
+    reason="CUDA builds need nvcc (and gcc for the driver stub)",
+)
+DEV = tvm.cpu()
+
+
+# -- NumPy references ---------------------------------------------------------------------------
+def ref_align(idx: np.ndarray, num_experts: int, tm: int) -> dict[str, np.ndarray]:
+    """Stable sort of the (token, slot) pairs by expert, each segment padded to tm rows."""
+    n, k = idx.shape
+    flat = idx.reshape(-1)
+    counts = np.bincount(flat, minlength=num_experts).astype(np.int32)
+    n_tiles = grouped.num_tiles(n, k, num_experts, tm)
+    rows = np.zeros(n_tiles * tm, np.int32)
+    tile_expert = np.full(n_tiles, -1, np.int32)
+    inv = np.zeros(n * k, np.int32)
+    start = 0
+    for e in range(num_experts):
+        pairs = np.nonzero(flat == e)[0]
+        rows[start : start + len(pairs)] = pairs // k
+        inv[pairs] = start + np.arange(len(pairs))
+        padded = -(-len(pairs) // tm) * tm
+        tile_expert[start // tm : (start + padded) // tm] = e
+        start += padded
+    return {
+        "rows": rows.reshape(n_tiles, tm),
+        "tile_expert": tile_expert,
+        "inv": inv.reshape(n, k),
+        "counts": counts,
+    }
+
+
+def dequantize(packed: np.ndarray, scale: np.ndarray, group: int) -> np.ndarray:
+    shifts = np.arange(8, dtype=np.uint32) * 4
+    q = ((packed[..., None] >> shifts) & 15).reshape(*packed.shape[:-1], -1).astype(np.float32)
+    return (q - 8) * np.repeat(scale.astype(np.float32), group, axis=-1)[..., : q.shape[-1]]
+
+
+def ref_moe(x, weights, idx, w_gu, w_dn):
+    """Routed experts with the kernels' roundings: SwiGLU and down rows in fp16, fp32 sums."""
+    inter = w_gu.shape[1] // 2
+    out = np.zeros(x.shape, np.float32)
+    for t in range(x.shape[0]):
+        for j in range(idx.shape[1]):
+            e = idx[t, j]
+            gu = w_gu[e] @ x[t].astype(np.float32)
+            g, u = gu[:inter], gu[inter:]
+            hid = (g / (1 + np.exp(-g)) * u).astype(np.float16).astype(np.float32)
+            out[t] += weights[t, j] * (w_dn[e] @ hid).astype(np.float16).astype(np.float32)
+    return out.astype(x.dtype)
+
+
+def random_routing(rng, n: int, num_experts: int, top_k: int, skew: bool) -> np.ndarray:
+    """Distinct experts per token; ``skew``: only the first half of the experts get tokens."""
+    pool = num_experts // 2 if skew else num_experts
+    return np.stack([rng.choice(pool, top_k, replace=False) for _ in range(n)]).astype(np.int32)
+
+
+# -- LLVM runs -----------------------------------------------------------------------------------
+def _run(func: tirx.PrimFunc, inputs: list[np.ndarray], outs: list[tuple]) -> list[np.ndarray]:
+    lib = tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), "llvm")
+    res = [tvm.runtime.empty(s, d, DEV) for s, d in outs]
+    lib["main"](*[tvm.runtime.tensor(a, DEV) for a in inputs], *res)
+    return [r.numpy() for r in res]
+
+
+def _align(idx: np.ndarray, num_experts: int, tm: int) -> dict[str, np.ndarray]:
+    n, k = idx.shape
+    n_tiles = grouped.num_tiles(n, k, num_experts, tm)
+    outs = [((n_tiles, tm), "int32"), ((n_tiles,), "int32"), ((n, k), "int32")]
+    outs.append(((num_experts,), "int32"))
+    got = _run(grouped.moe_align(num_experts, k, tm, gpu=False), [idx], outs)
+    return dict(zip(("rows", "tile_expert", "inv", "counts"), got, strict=True))
+
+
+@pytest.mark.parametrize("num_experts,top_k", [(8, 2), (64, 6)])
+@pytest.mark.parametrize("n", [1, 2, 37, 200])
+@pytest.mark.parametrize("tm", [4, 64])
+def test_align_matches_numpy(num_experts: int, top_k: int, n: int, tm: int):
+    rng = np.random.default_rng(n * 100 + tm)
+    for skew in (False, True):
+        idx = random_routing(rng, n, num_experts, top_k, skew)
+        got, want = _align(idx, num_experts, tm), ref_align(idx, num_experts, tm)
+        for key in want:
+            np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+        # every pair has its own row, which holds its token; the rest are padding (token 0)
+        flat = got["rows"].reshape(-1)
+        assert sorted(got["inv"].reshape(-1).tolist()) == sorted(set(got["inv"].reshape(-1)))
+        np.testing.assert_array_equal(flat[got["inv"]], np.arange(n)[:, None].repeat(top_k, 1))
+        padding = np.ones(flat.size, bool)
+        padding[got["inv"].reshape(-1)] = False
+        assert (flat[padding] == 0).all()
+        assert grouped.num_tiles(n, top_k, num_experts, tm) * tm <= n * top_k + num_experts * (
+            tm - 1
+        )
+
+
+def _gemm_funcs(n_tiles_var, n_var, hidden, inter, num_experts, top_k, tm, group):
+    def read(ws, e, o, r):
+        return dequantize_expr(ws[0], ws[1], (e, o), r, group)
+
+    rows = te.placeholder((n_tiles_var, tm), "int32", name="rows")
+    tile_expert = te.placeholder((n_tiles_var,), "int32", name="tile_expert")
+    x = te.placeholder((n_var, hidden), "float16", name="x")
+    qgu = te.placeholder((num_experts, 2 * inter, hidden // 8), "uint32", name="qgu")
+    sgu = te.placeholder((num_experts, 2 * inter, hidden // group), "float16", name="sgu")
+    hid = te.placeholder((n_tiles_var, tm, inter), "float16", name="hid")
+    qdn = te.placeholder((num_experts, hidden, inter // 8), "uint32", name="qdn")
+    sdn = te.placeholder((num_experts, hidden, inter // group), "float16", name="sdn")
+    down = te.placeholder((n_tiles_var, tm, hidden), "float16", name="down")
+    inv = te.placeholder((n_var, top_k), "int32", name="inv")
+    w = te.placeholder((n_var, top_k), "float32", name="w")
+    gu = grouped.grouped_gemm_te(x, rows, tile_expert, [qgu, sgu], read, inter, 2, True, "gu")
+    dn = grouped.grouped_gemm_te(hid, rows, tile_expert, [qdn, sdn], read, hidden, 1, False, "dn")
+    comb = grouped.combine_te(down, inv, w, "comb")
+    return (
+        te.create_prim_func([x, rows, tile_expert, qgu, sgu, gu]),
+        te.create_prim_func([hid, rows, tile_expert, qdn, sdn, dn]),
+        te.create_prim_func([down, inv, w, comb]),
+    )
+
+
+@pytest.mark.parametrize("group", [32, 128])
+@pytest.mark.parametrize("n,tm", [(1, 64), (5, 4), (37, 16), (70, 64)])
+def test_grouped_gemm_te_matches_numpy(group: int, n: int, tm: int):
+    hidden, inter, num_experts, top_k = (128, 128, 8, 2) if group == 128 else (64, 32, 8, 2)
+    rng = np.random.default_rng(group + n)
+    idx = random_routing(rng, n, num_experts, top_k, skew=True)  # experts 4..7 get nothing
+    weights = rng.random((n, top_k)).astype(np.float32)
+    x = rng.standard_normal((n, hidden)).astype(np.float16)
+    w_gu = rng.standard_normal((num_experts, 2 * inter, hidden)).astype(np.float32) / 8
+    w_dn = rng.standard_normal((num_experts, hidden, inter)).astype(np.float32) / 6
+    qgu, sgu = quantize_int4(w_gu, group, "float16")
+    qdn, sdn = quantize_int4(w_dn, group, "float16")
+    want = ref_moe(x, weights, idx, dequantize(qgu, sgu, group), dequantize(qdn, sdn, group))
+
+    a = _align(idx, num_experts, tm)
+    n_tiles = a["rows"].shape[0]
+    f_gu, f_dn, f_comb = _gemm_funcs(
+        tirx.Var("nt", "int64"), tirx.Var("n", "int64"), hidden, inter, num_experts, top_k, tm,
+        group,
+    )  # fmt: skip
+    (hid,) = _run(
+        f_gu, [x, a["rows"], a["tile_expert"], qgu, sgu], [((n_tiles, tm, inter), "float16")]
+    )
+    (down,) = _run(
+        f_dn, [hid, a["rows"], a["tile_expert"], qdn, sdn], [((n_tiles, tm, hidden), "float16")]
+    )
+    (out,) = _run(f_comb, [down, a["inv"], weights], [((n, hidden), "float16")])
+    scale = float(np.abs(want.astype(np.float32)).max())
+    np.testing.assert_allclose(out.astype(np.float32), want, rtol=2e-2, atol=1e-2 * scale)
+
+
+# -- CUDA ---------------------------------------------------------------------------------------
+@needs_nvcc
+def test_cuda_kernels_compile_for_sm90():
+    from dsv2_mlc.compiler.compile import make_target
+    from dsv2_mlc.compiler.cuda import cuda_codegen
+
+    hidden, inter, num_experts, top_k, group = 256, 128, 16, 4, 128
+    nt, n = tirx.Var("nt", "int64"), tirx.Var("n", "int64")
+    funcs = _gemm_funcs(nt, n, hidden, inter, num_experts, top_k, grouped.TM, group)
+    f_gu, f_dn, _ = funcs
+    target = make_target("cuda", "sm_90")
+    kernels = {
+        "align": grouped.moe_align(num_experts, top_k),
+        "gate_up": grouped.schedule_grouped_gemm(f_gu, grouped.pick_tiles(inter, hidden, halves=2)),
+        "down": grouped.schedule_grouped_gemm(f_dn, grouped.pick_tiles(hidden, inter)),
+    }
+    comb_args = [te.placeholder((nt, grouped.TM, hidden), "float16", name="d")]
+    comb_args += [te.placeholder((n, top_k), "int32", name="inv")]
+    comb_args += [te.placeholder((n, top_k), "float32", name="w")]
+    kernels["combine"] = grouped.combine_cuda(*comb_args, "comb")
+    for name, func in kernels.items():
+        assert func.attrs["tirx.is_scheduled"], name
+    mod = tvm.IRModule({k: f.with_attr("global_symbol", k) for k, f in kernels.items()})
+    with target, cuda_codegen():
+        lib = tvm.compile(mod, target=target)
+    assert "cuda" in {m.kind for m in lib.mod.imports_}
+
+
+def _v2_lite_placeholders(group: int) -> dict:
+    hidden, inter, num_experts = 2048, 1408, 64
+    nt, n = tirx.Var("nt", "int64"), tirx.Var("n", "int64")
+    return {
+        "x": te.placeholder((n, hidden), "float16", name="x"),
+        "rows": te.placeholder((nt, grouped.TM), "int32", name="rows"),
+        "tile_expert": te.placeholder((nt,), "int32", name="tile_expert"),
+        "gate_up": [
+            te.placeholder((num_experts, 2 * inter, hidden // 8), "uint32", name="qgu"),
+            te.placeholder((num_experts, 2 * inter, hidden // group), "float16", name="sgu"),
+        ],
+        "hid": te.placeholder((nt, grouped.TM, inter), "float16", name="hid"),
+        "down": [
+            te.placeholder((num_experts, hidden, inter // 8), "uint32", name="qdn"),
+            te.placeholder((num_experts, hidden, inter // group), "float16", name="sdn"),
+        ],
+    }
+
+
+def test_mma_dispatch():
+    """V2-Lite INT4 shapes take the tensor-core kernels; float experts, small hidden sizes and
+    groups that are not a multiple of 32 keep the SIMT schedule."""
+    p = _v2_lite_placeholders(128)
+    assert grouped.int4_group(p["gate_up"], 2048) == 128
+    assert grouped.mma_supported(p["x"], p["rows"], p["gate_up"], 1408, 2)
+    assert grouped.mma_supported(p["hid"], p["rows"], p["down"], 2048, 1)
+    assert grouped.mma_supported(p["x"], p["rows"], _v2_lite_placeholders(32)["gate_up"], 1408, 2)
+    wf = te.placeholder((64, 2 * 1408, 2048), "float16", name="w")
+    assert grouped.int4_group([wf], 2048) is None
+    assert not grouped.mma_supported(p["x"], p["rows"], [wf], 1408, 2)
+    # the test configs: hidden 64 (reduction not a multiple of 64 for down: inter 32)
+    nt, n = tirx.Var("nt", "int64"), tirx.Var("n", "int64")
+    rows = te.placeholder((nt, grouped.TM), "int32", name="rows")
+    hid = te.placeholder((nt, grouped.TM, 32), "float16", name="hid")
+    qdn = te.placeholder((8, 64, 4), "uint32", name="qdn")
+    sdn = te.placeholder((8, 64, 1), "float16", name="sdn")
+    assert not grouped.mma_supported(hid, rows, [qdn, sdn], 64, 1)
+    x = te.placeholder((n, 64), "float16", name="x")
+    qgu = te.placeholder((8, 64, 8), "uint32", name="qgu")
+    sgu = te.placeholder((8, 64, 2), "float16", name="sgu")
+    assert not grouped.mma_supported(x, rows, [qgu, sgu], 32, 2)  # 32 columns per half
+    with pytest.raises(ValueError):
+        grouped.grouped_gemm_mma(hid, rows, rows, [qdn, sdn], 64, 1, False, "dn")
+
+
+@needs_nvcc
+@pytest.mark.parametrize("group", [32, 128])
+def test_mma_kernels_compile_for_sm90(group: int):
+    """The tensor-core grouped GEMMs (both warp layouts) and the warp align kernel at V2-Lite
+    shapes: nvcc sm_90 fatbin, the mma / ldmatrix / cp.async helpers in the source."""
+    from dsv2_mlc.compiler.compile import make_target
+    from dsv2_mlc.compiler.cuda import cuda_codegen
+
+    p = _v2_lite_placeholders(group)
+
+    def read(ws, e, o, r):
+        return dequantize_expr(ws[0], ws[1], (e, o), r, group)
+
+    kernels = {"align": grouped.moe_align(64, 6)}
+    for warps_n in (2, 4):
+        kernels[f"gate_up_w{warps_n}"] = grouped.grouped_gemm_mma(
+            p["x"], p["rows"], p["tile_expert"], p["gate_up"], 1408, 2, True, "gu", warps_n
+        )
+        kernels[f"down_w{warps_n}"] = grouped.grouped_gemm_mma(
+            p["hid"], p["rows"], p["tile_expert"], p["down"], 2048, 1, False, "dn", warps_n
+        )
+    # the default dispatch (what grouped_experts builds) is the mma kernel
+    default = grouped.grouped_gemm_cuda(
+        p["x"], p["rows"], p["tile_expert"], p["gate_up"], read, 1408, 2, True, "gu"
+    )
+    assert "moe_mma_gemm_" in default.script()
+    target = make_target("cuda", "sm_90")
+    mod = tvm.IRModule({k: f.with_attr("global_symbol", k) for k, f in kernels.items()})
+    for name, func in kernels.items():
+        assert func.attrs["tirx.is_scheduled"], name
+    with target, cuda_codegen():
+        lib = tvm.compile(mod, target=target)
+    (cuda,) = [m for m in lib.mod.imports_ if m.kind == "cuda"]
+    src = cuda.inspect_source("cuda") if hasattr(cuda, "inspect_source") else ""
+    if src:  # (the precompiled module may keep no source)
+        for needle in ("mma.sync.aligned.m16n8k16", "ldmatrix", "cp.async", "__match_any_sync"):
+            assert needle in src, needle
+
+
+def test_wiring_grouped_in_prefill_and_extend_only_on_cuda():
+    """Traced for CUDA, prefill / extend call the grouped kernels and decode the gathers; the
+    kernels come scheduled and survive the fuse phase; traced for LLVM, nothing changes."""
+    from dsv2_mlc.compiler.compile import _export
+    from dsv2_mlc.passes.pipeline import PHASES
+
+    cfg = DeepseekV2Config.from_hf(CONFIG_A)
+    cuda = tvm.target.Target({"kind": "cuda", "arch": "sm_90"}, host={"kind": "llvm"})
+    llvm = tvm.target.Target({"kind": "llvm"})
+    grouped_kernels = {"moe_align", "moe_grouped_q4_gate_up", "moe_grouped_q4_down"}
+    grouped_kernels.add("moe_grouped_q4_combine")
+    for target, expect in ((cuda, True), (llvm, False)):
+        mod, _, _ = _export(cfg, target, get_quantization("q4f16_g32"))
+        with target:
+            passes = [p for name, make in PHASES[:3] for p in make(target)]
+            mod = tvm.transform.Sequential(passes)(mod)
+        for entry in ("batch_prefill", "batch_extend", "batch_decode"):
+            called = {gv.name_hint for gv in _called(mod[entry])}
+            uses = grouped_kernels <= called
+            assert uses == (expect and entry != "batch_decode"), (target.kind.name, entry)
+            assert not (called & grouped_kernels) or uses
+            gather = any(name.startswith("moe_gate_up_q4") for name in called)
+            assert gather != uses, (entry, sorted(called))
+        for gv, func in mod.functions_items():
+            if gv.name_hint in grouped_kernels:
+                assert func.attrs["tirx.is_scheduled"], gv.name_hint
+
+
+def _called(func) -> set:
+    found = set()
+
+    def visit(e):
+        if isinstance(e, tvm.relax.Call) and e.op == tvm.ir.Op.get("relax.call_tir"):
+            found.add(e.args[0])
+
+    tvm.relax.analysis.post_order_visit(func, visit)
+    return found
+
+
+def test_grouped_gemm_te_float_weights():
+    """The float (q0f16) experts go through the same kernels with ``read_float_weight``."""
+    from dsv2_mlc.model.moe import read_float_weight
+
+    hidden, inter, num_experts, top_k, tm, n = 64, 32, 8, 2, 16, 9
+    rng = np.random.default_rng(7)
+    idx = random_routing(rng, n, num_experts, top_k, skew=False)
+    weights = rng.random((n, top_k)).astype(np.float32)
+    x = rng.standard_normal((n, hidden)).astype(np.float16)
+    w_gu = (rng.standard_normal((num_experts, 2 * inter, hidden)) / 8).astype(np.float16)
+    w_dn = (rng.standard_normal((num_experts, hidden, inter)) / 6).astype(np.float16)
+    want = ref_moe(x, weights, idx, w_gu.astype(np.float32), w_dn.astype(np.float32))
+    a = _align(idx, num_experts, tm)
+    n_tiles = a["rows"].shape[0]
+    nt, nv = tirx.Var("nt", "int64"), tirx.Var("n", "int64")
+    rows = te.placeholder((nt, tm), "int32", name="rows")
+    tile_expert = te.placeholder((nt,), "int32", name="tile_expert")
+    xt = te.placeholder((nv, hidden), "float16", name="x")
+    wgu = te.placeholder(w_gu.shape, "float16", name="wgu")
+    hid_t = te.placeholder((nt, tm, inter), "float16", name="hid")
+    wdn = te.placeholder(w_dn.shape, "float16", name="wdn")
+    gu = grouped.grouped_gemm_te(
+        xt, rows, tile_expert, [wgu], read_float_weight, inter, 2, True, "gu"
+    )
+    dn = grouped.grouped_gemm_te(
+        hid_t, rows, tile_expert, [wdn], read_float_weight, hidden, 1, False, "dn"
+    )
+    f_gu = te.create_prim_func([xt, rows, tile_expert, wgu, gu])
+    f_dn = te.create_prim_func([hid_t, rows, tile_expert, wdn, dn])
+    f_comb = _gemm_funcs(nt, nv, hidden, inter, num_experts, top_k, tm, 32)[2]
+    rt = [a["rows"], a["tile_expert"]]
+    (hid,) = _run(f_gu, [x, *rt, w_gu], [((n_tiles, tm, inter), "float16")])
+    (down,) = _run(f_dn, [hid, *rt, w_dn], [((n_tiles, tm, hidden), "float16")])
+    (out,) = _run(f_comb, [down, a["inv"], weights], [((n, hidden), "float16")])
+    scale = float(np.abs(want.astype(np.float32)).max())
+    np.testing.assert_allclose(out.astype(np.float32), want, rtol=2e-2, atol=1e-2 * scale)

@@ -1,0 +1,156 @@
+"""The tensor-core ragged prefill attention kernel (schedules/prefill_attention_cuda.py), no GPU.
+
+Checks that the kernel compiles to sm_90 machine code, that ``MLAPagedKVCache`` puts it into the
+ragged-prefill slot of TVM's ``TIRPagedKVCache`` for CUDA (and keeps TVM's kernel with
+``prefill_kernel="tvm"``), that a tiny CUDA build carries it, and that the CPU cache is unchanged.
+Its numerics and speed are measured on an H200 by ``scripts/kernel_lab_prefill_attn.py run``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import tvm
+from tvm.relax.frontend import nn
+
+from dsv2_mlc.model.kv_cache import PREFILL_KERNEL_DEFAULT, MLAPagedKVCache
+from dsv2_mlc.schedules.prefill_attention_cuda import (
+    prefill_attention_cuda,
+    prefill_attention_cuda_supports,
+)
+
+sys.path.insert(0, str(Path(__file__).parent))
+from hf_reference import CONFIG_A  # noqa: E402
+
+needs_nvcc = pytest.mark.skipif(
+    shutil.which("nvcc") is None or shutil.which("gcc") is None,
+    reason="CUDA builds need nvcc (and gcc for the driver stub)",
+)
+OURS = "batch_prefill_ragged_kv_mma"  # its global symbol
+TVM_RAGGED = "batch_prefill_ragged_kv"
+CUDA = {"kind": "cuda", "arch": "sm_90"}
+
+
+@needs_nvcc
+@pytest.mark.parametrize("kwargs", [{}, {"q_smem": True, "block_n": 16}], ids=["default", "qs"])
+def test_kernel_compiles_for_sm90(kwargs: dict, tmp_path: Path) -> None:
+    from dsv2_mlc.compiler.cuda import check_fatbin, cuda_codegen, make_cuda_target
+
+    target = make_cuda_target("sm_90")
+    func = prefill_attention_cuda(16, 16, 192, 128, "float16", **kwargs)
+    mod = tvm.IRModule({"attn": func.with_attr("global_symbol", "attn")})
+    with cuda_codegen(), target:
+        lib = tvm.compile(mod, target=target)
+    src = lib.mod.imports_[0].inspect_source("cuda")
+    assert "mma.sync.aligned.m16n8k16" in src and "ldmatrix" in src and "cp.async" in src
+    lib.export_library(str(tmp_path / "attn.so"))
+    check_fatbin(tmp_path / "attn.so", "sm_90")
+
+
+def test_supported_shapes() -> None:
+    assert prefill_attention_cuda_supports(16, 16, 192, 128, "float16")
+    assert prefill_attention_cuda_supports(4, 4, 32, 16, "float16")
+    assert not prefill_attention_cuda_supports(16, 16, 192, 128, "bfloat16")
+    assert not prefill_attention_cuda_supports(2, 16, 192, 128, "float16")  # GQA
+    assert not prefill_attention_cuda_supports(4, 4, 24, 16, "float16")  # d_qk % 16
+    with pytest.raises(ValueError, match="shared memory"):
+        prefill_attention_cuda(16, 16, 192, 128, block_n=64, q_smem=True)
+    with pytest.raises(ValueError, match="block_m"):
+        prefill_attention_cuda(16, 16, 192, 128, block_m=48)
+
+
+class _Cache(nn.Module):
+    def __init__(self, target: dict, **kwargs) -> None:
+        self.target = tvm.target.Target(target)
+        self.kwargs = kwargs
+
+    def create_paged_kv_cache(  # pylint: disable=too-many-arguments
+        self, max_batch_size, max_total_seq_len, prefill_chunk_size, page_size, support_sliding
+    ):
+        return MLAPagedKVCache(
+            max_batch_size=max_batch_size,
+            max_total_seq_len=max_total_seq_len,
+            prefill_chunk_size=prefill_chunk_size,
+            page_size=page_size,
+            support_sliding_window=support_sliding,
+            num_hidden_layers=2,
+            num_attention_heads=16,
+            kv_lora_rank=512,
+            qk_nope_head_dim=128,
+            qk_rope_head_dim=64,
+            v_head_dim=128,
+            dtype="float16",
+            target=self.target,
+            **self.kwargs,
+        )
+
+
+def _create_script(target: dict, **kwargs) -> tuple[set[str], str]:
+    """Export ``create_paged_kv_cache`` alone: (function names, its script)."""
+    names = ["max_batch_size", "max_total_seq_len", "prefill_chunk_size", "page_size"]
+    spec = {
+        "create_paged_kv_cache": {
+            **{k: int for k in names},
+            "support_sliding": int,
+            "$": {"param_mode": "none", "effect_mode": "none"},
+        }
+    }
+    mod, _ = _Cache(target, **kwargs).export_tvm(spec=spec)
+    return {gv.name_hint for gv in mod.get_global_vars()}, mod["create_paged_kv_cache"].script()
+
+
+@pytest.mark.parametrize("prefill_kernel", ["flash", "tvm", None])
+def test_cuda_cache_ragged_slot(prefill_kernel: str | None) -> None:
+    kwargs = {} if prefill_kernel is None else {"prefill_kernel": prefill_kernel}
+    names, script = _create_script(CUDA, **kwargs)
+    flash = (prefill_kernel or PREFILL_KERNEL_DEFAULT) == "flash"
+    slot, other = (OURS, TVM_RAGGED) if flash else (TVM_RAGGED, OURS)
+    assert f'(R.str("tirx"), {slot})' in script
+    assert f'(R.str("tirx"), {other})' not in script
+    assert (OURS in names) == flash
+    # the MLA slot keeps its own kernel either way
+    assert '(R.str("tirx"), batch_mla_paged_attention_split_kv)' in script
+
+
+def test_cuda_cache_rejects_unknown_prefill_kernel() -> None:
+    with pytest.raises(ValueError, match="prefill_kernel"):
+        _create_script(CUDA, prefill_kernel="flashinfer")
+
+
+def test_cpu_cache_unchanged() -> None:
+    """The LLVM cache keeps TVM's CPU ragged kernel, whatever ``prefill_kernel`` says."""
+    llvm = {"kind": "llvm"}
+    names, script = _create_script(llvm)
+    names_tvm, script_tvm = _create_script(llvm, prefill_kernel="tvm")
+    assert script == script_tvm and names == names_tvm
+    assert OURS not in names
+    assert '(R.str("tirx"), batch_prefill_ragged_kv)' in script  # _attention_prefill_ragged_cpu
+
+
+@needs_nvcc
+def test_tiny_cuda_build_carries_the_kernel(tmp_path: Path) -> None:
+    """A tiny CUDA build (config only, random weights): the lowered cache-create call has our
+    kernel in the ragged-prefill slot, and the fatbin holds it. CONFIG_A's q/k head dim 24 is not
+    a multiple of 16 (TVM's kernel would stay), so this config uses 32. (TVM's unused kernels stay
+    in the module: TIRPagedKVCache adds them before the slot is replaced, and nothing prunes TIR
+    functions.)"""
+    from dsv2_mlc.compiler.compile import compile_random_model
+    from dsv2_mlc.compiler.cuda import check_fatbin
+    from dsv2_mlc.runtime.layout import LIBRARY
+
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({**CONFIG_A, "qk_nope_head_dim": 24}))
+    dump = tmp_path / "ir"
+    out = compile_random_model(
+        cfg, tmp_path / "out", device="cuda", dtype="float16", dump_ir=dump
+    ).out_dir
+    slots = re.findall(r'\(R\.str\("tirx"\), cls\.(\w+)\)', (dump / "05-lower.py").read_text())
+    assert slots == [OURS, "batch_mla_paged_attention_split_kv"]
+    lib = out / LIBRARY
+    check_fatbin(lib, "sm_90")
+    assert f"{OURS}_kernel".encode() in lib.read_bytes()
