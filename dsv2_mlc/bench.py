@@ -276,7 +276,10 @@ def _graph_report(before: dict | None, after: dict | None) -> dict[str, Any] | N
     """Decode CUDA graphs: totals, and what the timed runs themselves captured / replayed."""
     if before is None or after is None:
         return None
-    timed = {k: after[k] - before[k] for k in ("captures", "replays", "failures", "capture_s")}
+    timed = {
+        k: after[k] - before[k]
+        for k in ("captures", "replays", "failures", "mismatches", "capture_s")
+    }
     return {"total": after, "timed_runs": timed}
 
 

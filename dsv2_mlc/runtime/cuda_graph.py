@@ -25,7 +25,9 @@ Sequences that share pages (forks) have more than one block "depth" in the cache
 the arrays' layout: the engine does not use graphs for them. Capture runs right after an eager
 run of the same step (which loads modules and warms the pools) on a blocking stream, so ordering
 with the legacy default stream (where the runtime's copies run) is implicit. If a capture fails,
-the step's eager result stands and that key is not tried again.
+the step's eager result stands and that key is not tried again. The engine checks each graph's
+first replay against an eager run of the same step (``same``), so a wrong key would fall back to
+eager steps instead of returning wrong logits.
 """
 
 from __future__ import annotations
@@ -123,6 +125,7 @@ class _Graph:
     exe: int
     ids: tvm_ffi.Tensor  # the input the graph reads [b, 1] int32
     out: Any  # what the captured call returned (its tensors are the graph's outputs)
+    verified: bool = False  # a replay has matched an eager run of the same step
 
 
 class DecodeGraphs:
@@ -139,7 +142,9 @@ class DecodeGraphs:
         self.capacity = capacity
         self._graphs: OrderedDict[tuple, _Graph] = OrderedDict()
         self._failed: set[tuple] = set()
-        self.stats: dict[str, float] = dict(captures=0, replays=0, failures=0, capture_s=0.0)
+        self.stats: dict[str, float] = dict(
+            captures=0, replays=0, failures=0, mismatches=0, capture_s=0.0
+        )
         self.last_error: str | None = None
 
     def run(
@@ -149,16 +154,34 @@ class DecodeGraphs:
         call: Callable[[tvm_ffi.Tensor], Any],
         to_device: Callable[[np.ndarray], tvm_ffi.Tensor],
         write: Callable[[tvm_ffi.Tensor, np.ndarray], None],
+        same: Callable[[Any, Any], bool] | None = None,
     ) -> Any:
         """``call(ids_tensor)`` for this step: replayed from a graph when one is cached for
-        ``key``; otherwise run eagerly and then captured for the next steps with that key."""
+        ``key``; otherwise run eagerly and then captured for the next steps with that key.
+
+        With ``same`` (outputs -> equal?), a graph's first replay is checked against an eager
+        run of the same step (the KV append writes the same values twice); a mismatch drops the
+        graph, returns the eager result and keeps that key eager. This guards the key (which
+        follows the KV cache's internal layout, see the module docstring) at the cost of one
+        eager step per key."""
         graph = self._graphs.get(key)
         if graph is not None:
             self._graphs.move_to_end(key)
             write(graph.ids, ids)
             self.cuda.launch(graph.exe, self.stream)
             self.stats["replays"] += 1
-            return graph.out
+            if same is None or graph.verified:
+                return graph.out
+            ref = call(graph.ids)
+            if same(graph.out, ref):
+                graph.verified = True
+                return graph.out
+            self._graphs.pop(key)
+            self.cuda.destroy(graph.exe)
+            self._failed.add(key)
+            self.stats["mismatches"] += 1
+            self.last_error = f"graph replay for key {key} differs from the eager step"
+            return ref
         ids_t = to_device(ids)
         out = call(ids_t)  # this step's result; also loads kernels and warms the pools
         if key not in self._failed:
