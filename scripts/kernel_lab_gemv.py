@@ -20,13 +20,13 @@ repeats one call (L2-resident weights), ``graph`` replays the cold sequence from
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import lab_common  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 LAB_DIR = ROOT / "build" / "lab_gemv"
@@ -113,29 +113,18 @@ def build_kernel(name: str):  # -> tvm.tirx.PrimFunc
 
 def _dlight(func, target):
     import tvm
-    from tvm.s_tir import dlight as dl
 
-    mod = tvm.IRModule({"main": func})
-    with target:
-        mod = dl.ApplyDefaultSchedule(
-            dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(), dl.gpu.GeneralReduction(),
-            dl.gpu.Fallback(),
-        )(mod)  # fmt: skip
-    return mod["main"]
+    return lab_common.apply_dlight(tvm.IRModule({"main": func}), target)["main"]
 
 
 def prepare(args: argparse.Namespace) -> int:
     """Build every (kernel, variant) library into build/lab_gemv (no GPU needed)."""
-    from dsv2_mlc.compiler.cuda import check_fatbin, cuda_codegen, make_cuda_target
+    from dsv2_mlc.compiler.cuda import make_cuda_target
 
     target = make_cuda_target(args.arch)
-    import tvm
-
     from dsv2_mlc.schedules.decode_gemv_cuda import VARIANTS, schedule_decode_gemv
 
-    LAB_DIR.mkdir(parents=True, exist_ok=True)
-    for old in LAB_DIR.glob("*.so"):
-        old.unlink()
+    lab_common.fresh_lab_dir(LAB_DIR, "*.so")
     variants = {"dlight": None} | {v.name: v for v in VARIANTS}
     if args.only:
         variants = {k: v for k, v in variants.items() if k in args.only.split(",")}
@@ -153,31 +142,21 @@ def prepare(args: argparse.Namespace) -> int:
                     done = schedule_decode_gemv(func, config)
                     if done is None:
                         raise ValueError("schedule_decode_gemv left it to dlight")
-                mod = tvm.IRModule({"main": done.with_attr("global_symbol", "main")})
-                with cuda_codegen(), target:
-                    exe = tvm.compile(mod, target=target)
-                exe.export_library(str(LAB_DIR / lib))
-                check_fatbin(LAB_DIR / lib, args.arch)
+                mod = lab_common.tir_module({"main": done})
+                lab_common.compile_cuda_library(mod, LAB_DIR / lib, args.arch, target)
                 built.setdefault(kname, {})[vname] = lib
             except Exception as err:  # noqa: BLE001 (recorded; the variant is skipped there)
                 failed.setdefault(kname, {})[vname] = str(err).strip().splitlines()[-1][:200]
                 print(f"  {kname} / {vname}: FAILED {failed[kname][vname][:120]}", flush=True)
         print(f"{kname}: {len(built.get(kname, {}))} libraries ({time.time() - start:.0f} s)")
-
-    def git(*cmd: str) -> str:
-        return subprocess.run(["git", *cmd], cwd=ROOT, capture_output=True, text=True).stdout
-
     manifest = {
-        "commit": git("rev-parse", "--short", "HEAD").strip(),
-        "uncommitted": git("status", "--short").splitlines(),
-        "prepared": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "arch": args.arch,
+        **lab_common.manifest_header(args.arch),
         "kernels": {k: list(v) for k, v in KERNELS.items()},
         "variants": {k: (None if v is None else vars(v)) for k, v in variants.items()},
         "built": built,
         "failed": failed,
     }
-    (LAB_DIR / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    lab_common.write_manifest(LAB_DIR, manifest)
     size = sum(p.stat().st_size for p in LAB_DIR.iterdir())
     print(f"build/lab_gemv: {size / 1e6:.1f} MB, {sum(map(len, built.values()))} libraries")
     return 0
@@ -259,24 +238,20 @@ def _time(torch, calls: list, budget_s: float) -> float:
     """Median seconds per call over loops that run ``calls`` (closures) back to back."""
     for f in calls[:3]:
         f()
-    torch.cuda.synchronize()
-    t0 = time.time()
-    for f in calls:
-        f()
-    torch.cuda.synchronize()
-    one = max((time.time() - t0) / len(calls), 1e-6)
+
+    def run_all() -> None:
+        for f in calls:
+            f()
+
+    one = max(lab_common.wall_seconds(torch, run_all) / len(calls), 1e-6)
     reps = int(min(2000, max(len(calls), 0.01 / one)))
     loops = int(min(15, max(5, budget_s / (one * reps))))
-    times = []
-    for _ in range(loops):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
+
+    def run_loop() -> None:
         for i in range(reps):
             calls[i % len(calls)]()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) / 1e3 / reps)
-    return sorted(times)[len(times) // 2]
+
+    return lab_common.event_median(torch, run_loop, reps, loops)
 
 
 def _kernel_time(torch, calls: list) -> float | None:
@@ -318,16 +293,12 @@ def _graph_time(torch, tvm_ffi, calls: list) -> float | None:
                 f()
         g.replay()
         torch.cuda.synchronize()
-        times = []
-        for _ in range(7):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
+
+        def replay5() -> None:
             for _ in range(5):
                 g.replay()
-            b.record()
-            torch.cuda.synchronize()
-            times.append(a.elapsed_time(b) / 1e3 / (5 * len(seq)))
-        return sorted(times)[len(times) // 2]
+
+        return lab_common.event_median(torch, replay5, 5 * len(seq), 7)
     except Exception as err:  # noqa: BLE001
         print(f"  (graph capture failed: {str(err)[:100]})")
         return None
@@ -338,9 +309,8 @@ def run(args: argparse.Namespace) -> int:
     import torch
     import tvm_ffi
 
-    for lib in ("libtvm_runtime.so", "libtvm_runtime_cuda.so"):
-        ctypes.CDLL(str(Path(args.lib_dir) / lib), mode=ctypes.RTLD_GLOBAL)
-    manifest = json.loads((LAB_DIR / "manifest.json").read_text())
+    lab_common.load_tvm_runtime(args.lib_dir)
+    manifest = lab_common.read_manifest(LAB_DIR)
     props = torch.cuda.get_device_properties(0)
     print(f"GPU: {props.name}, {props.multi_processor_count} SMs; torch {torch.__version__}")
     variants = list(manifest["variants"])
@@ -362,7 +332,7 @@ def run(args: argparse.Namespace) -> int:
                 row["variants"][vname] = {"error": manifest["failed"].get(kname, {}).get(vname)}
                 continue
             func = tvm_ffi.load_module(str(LAB_DIR / lib))["main"]
-            argsets = [[tvm_ffi.from_dlpack(t) for t in data["args"](c)] for c in range(copies)]
+            argsets = [lab_common.ffi_tensors(*data["args"](c)) for c in range(copies)]
             calls = [lambda a=a, f=func: f(*a) for a in argsets]
             out = data["args"](0)[-1]
             out.fill_(float("nan"))
@@ -440,14 +410,12 @@ def _tables(results: dict, variants: list[str], kernels: list[str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="cmd", required=True)
-    p = sub.add_parser("prepare", help="build every (kernel, variant) into build/lab_gemv")
-    p.add_argument("--arch", default="sm_90")
+    parser, p, r = lab_common.lab_parser(
+        __doc__,
+        "build every (kernel, variant) into build/lab_gemv",
+        "check and time every (kernel, variant) (GPU machine)",
+    )
     p.add_argument("--only", default="", help="comma-separated variant names (default: all)")
-    r = sub.add_parser("run", help="check and time every (kernel, variant) (GPU machine)")
-    r.add_argument("--lib-dir", default=os.environ.get("DSV2_MLC_TVM_LIB_DIR", ".devcarry/tvm-lib"))
-    r.add_argument("--out", default=os.environ.get("OUT"))
     r.add_argument("--kernels", default="", help="comma-separated kernel names (default: all)")
     r.add_argument("--budget-s", type=float, default=0.3, help="timing budget per measurement")
     r.add_argument("--rotate-mb", type=float, default=256.0, help="weight copies to rotate over")

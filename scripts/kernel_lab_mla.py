@@ -21,14 +21,13 @@ table (case x kernel, us; ``!`` marks a wrong result) plus an error summary per 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import math
-import os
-import subprocess
 import sys
-import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import lab_common  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 LAB_DIR = ROOT / "build" / "lab"
@@ -53,68 +52,30 @@ BAD_REL, BAD_LSE = 2e-3, 1e-3  # a result worse than this is flagged "!"
 # -- here: builds ----------------------------------------------------------------------------------
 def prepare(args: argparse.Namespace) -> int:
     """Compile TVM's kernel and every variant for CUDA into build/lab (no GPU needed)."""
-    from dsv2_mlc.compiler.cuda import check_fatbin, cuda_codegen, make_cuda_target
+    from dsv2_mlc.compiler.cuda import make_cuda_target
 
     target = make_cuda_target(args.arch)
-    import tvm
     from tvm.relax.frontend.nn.llm._prefill_kernels import _attention_prefill_mla
 
     from dsv2_mlc.schedules.mla_attention_cuda import mla_attention_cuda
 
-    LAB_DIR.mkdir(parents=True, exist_ok=True)
-    for old in LAB_DIR.glob("mla_*.so"):
-        old.unlink()
+    lab_common.fresh_lab_dir(LAB_DIR, "mla_*.so")
     funcs = {"tvm": _attention_prefill_mla(HEADS, LATENT, ROPE, "float16", False, target)}
     for name, kwargs in VARIANTS.items():
         funcs[name] = mla_attention_cuda(HEADS, LATENT, ROPE, "float16", **kwargs)
-    built = {}
-    for key, func in funcs.items():
-        lib, symbol = f"mla_{key}.so", f"mla_{key}"
-        mod = tvm.IRModule({symbol: func.with_attr("global_symbol", symbol)})
-        start = time.time()
-        with cuda_codegen(), target:
-            exe = tvm.compile(mod, target=target)
-        exe.export_library(str(LAB_DIR / lib))
-        check_fatbin(LAB_DIR / lib, args.arch)
-        built[key] = {
-            "library": lib,
-            "symbol": symbol,
-            "kwargs": VARIANTS.get(key, "TVM _attention_prefill_mla"),
-            "compile_s": round(time.time() - start, 1),
-            "bytes": (LAB_DIR / lib).stat().st_size,
-        }
-        print(f"{key}: build/lab/{lib} ({built[key]['compile_s']} s)", flush=True)
-
-    def git(*cmd: str) -> str:
-        return subprocess.run(["git", *cmd], cwd=ROOT, capture_output=True, text=True).stdout
-
+    built = lab_common.build_libraries(
+        funcs, LAB_DIR, "mla", args.arch, target, VARIANTS, "TVM _attention_prefill_mla"
+    )
     manifest = {
-        "commit": git("rev-parse", "--short", "HEAD").strip(),
-        "uncommitted": git("status", "--short").splitlines(),
-        "prepared": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "arch": args.arch,
+        **lab_common.manifest_header(args.arch),
         "shapes": {"heads": HEADS, "latent": LATENT, "rope": ROPE, "page_size": PAGE},
         "kernels": built,
     }
-    (LAB_DIR / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    lab_common.write_manifest(LAB_DIR, manifest)
     return 0
 
 
 # -- there: measurement ----------------------------------------------------------------------------
-def _load_kernels(lib_dir: str, only: str | None) -> dict:
-    import tvm_ffi
-
-    for name in ("libtvm_runtime.so", "libtvm_runtime_cuda.so"):
-        ctypes.CDLL(str(Path(lib_dir) / name), mode=ctypes.RTLD_GLOBAL)
-    built = json.loads((LAB_DIR / "manifest.json").read_text())["kernels"]
-    keep = set(only.split(",")) if only else None
-    return {
-        key: tvm_ffi.load_module(str(LAB_DIR / k["library"]))[k["symbol"]]
-        for key, k in built.items()
-        if keep is None or key in keep
-    }
-
-
 def _case(torch, kv_lens: list[int], q_lens: list[int], causal: int, seed: int) -> dict:
     """Random inputs of one case: sequence i has kv_lens[i] cached tokens and q_lens[i] rows."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
@@ -170,11 +131,9 @@ def _reference(torch, c: dict):
 
 def _args(c: dict, out, lse) -> list:
     """The ABI's arguments, tensors as tvm_ffi tensors (DLPack, no copy)."""
-    import tvm_ffi
-
     names = ("q", "qo_indptr", "pages", "page_indptr", "page_indices", "length_info")
     tensors = [c[k] for k in names] + [out, lse]
-    return [tvm_ffi.from_dlpack(t) for t in tensors] + [c["causal"], c["sm_scale"]]
+    return lab_common.ffi_tensors(*tensors) + [c["causal"], c["sm_scale"]]
 
 
 def _call(torch, func, c: dict):
@@ -197,24 +156,7 @@ def _errors(torch, got, ref) -> dict:
 
 def _time(torch, func, c: dict, budget_s: float) -> float:
     """Median seconds per call over loops of back-to-back calls (CUDA events)."""
-    args = _args(c, *_call(torch, func, c))
-    torch.cuda.synchronize()
-    t0 = time.time()
-    func(*args)
-    torch.cuda.synchronize()
-    one = max(time.time() - t0, 1e-6)
-    inner = int(min(50, max(1, 0.02 / one)))
-    loops = int(min(9, max(3, budget_s / (one * inner))))
-    times = []
-    for _ in range(loops):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(inner):
-            func(*args)
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1e3 / inner)
-    return sorted(times)[len(times) // 2]
+    return lab_common.time_call(torch, func, _args(c, *_call(torch, func, c)), budget_s)
 
 
 def _bad(e: dict) -> bool:
@@ -230,7 +172,7 @@ def run(args: argparse.Namespace) -> int:
     """Check and time every kernel on every case; print the table, write results JSON."""
     import torch
 
-    kernels = _load_kernels(args.lib_dir, args.only)
+    kernels = lab_common.load_kernels(args.lib_dir, LAB_DIR, args.only)
     props = torch.cuda.get_device_properties(0)
     print(f"GPU: {props.name}, {props.multi_processor_count} SMs; torch {torch.__version__}")
     cases: list[tuple[str, list[int], list[int], int]] = []
@@ -295,16 +237,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="cmd", required=True)
-    p = sub.add_parser("prepare", help="compile the kernels into build/lab (build box)")
-    p.add_argument("--arch", default="sm_90")
-    r = sub.add_parser("run", help="check and time the kernels (GPU machine)")
-    r.add_argument("--lib-dir", default=os.environ.get("DSV2_MLC_TVM_LIB_DIR", ".devcarry/tvm-lib"))
-    r.add_argument("--out", default=os.environ.get("OUT"))
-    r.add_argument("--budget-per-case-s", type=float, default=0.3)
-    r.add_argument("--only", default=None, help="comma-separated kernel names")
-    r.add_argument("--cases", default=None, help="only cases whose name contains this")
+    parser, p, r = lab_common.lab_parser(
+        __doc__,
+        "compile the kernels into build/lab (build box)",
+        "check and time the kernels (GPU machine)",
+    )
+    lab_common.add_case_options(r, budget_per_case_s=0.3)
     args = parser.parse_args(argv)
     return prepare(args) if args.cmd == "prepare" else run(args)
 

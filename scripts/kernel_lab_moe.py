@@ -31,14 +31,14 @@ go to ``DIR/moe_lab.json``.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
-import os
-import subprocess
 import sys
 import time
 import traceback
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import lab_common  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 LAB_DIR = ROOT / "build" / "lab_moe"
@@ -135,43 +135,23 @@ def _kernels(group: int, tilings: tuple[str, ...] = DEFAULT_TILINGS) -> dict:
 
 def prepare(args: argparse.Namespace) -> int:
     """Compile every kernel for CUDA into build/lab_moe (no GPU needed)."""
-    from dsv2_mlc.compiler.cuda import check_fatbin, cuda_codegen, make_cuda_target
+    from dsv2_mlc.compiler.cuda import make_cuda_target
 
     target = make_cuda_target(args.arch)
-    import tvm
-    from tvm.s_tir import dlight as dl
-
     lab_dir = Path(args.lab_dir)
     lab_dir.mkdir(parents=True, exist_ok=True)
     tilings = tuple(t for t in args.tilings.split(",") if t)
     funcs = _kernels(args.group, tilings)
-    mod = tvm.IRModule({k: f.with_attr("global_symbol", k) for k, f in funcs.items()})
+    mod = lab_common.tir_module(funcs)
     start = time.time()
-    with target:  # the old kernels: the pipeline's dlight rules (passes/pipeline.py)
-        mod = dl.ApplyDefaultSchedule(
-            dl.gpu.Matmul(),
-            dl.gpu.GEMV(),
-            dl.gpu.Reduction(),
-            dl.gpu.GeneralReduction(),
-            dl.gpu.Fallback(),
-        )(mod)
-    with cuda_codegen(), target:
-        exe = tvm.compile(mod, target=target)
+    mod = lab_common.apply_dlight(mod, target)  # the old kernels: the pipeline's dlight rules
     lib = lab_dir / LIBRARY
-    exe.export_library(str(lib))
-    check_fatbin(lib, args.arch)
+    lab_common.compile_cuda_library(mod, lib, args.arch, target)
     seconds = round(time.time() - start, 1)
     size_mb = lib.stat().st_size / 1e6
     print(f"{lib}: {len(funcs)} kernels, {size_mb:.2f} MB ({seconds} s)")
-
-    def git(*cmd: str) -> str:
-        return subprocess.run(["git", *cmd], cwd=ROOT, capture_output=True, text=True).stdout
-
     manifest = {
-        "commit": git("rev-parse", "--short", "HEAD").strip(),
-        "uncommitted": git("status", "--short").splitlines(),
-        "prepared": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "arch": args.arch,
+        **lab_common.manifest_header(args.arch),
         "shapes": {
             "hidden": HIDDEN,
             "inter": INTER,
@@ -186,7 +166,7 @@ def prepare(args: argparse.Namespace) -> int:
         "symbols": sorted(funcs),
         "compile_s": seconds,
     }
-    (lab_dir / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    lab_common.write_manifest(lab_dir, manifest)
     return 0
 
 
@@ -194,21 +174,13 @@ def prepare(args: argparse.Namespace) -> int:
 def _load(lib_dir: str, lab_dir: Path, symbols: list[str]) -> dict:
     import tvm_ffi
 
-    # libtvm_runtime.so needs libtvm_ffi.so (RUNPATH $ORIGIN only): the one of the tvm_ffi
-    # package, loaded global first (a stale or partial tvm_ffi install does not load it)
-    ffi_lib = Path(getattr(tvm_ffi, "__file__", None) or ".").parent / "lib" / "libtvm_ffi.so"
-    if ffi_lib.exists():
-        ctypes.CDLL(str(ffi_lib), mode=ctypes.RTLD_GLOBAL)
-    for name in ("libtvm_runtime.so", "libtvm_runtime_cuda.so"):
-        ctypes.CDLL(str(Path(lib_dir) / name), mode=ctypes.RTLD_GLOBAL)
+    # libtvm_runtime.so needs libtvm_ffi.so: the tvm_ffi package's, loaded global first
+    lab_common.load_tvm_runtime(lib_dir, preload_ffi=True)
     module = tvm_ffi.load_module(str(lab_dir / LIBRARY))
     return {s: module[s] for s in symbols}
 
 
-def _ffi(*tensors) -> list:
-    import tvm_ffi
-
-    return [tvm_ffi.from_dlpack(t) for t in tensors]
+_ffi = lab_common.ffi_tensors
 
 
 def _weights(torch, group: int, seed: int) -> dict:
@@ -352,25 +324,15 @@ def _time(torch, kernels: dict, calls: list, budget_s: float) -> dict:
         for name, args in which:
             kernels[name](*args)
 
-    torch.cuda.synchronize()
-    t0 = time.time()
-    run_all(calls)
-    torch.cuda.synchronize()
-    one = max(time.time() - t0, 1e-6)
-    inner = int(min(20, max(1, 0.05 / one)))
-    loops = int(min(9, max(3, budget_s / (one * inner))))
+    one = max(lab_common.wall_seconds(torch, lambda: run_all(calls)), 1e-6)
+    inner, loops = lab_common.loop_counts(one, budget_s, max_inner=20, fill_s=0.05)
 
     def median(which: list) -> float:
-        times = []
-        for _ in range(loops):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
+        def run_loop() -> None:
             for _ in range(inner):
                 run_all(which)
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end) / 1e3 / inner)
-        return sorted(times)[len(times) // 2]
+
+        return lab_common.event_median(torch, run_loop, inner, loops)
 
     res = {name: median([(name, args)]) for name, args in calls}
     res["total"] = median(calls)
@@ -387,7 +349,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     lab_dir = Path(args.lab_dir)
-    manifest = json.loads((lab_dir / "manifest.json").read_text())
+    manifest = lab_common.read_manifest(lab_dir)
     group = int(manifest["shapes"]["group"])
     variants = manifest.get("variants", list(manifest["tilings"]))
     if args.variants:
@@ -473,18 +435,16 @@ def _print_row(row: dict, paths: list) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="cmd", required=True)
-    p = sub.add_parser("prepare", help="compile the kernels into build/lab_moe (build box)")
-    p.add_argument("--arch", default="sm_90")
+    parser, p, r = lab_common.lab_parser(
+        __doc__,
+        "compile the kernels into build/lab_moe (build box)",
+        "check and time both paths (GPU machine)",
+    )
     p.add_argument("--group", type=int, default=128, choices=(32, 128))
     p.add_argument("--lab-dir", default=str(LAB_DIR), help="library + manifest folder")
     p.add_argument(
         "--tilings", default=",".join(DEFAULT_TILINGS), help=f"SIMT tilings, of {sorted(TILINGS)}"
     )
-    r = sub.add_parser("run", help="check and time both paths (GPU machine)")
-    r.add_argument("--lib-dir", default=os.environ.get("DSV2_MLC_TVM_LIB_DIR", ".devcarry/tvm-lib"))
-    r.add_argument("--out", default=os.environ.get("OUT"))
     r.add_argument("--budget-per-case-s", type=float, default=1.0)
     r.add_argument("--old", action="store_true", help="also the gather path (slow)")
     r.add_argument("--lab-dir", default=str(LAB_DIR), help="library + manifest folder")

@@ -21,14 +21,13 @@ kernel, us, ``!`` = wrong), an error summary, ``prefill_attn_lab.json`` in ``--o
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import math
-import os
-import subprocess
 import sys
-import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import lab_common  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 LAB_DIR = ROOT / "build" / "lab_attn"
@@ -48,68 +47,30 @@ BAD_REL, BAD_LSE = 2e-3, 2e-3  # a result worse than this is flagged "!"
 # -- here: builds ----------------------------------------------------------------------------------
 def prepare(args: argparse.Namespace) -> int:
     """Compile TVM's kernel and every variant for CUDA into build/lab_attn (no GPU needed)."""
-    from dsv2_mlc.compiler.cuda import check_fatbin, cuda_codegen, make_cuda_target
+    from dsv2_mlc.compiler.cuda import make_cuda_target
 
     target = make_cuda_target(args.arch)
-    import tvm
     from tvm.relax.frontend.nn.llm.kv_cache import _attention_prefill_ragged
 
     from dsv2_mlc.schedules.prefill_attention_cuda import prefill_attention_cuda
 
-    LAB_DIR.mkdir(parents=True, exist_ok=True)
-    for old in LAB_DIR.glob("attn_*.so"):
-        old.unlink()
+    lab_common.fresh_lab_dir(LAB_DIR, "attn_*.so")
     funcs = {"tvm": _attention_prefill_ragged(HEADS, HEADS, D_QK, D_V, "float16", {}, target)}
     for name, kwargs in VARIANTS.items():
         funcs[name] = prefill_attention_cuda(HEADS, HEADS, D_QK, D_V, "float16", **kwargs)
-    built = {}
-    for key, func in funcs.items():
-        lib, symbol = f"attn_{key}.so", f"attn_{key}"
-        mod = tvm.IRModule({symbol: func.with_attr("global_symbol", symbol)})
-        start = time.time()
-        with cuda_codegen(), target:
-            exe = tvm.compile(mod, target=target)
-        exe.export_library(str(LAB_DIR / lib))
-        check_fatbin(LAB_DIR / lib, args.arch)
-        built[key] = {
-            "library": lib,
-            "symbol": symbol,
-            "kwargs": VARIANTS.get(key, "TVM _attention_prefill_ragged"),
-            "compile_s": round(time.time() - start, 1),
-            "bytes": (LAB_DIR / lib).stat().st_size,
-        }
-        print(f"{key}: build/lab_attn/{lib} ({built[key]['compile_s']} s)", flush=True)
-
-    def git(*cmd: str) -> str:
-        return subprocess.run(["git", *cmd], cwd=ROOT, capture_output=True, text=True).stdout
-
+    built = lab_common.build_libraries(
+        funcs, LAB_DIR, "attn", args.arch, target, VARIANTS, "TVM _attention_prefill_ragged"
+    )
     manifest = {
-        "commit": git("rev-parse", "--short", "HEAD").strip(),
-        "uncommitted": git("status", "--short").splitlines(),
-        "prepared": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "arch": args.arch,
+        **lab_common.manifest_header(args.arch),
         "shapes": {"heads": HEADS, "d_qk": D_QK, "d_v": D_V},
         "kernels": built,
     }
-    (LAB_DIR / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    lab_common.write_manifest(LAB_DIR, manifest)
     return 0
 
 
 # -- there: measurement ----------------------------------------------------------------------------
-def _load_kernels(lib_dir: str, only: str | None) -> dict:
-    import tvm_ffi
-
-    for name in ("libtvm_runtime.so", "libtvm_runtime_cuda.so"):
-        ctypes.CDLL(str(Path(lib_dir) / name), mode=ctypes.RTLD_GLOBAL)
-    built = json.loads((LAB_DIR / "manifest.json").read_text())["kernels"]
-    keep = set(only.split(",")) if only else None
-    return {
-        key: tvm_ffi.load_module(str(LAB_DIR / k["library"]))[k["symbol"]]
-        for key, k in built.items()
-        if keep is None or key in keep
-    }
-
-
 # (name, q_lens, kv_lens, causal, timed)
 CASES: list[tuple[str, list[int], list[int], int, bool]] = [
     ("1 token", [1], [1], 1, False),
@@ -187,11 +148,9 @@ def _reference(torch, c: dict):
 
 
 def _args(c: dict, out, lse, rotary_mode: int = 0) -> list:
-    import tvm_ffi
-
     names = ("q", "q_indptr", "k", "v", "kv_indptr", "q_rope_position", "k_rope_pos_offset")
     tensors = [c[k] for k in names] + [out, lse]
-    return [tvm_ffi.from_dlpack(t) for t in tensors] + [
+    return lab_common.ffi_tensors(*tensors) + [
         c["causal"], rotary_mode, 1.0, 10000.0, c["sm_scale"]
     ]  # fmt: skip
 
@@ -227,27 +186,6 @@ def _errors(torch, got, ref) -> dict:
     return res
 
 
-def _time(torch, func, args: list, budget_s: float) -> float:
-    """Median seconds per call over loops of back-to-back calls (CUDA events)."""
-    torch.cuda.synchronize()
-    t0 = time.time()
-    func(*args)
-    torch.cuda.synchronize()
-    one = max(time.time() - t0, 1e-6)
-    inner = int(min(50, max(1, 0.02 / one)))
-    loops = int(min(9, max(3, budget_s / (one * inner))))
-    times = []
-    for _ in range(loops):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(inner):
-            func(*args)
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1e3 / inner)
-    return sorted(times)[len(times) // 2]
-
-
 def _bad(e: dict) -> bool:
     return (
         not e["rel_l2"] <= BAD_REL
@@ -275,7 +213,7 @@ def run(args: argparse.Namespace) -> int:
     """Check and time every kernel on every case; print the table, write results JSON."""
     import torch
 
-    kernels = _load_kernels(args.lib_dir, args.only)
+    kernels = lab_common.load_kernels(args.lib_dir, LAB_DIR, args.only)
     props = torch.cuda.get_device_properties(0)
     print(f"GPU: {props.name}, {props.multi_processor_count} SMs; torch {torch.__version__}")
     keys = list(kernels)
@@ -300,7 +238,7 @@ def run(args: argparse.Namespace) -> int:
                 mark = "!" if _bad(row[key]) else " "
                 if timed:
                     budget = args.budget_per_case_s / (4 if key == "tvm" else 1)
-                    row[key]["s"] = _time(torch, func, _args(c, *got), budget)
+                    row[key]["s"] = lab_common.time_call(torch, func, _args(c, *got), budget)
                     cells.append(f"{row[key]['s'] * 1e6:{width - 1}.1f}{mark}")
                 else:
                     cells.append(f"{'-':>{width - 1}s}{mark}")
@@ -311,7 +249,9 @@ def run(args: argparse.Namespace) -> int:
         sd = _sdpa(torch, c) if timed else None
         if sd is not None:
             try:
-                row["sdpa_s"] = _time(torch, lambda sd=sd: sd(), [], args.budget_per_case_s)
+                row["sdpa_s"] = lab_common.time_call(
+                    torch, lambda sd=sd: sd(), [], args.budget_per_case_s
+                )
                 cells.append(f"{row['sdpa_s'] * 1e6:9.1f}")
             except Exception as err:  # noqa: BLE001
                 row["sdpa_error"] = str(err)[:200]
@@ -377,16 +317,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="cmd", required=True)
-    p = sub.add_parser("prepare", help="compile the kernels into build/lab_attn (build box)")
-    p.add_argument("--arch", default="sm_90")
-    r = sub.add_parser("run", help="check and time the kernels (GPU machine)")
-    r.add_argument("--lib-dir", default=os.environ.get("DSV2_MLC_TVM_LIB_DIR", ".devcarry/tvm-lib"))
-    r.add_argument("--out", default=os.environ.get("OUT"))
-    r.add_argument("--budget-per-case-s", type=float, default=0.25)
-    r.add_argument("--only", default=None, help="comma-separated kernel names")
-    r.add_argument("--cases", default=None, help="only cases whose name contains this")
+    parser, p, r = lab_common.lab_parser(
+        __doc__,
+        "compile the kernels into build/lab_attn (build box)",
+        "check and time the kernels (GPU machine)",
+    )
+    lab_common.add_case_options(r, budget_per_case_s=0.25)
     args = parser.parse_args(argv)
     return prepare(args) if args.cmd == "prepare" else run(args)
 

@@ -116,26 +116,8 @@ def test_capture_error_inside_the_call_ends_the_capture():
                    lambda a: a, lambda t, a: None)  # fmt: skip
 
 
-def test_first_replay_is_checked_against_an_eager_step():
-    cuda, calls = FakeCuda(), []
-    graphs = DecodeGraphs("cuda", cuda=cuda)
-    ids = np.zeros((1, 1), np.int32)
-
-    def call(ids_t):
-        calls.append("capture" if cuda.capturing else "eager")
-        return "captured" if cuda.capturing else "eager-out"
-
-    def run(same):
-        return graphs.run((1, 5), ids, call, lambda a: a.copy(), lambda t, a: None, same)
-
-    run(lambda a, b: True)  # eager + capture
-    assert run(lambda a, b: True) == "captured"  # first replay: checked, equal
-    assert calls == ["eager", "capture", "eager"]
-    assert run(lambda a, b: True) == "captured" and len(calls) == 3  # verified: no more checks
-    assert graphs.stats["mismatches"] == 0
-
-
-def test_a_replay_that_differs_falls_back_to_eager_for_that_key():
+def _checked_graphs(same):
+    """DecodeGraphs over FakeCuda, with a ``run()`` for one key checked by ``same``."""
     cuda, calls = FakeCuda(), []
     graphs = DecodeGraphs("cuda", cuda=cuda)
     ids = np.zeros((1, 1), np.int32)
@@ -145,10 +127,22 @@ def test_a_replay_that_differs_falls_back_to_eager_for_that_key():
         return "captured" if cuda.capturing else "eager-out"
 
     def run():
-        return graphs.run(
-            (1, 5), ids, call, lambda a: a.copy(), lambda t, a: None, lambda a, b: a == b
-        )
+        return graphs.run((1, 5), ids, call, lambda a: a.copy(), lambda t, a: None, same)
 
+    return graphs, cuda, calls, run
+
+
+def test_first_replay_is_checked_against_an_eager_step():
+    graphs, _, calls, run = _checked_graphs(lambda a, b: True)
+    run()  # eager + capture
+    assert run() == "captured"  # first replay: checked, equal
+    assert calls == ["eager", "capture", "eager"]
+    assert run() == "captured" and len(calls) == 3  # verified: no more checks
+    assert graphs.stats["mismatches"] == 0
+
+
+def test_a_replay_that_differs_falls_back_to_eager_for_that_key():
+    graphs, cuda, calls, run = _checked_graphs(lambda a, b: a == b)
     run()
     assert run() == "eager-out"  # replay "captured" != eager "eager-out": the eager result
     assert graphs.stats["mismatches"] == 1 and "differs" in graphs.last_error

@@ -16,9 +16,8 @@ from pathlib import Path
 
 import pytest
 import tvm
-from tvm.relax.frontend import nn
+from mla_cache_module import create_script
 
-from dsv2_mlc.model.kv_cache import MLAPagedKVCache
 from dsv2_mlc.schedules.mla_attention_cuda import mla_attention_cuda, mla_attention_cuda_supports
 
 needs_nvcc = pytest.mark.skipif(
@@ -129,43 +128,9 @@ def test_kernel_rejects_unsupported_shapes() -> None:
     assert mla_attention_cuda_supports(16, 512, 64, "float16")
 
 
-class _Cache(nn.Module):
-    def __init__(self, mla_kernel: str) -> None:
-        self.mla_kernel = mla_kernel
-
-    def create_paged_kv_cache(  # pylint: disable=too-many-arguments
-        self, max_batch_size, max_total_seq_len, prefill_chunk_size, page_size, support_sliding
-    ):
-        return MLAPagedKVCache(
-            max_batch_size=max_batch_size,
-            max_total_seq_len=max_total_seq_len,
-            prefill_chunk_size=prefill_chunk_size,
-            page_size=page_size,
-            support_sliding_window=support_sliding,
-            num_hidden_layers=2,
-            num_attention_heads=16,
-            kv_lora_rank=512,
-            qk_nope_head_dim=128,
-            qk_rope_head_dim=64,
-            v_head_dim=128,
-            dtype="float16",
-            target=tvm.target.Target({"kind": "cuda", "arch": "sm_90"}),
-            mla_kernel=self.mla_kernel,
-        )
-
-
 def _create_script(mla_kernel: str) -> tuple[set[str], str]:
-    """Export ``create_paged_kv_cache`` alone: (function names, its script)."""
-    names = ["max_batch_size", "max_total_seq_len", "prefill_chunk_size", "page_size"]
-    spec = {
-        "create_paged_kv_cache": {
-            **{k: int for k in names},
-            "support_sliding": int,
-            "$": {"param_mode": "none", "effect_mode": "none"},
-        }
-    }
-    mod, _ = _Cache(mla_kernel).export_tvm(spec=spec)
-    return {gv.name_hint for gv in mod.get_global_vars()}, mod["create_paged_kv_cache"].script()
+    """Export ``create_paged_kv_cache`` alone for sm_90: (function names, its script)."""
+    return create_script({"kind": "cuda", "arch": "sm_90"}, mla_kernel=mla_kernel)
 
 
 @pytest.mark.parametrize("mla_kernel", ["split_kv", "tvm"])

@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 import tvm
 import tvm_ffi
+from mla_cache_module import MLACacheModule, create_spec
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache
 
-from dsv2_mlc.model.kv_cache import MLAPagedKVCache
 from dsv2_mlc.schedules import mla_cpu
 
 H, R, P, NOPE, V, L = 4, 32, 8, 16, 16, 2  # heads, kv_lora_rank, rope, nope, v_head_dim, layers
@@ -174,29 +174,19 @@ def test_kernel_page_ops() -> None:
 # ------------------------------------------------------------------ part 2: the cache in a VM
 
 
-class MLAAttention(nn.Module):
+class MLAAttention(MLACacheModule):
     """Exports the cache constructor and thin wrappers of the fine-grained cache API."""
 
     def __init__(self, target: tvm.target.Target) -> None:
-        self.target = target
-
-    def create_paged_kv_cache(  # pylint: disable=too-many-arguments
-        self, max_batch_size, max_total_seq_len, prefill_chunk_size, page_size, support_sliding
-    ):
-        return MLAPagedKVCache(
-            max_batch_size=max_batch_size,
-            max_total_seq_len=max_total_seq_len,
-            prefill_chunk_size=prefill_chunk_size,
-            page_size=page_size,
-            support_sliding_window=support_sliding,
-            num_hidden_layers=L,
-            num_attention_heads=H,
+        super().__init__(
+            target,
+            layers=L,
+            heads=H,
             kv_lora_rank=R,
             qk_nope_head_dim=NOPE,
             qk_rope_head_dim=P,
             v_head_dim=V,
             dtype="float32",
-            target=self.target,
         )
 
     def append_mla_kv(self, layer_id, kv, cache):
@@ -219,9 +209,8 @@ def _spec() -> dict:
     def ten(shape):
         return nn.spec.Tensor(shape, "float32")
 
-    names = ["max_batch_size", "max_total_seq_len", "prefill_chunk_size", "page_size"]
     return {
-        "create_paged_kv_cache": {**{k: int for k in names}, "support_sliding": int, **none},
+        **create_spec(),
         "append_mla_kv": {"layer_id": int, "kv": ten(["b", "s", 1, DQK]), "cache": obj, **none},
         "self_attention": {
             "layer_id": int,

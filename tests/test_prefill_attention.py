@@ -16,9 +16,8 @@ from pathlib import Path
 
 import pytest
 import tvm
-from tvm.relax.frontend import nn
 
-from dsv2_mlc.model.kv_cache import PREFILL_KERNEL_DEFAULT, MLAPagedKVCache
+from dsv2_mlc.model.kv_cache import PREFILL_KERNEL_DEFAULT
 from dsv2_mlc.schedules.prefill_attention_cuda import (
     prefill_attention_cuda,
     prefill_attention_cuda_supports,
@@ -26,6 +25,7 @@ from dsv2_mlc.schedules.prefill_attention_cuda import (
 
 sys.path.insert(0, str(Path(__file__).parent))
 from hf_reference import CONFIG_A  # noqa: E402
+from mla_cache_module import create_script  # noqa: E402
 
 needs_nvcc = pytest.mark.skipif(
     shutil.which("nvcc") is None or shutil.which("gcc") is None,
@@ -64,50 +64,10 @@ def test_supported_shapes() -> None:
         prefill_attention_cuda(16, 16, 192, 128, block_m=48)
 
 
-class _Cache(nn.Module):
-    def __init__(self, target: dict, **kwargs) -> None:
-        self.target = tvm.target.Target(target)
-        self.kwargs = kwargs
-
-    def create_paged_kv_cache(  # pylint: disable=too-many-arguments
-        self, max_batch_size, max_total_seq_len, prefill_chunk_size, page_size, support_sliding
-    ):
-        return MLAPagedKVCache(
-            max_batch_size=max_batch_size,
-            max_total_seq_len=max_total_seq_len,
-            prefill_chunk_size=prefill_chunk_size,
-            page_size=page_size,
-            support_sliding_window=support_sliding,
-            num_hidden_layers=2,
-            num_attention_heads=16,
-            kv_lora_rank=512,
-            qk_nope_head_dim=128,
-            qk_rope_head_dim=64,
-            v_head_dim=128,
-            dtype="float16",
-            target=self.target,
-            **self.kwargs,
-        )
-
-
-def _create_script(target: dict, **kwargs) -> tuple[set[str], str]:
-    """Export ``create_paged_kv_cache`` alone: (function names, its script)."""
-    names = ["max_batch_size", "max_total_seq_len", "prefill_chunk_size", "page_size"]
-    spec = {
-        "create_paged_kv_cache": {
-            **{k: int for k in names},
-            "support_sliding": int,
-            "$": {"param_mode": "none", "effect_mode": "none"},
-        }
-    }
-    mod, _ = _Cache(target, **kwargs).export_tvm(spec=spec)
-    return {gv.name_hint for gv in mod.get_global_vars()}, mod["create_paged_kv_cache"].script()
-
-
 @pytest.mark.parametrize("prefill_kernel", ["flash", "tvm", None])
 def test_cuda_cache_ragged_slot(prefill_kernel: str | None) -> None:
     kwargs = {} if prefill_kernel is None else {"prefill_kernel": prefill_kernel}
-    names, script = _create_script(CUDA, **kwargs)
+    names, script = create_script(CUDA, **kwargs)
     flash = (prefill_kernel or PREFILL_KERNEL_DEFAULT) == "flash"
     slot, other = (OURS, TVM_RAGGED) if flash else (TVM_RAGGED, OURS)
     assert f'(R.str("tirx"), {slot})' in script
@@ -119,14 +79,14 @@ def test_cuda_cache_ragged_slot(prefill_kernel: str | None) -> None:
 
 def test_cuda_cache_rejects_unknown_prefill_kernel() -> None:
     with pytest.raises(ValueError, match="prefill_kernel"):
-        _create_script(CUDA, prefill_kernel="flashinfer")
+        create_script(CUDA, prefill_kernel="flashinfer")
 
 
 def test_cpu_cache_unchanged() -> None:
     """The LLVM cache keeps TVM's CPU ragged kernel, whatever ``prefill_kernel`` says."""
     llvm = {"kind": "llvm"}
-    names, script = _create_script(llvm)
-    names_tvm, script_tvm = _create_script(llvm, prefill_kernel="tvm")
+    names, script = create_script(llvm)
+    names_tvm, script_tvm = create_script(llvm, prefill_kernel="tvm")
     assert script == script_tvm and names == names_tvm
     assert OURS not in names
     assert '(R.str("tirx"), batch_prefill_ragged_kv)' in script  # _attention_prefill_ragged_cpu
