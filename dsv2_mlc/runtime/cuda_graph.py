@@ -1,9 +1,9 @@
 """CUDA graphs for decode steps: one whole ``batch_decode`` call captured, then replayed per token.
 
-A decode step at batch 1 launches about 700 small kernels through the Relax VM; enqueueing them
-(VM bookkeeping + one driver call each) takes several milliseconds on the host, longer than the
-kernels run (docs/benchmarks.md). A CUDA graph of the whole call replays the same launches with
-one ``cudaGraphLaunch``.
+A decode step at batch 1 launches hundreds of small kernels through the Relax VM (541 at the
+V2-Lite shape); enqueueing them (VM bookkeeping + one driver call each) takes about 3 ms on the
+host, longer than the kernels run (about 1.9 ms on an H200; docs/benchmarks.md). A CUDA graph of
+the whole call replays the same launches with one ``cudaGraphLaunch``.
 
 **What a replay relies on.** A graph replays the kernels with the arguments they had at capture:
 device pointers, shapes and scalars. A decode step's kernels read
