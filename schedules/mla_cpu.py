@@ -23,6 +23,8 @@ import math
 from tvm import tirx
 from tvm.script import tirx as T
 
+from .mla_paging import find_sequence, kv_length, visible_length
+
 __all__ = [
     "compact_kv_copy_mla_cpu",
     "copy_single_page_mla_cpu",
@@ -130,29 +132,13 @@ def mla_paged_attention_cpu(
 
                 row: T.let[T.int32] = rh // H
                 h: T.let[T.int32] = rh % H
-                # Binary search: the sequence b with q_indptr[b] <= row < q_indptr[b + 1].
-                lo[0] = 0
-                hi[0] = batch_size
-                while hi[0] - lo[0] > 1:
-                    if q_indptr[(lo[0] + hi[0]) // 2] <= row:
-                        lo[0] = (lo[0] + hi[0]) // 2
-                    else:
-                        hi[0] = (lo[0] + hi[0]) // 2
+                find_sequence(q_indptr, batch_size, row, lo, hi)
                 b: T.let[T.int32] = lo[0]
                 q_len: T.let[T.int32] = q_indptr[b + 1] - q_indptr[b]
                 page_begin: T.let[T.int32] = page_indptr[b]
                 num_pages: T.let[T.int32] = page_indptr[b + 1] - page_begin
-                kv_len: T.let[T.int32] = T.if_then_else(
-                    num_pages > 0, (num_pages - 1) * page_size + length_info[b], 0
-                )
-                n_vis: T.let[T.int32] = T.max(
-                    T.if_then_else(
-                        causal > 0,
-                        T.min(kv_len, kv_len - q_len + (row - q_indptr[b]) + 1),
-                        kv_len,
-                    ),
-                    0,
-                )
+                kv_len: T.let[T.int32] = kv_length(num_pages, length_info[b], page_size)
+                n_vis: T.let[T.int32] = visible_length(kv_len, q_len, row - q_indptr[b], causal)
 
                 for d in T.serial(D):
                     q_f[d] = T.cast(q[row, h, d], "float32") * sm_scale * log2e
