@@ -31,7 +31,6 @@ its kernels are *enqueued*, and the copy of the logits to the host waits for the
 
 from __future__ import annotations
 
-import ctypes
 import json
 import math
 import platform
@@ -87,39 +86,27 @@ class BenchOptions:
 
 
 # -- memory ----------------------------------------------------------------------------------------
-class _CudaMemory:
-    """``cudaMemGetInfo`` through the libcudart the TVM CUDA runtime already loaded."""
+def _cuda_runtime() -> Any:  # CudaRuntime | None
+    """``cudaMemGetInfo`` through the libcudart the TVM CUDA runtime loaded (None: not found)."""
+    from .runtime.cudart import CudaRuntime
 
-    def __init__(self) -> None:
-        self.lib = None
-        for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so"):
-            try:
-                self.lib = ctypes.CDLL(name)
-                break
-            except OSError:
-                continue
-
-    def used(self) -> tuple[int, int] | None:
-        """(used, total) bytes of device 0, or None when unavailable."""
-        if self.lib is None:
-            return None
-        free, total = ctypes.c_size_t(), ctypes.c_size_t()
-        if self.lib.cudaMemGetInfo(ctypes.byref(free), ctypes.byref(total)) != 0:
-            return None
-        return total.value - free.value, total.value
+    try:
+        return CudaRuntime()
+    except RuntimeError:
+        return None
 
 
 class _MemoryTracker:
     def __init__(self, device: str):
         self.device = device
-        self.cuda = _CudaMemory() if device == "cuda" else None
+        self.cuda = _cuda_runtime() if device == "cuda" else None
         self.baseline: int | None = None
         self.peak = 0
         self.total: int | None = None
 
     def sample(self) -> None:
         if self.cuda is not None:
-            got = self.cuda.used()
+            got = self.cuda.memory_used()
             if got is not None:
                 used, self.total = got
                 if self.baseline is None:

@@ -32,7 +32,6 @@ eager steps instead of returning wrong logits.
 
 from __future__ import annotations
 
-import ctypes
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -42,12 +41,12 @@ from typing import Any
 import numpy as np
 import tvm_ffi
 
+from .cudart import CudaRuntime
 from .device import device_of
 
-__all__ = ["CudaRuntime", "DecodeGraphs", "decode_graph_key"]
+__all__ = ["DecodeGraphs", "decode_graph_key"]
 
 PAGE_ALIGN = 4  # int32 elements per 16-byte alignment unit of the KV cache's auxiliary buffer
-_CAPTURE_MODE_RELAXED = 2  # cudaStreamCaptureModeRelaxed
 
 
 def decode_graph_key(page_size: int, lengths_after: list[int]) -> tuple[int, int]:
@@ -56,68 +55,6 @@ def decode_graph_key(page_size: int, lengths_after: list[int]) -> tuple[int, int
     ``lengths_after`` are the sequences' lengths including the token this step appends."""
     pages = sum(-(-n // page_size) for n in lengths_after)
     return len(lengths_after), -(-pages // PAGE_ALIGN)
-
-
-class CudaRuntime:
-    """The few CUDA runtime calls graphs need, through the ``libcudart`` the TVM runtime loaded."""
-
-    def __init__(self) -> None:
-        lib = None
-        for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so"):
-            try:
-                lib = ctypes.CDLL(name)
-                break
-            except OSError:
-                continue
-        if lib is None:
-            raise RuntimeError("libcudart not found; CUDA graphs need the CUDA runtime library")
-        self.lib = lib
-        lib.cudaGetErrorString.restype = ctypes.c_char_p
-
-    def _check(self, err: int, what: str) -> None:
-        if err != 0:
-            msg = self.lib.cudaGetErrorString(err).decode()
-            raise RuntimeError(f"{what} failed: {msg} (cudaError {err})")
-
-    def create_stream(self) -> int:
-        stream = ctypes.c_void_p()
-        self._check(self.lib.cudaStreamCreate(ctypes.byref(stream)), "cudaStreamCreate")
-        return int(stream.value or 0)
-
-    def begin_capture(self, stream: int) -> None:
-        self._check(
-            self.lib.cudaStreamBeginCapture(ctypes.c_void_p(stream), _CAPTURE_MODE_RELAXED),
-            "cudaStreamBeginCapture",
-        )
-
-    def end_capture(self, stream: int) -> int:
-        graph = ctypes.c_void_p()
-        self._check(
-            self.lib.cudaStreamEndCapture(ctypes.c_void_p(stream), ctypes.byref(graph)),
-            "cudaStreamEndCapture",
-        )
-        return int(graph.value or 0)
-
-    def instantiate(self, graph: int) -> int:
-        exe = ctypes.c_void_p()
-        err = self.lib.cudaGraphInstantiate(
-            ctypes.byref(exe), ctypes.c_void_p(graph), ctypes.c_ulonglong(0)
-        )
-        self.lib.cudaGraphDestroy(ctypes.c_void_p(graph))
-        self._check(err, "cudaGraphInstantiate")
-        return int(exe.value or 0)
-
-    def launch(self, exe: int, stream: int) -> None:
-        self._check(
-            self.lib.cudaGraphLaunch(ctypes.c_void_p(exe), ctypes.c_void_p(stream)),
-            "cudaGraphLaunch",
-        )
-
-    def destroy(self, exe: int) -> None:
-        self.lib.cudaGraphExecDestroy(ctypes.c_void_p(exe))
-
-    def clear_error(self) -> None:
-        self.lib.cudaGetLastError()
 
 
 @dataclass

@@ -43,10 +43,7 @@ def to_device(
     tensor = global_func("runtime.TVMTensorAllocWithScope")(
         tvm_ffi.Shape(array.shape), tvm_ffi.dtype(str(array.dtype)), device_of(device, index), None
     )
-    if array.nbytes:
-        global_func("runtime.TVMTensorCopyFromBytes")(
-            tensor, ctypes.c_void_p(array.ctypes.data), array.nbytes
-        )
+    copy_into(tensor, array)
     return tensor
 
 
@@ -55,9 +52,10 @@ def copy_into(tensor: tvm_ffi.Tensor, array: np.ndarray) -> None:
     array = np.ascontiguousarray(array, dtype=np.dtype(str(tensor.dtype)))
     if tuple(array.shape) != tuple(int(s) for s in tensor.shape):
         raise ValueError(f"shape {array.shape} does not match the tensor's {tensor.shape}")
-    global_func("runtime.TVMTensorCopyFromBytes")(
-        tensor, ctypes.c_void_p(array.ctypes.data), array.nbytes
-    )
+    if array.nbytes:
+        global_func("runtime.TVMTensorCopyFromBytes")(
+            tensor, ctypes.c_void_p(array.ctypes.data), array.nbytes
+        )
 
 
 def to_numpy(tensor: tvm_ffi.Tensor) -> np.ndarray:
