@@ -2,8 +2,9 @@
 transformers (for same-weights comparisons, e.g. ``dsv2-mlc bench --compare-hf``).
 
 The inverse of :mod:`dsv2_mlc.model.weights`: every conversion of the weight map is undone
-(fused gate/up split, stacked experts unstacked, ``kv_b_proj`` re-joined), INT4 weights are
-dequantised (``(nibble - 8) * scale``), and the result is named in the published (hub) key layout.
+(fused gate/up and ``qkv_a_proj`` split, stacked experts unstacked, ``kv_b_proj`` re-joined),
+INT4 weights are dequantised (``(nibble - 8) * scale``), and the result is named in the published
+(hub) key layout.
 
 * :func:`save_hf_checkpoint` writes ``config.json`` (published spelling: ``rope_scaling`` +
   ``rope_theta``) and safetensors shards plus ``model.safetensors.index.json``, in bfloat16 (the
@@ -188,7 +189,7 @@ def _hub_tensors(cfg: DeepseekV2Config, params: _FloatParams) -> Iterator[tuple[
                 for name, shape in sources[e * per : (e + 1) * per]:
                     out.append((name, w[rows : rows + shape[0]]))
                     rows += shape[0]
-        else:  # rows concatenated (fused gate/up of dense MLPs and shared experts)
+        else:  # rows concatenated (fused gate/up of dense MLPs and shared experts, qkv_a_proj)
             w, rows, out = params.get(targets[0]), 0, []
             for name, shape in sources:
                 out.append((name, w[rows : rows + shape[0]]))

@@ -17,9 +17,18 @@ from tvm import te, tirx
 from tvm.ir.expr import Expr
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import Tensor, op
+from tvm.target import Target
 
-from ..model.moe import DeepseekV2Experts, gather_matmul, grouped_experts, use_grouped_experts
+from ..model.moe import (
+    DeepseekV2Experts,
+    DeepseekV2Gate,
+    DeepseekV2MLP,
+    gather_matmul,
+    grouped_experts,
+    use_grouped_experts,
+)
 from ..quantization import Quantization, packed_shape, quantize_int4
+from ..schedules.moe_decode_cuda import MoeDecodeShape, moe_down_decode, moe_gate_up_decode
 
 # PrimFunc attribute by which FuseDequantizeMatmul recognises the dequantize kernels.
 DEQUANTIZE_ATTR = "dsv2_mlc.dequantize_int4_group"
@@ -109,6 +118,67 @@ class GroupQuantExperts(nn.Module):
         self.gate_up_q_scale = nn.Parameter(gu_s, q.scale_dtype)
         self.down_q_weight = nn.Parameter(dn_w, "uint32")
         self.down_q_scale = nn.Parameter(dn_s, q.scale_dtype)
+
+    def decode_shape(
+        self, x: Tensor, gate: DeepseekV2Gate, shared: DeepseekV2MLP
+    ) -> MoeDecodeShape | None:
+        """The shape of the fused decode kernels for this layer, or None where they do not
+        apply: not a CUDA target, not fp16, shared experts not INT4 with this group, or a shape
+        the kernels do not take (``MoeDecodeShape.unsupported``)."""
+        target = Target.current(allow_none=True)
+        if target is None or target.kind.name != "cuda" or x.dtype != "float16":
+            return None
+        lin = (shared.gate_up_proj, shared.down_proj)
+        if not all(isinstance(m, GroupQuantLinear) for m in lin):
+            return None
+        if any(m.group_size != self.group_size or m.q_scale.dtype != "float16" for m in lin):
+            return None
+        if self.gate_up_q_scale.dtype != "float16":
+            return None
+        cfg = gate.cfg
+        limited = cfg.topk_method == "group_limited_greedy"
+        shape = MoeDecodeShape(
+            hidden=self.hidden,
+            inter=self.intermediate,
+            shared_inter=shared.down_proj.in_features,
+            experts=self.num_experts,
+            top_k=cfg.num_experts_per_tok,
+            group=self.group_size,
+            n_group=cfg.n_group if limited else 1,
+            topk_group=cfg.topk_group,
+            norm_topk_prob=cfg.norm_topk_prob,
+            routed_scaling_factor=cfg.routed_scaling_factor,
+        )
+        return None if shape.unsupported() else shape
+
+    def fused_decode(
+        self, x: Tensor, logits: Tensor, gate: DeepseekV2Gate, shared: DeepseekV2MLP
+    ) -> Tensor | None:
+        """Decode on CUDA: routing + routed and shared gate/up + SwiGLU in one kernel, the
+        down projections + weighted sum in another (:mod:`dsv2_mlc.schedules.moe_decode_cuda`);
+        None where :meth:`decode_shape` says they do not apply."""
+        shape = self.decode_shape(x, gate, shared)
+        if shape is None:
+            return None
+        n, k = x.shape[0], shape.top_k
+        su, sd = shared.gate_up_proj, shared.down_proj
+        hidden, weights, idx = op.tensor_ir_op(
+            moe_gate_up_decode(shape),
+            "moe_decode_gate_up",
+            args=[x, logits, self.gate_up_q_weight, self.gate_up_q_scale, su.q_weight, su.q_scale],
+            out=[
+                Tensor.placeholder((n, shape.total), x.dtype),
+                Tensor.placeholder((n, k), "float32"),
+                Tensor.placeholder((n, k), "int32"),
+            ],
+        )
+        return op.tensor_ir_op(
+            moe_down_decode(shape),
+            "moe_decode_down",
+            args=[hidden, weights, idx, self.down_q_weight, self.down_q_scale, sd.q_weight,
+                  sd.q_scale],
+            out=Tensor.placeholder((n, shape.hidden), x.dtype),
+        )  # fmt: skip
 
     def forward(self, x: Tensor, weights: Tensor, idx: Tensor, mode: str | None = None) -> Tensor:
         """As ``DeepseekV2Experts.forward``: grouped GEMMs for prefill / extend on CUDA."""

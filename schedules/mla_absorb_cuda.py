@@ -1,4 +1,8 @@
-"""CUDA kernels around absorbed MLA attention (decode / extend): the query side in one kernel.
+"""CUDA kernel of absorbed MLA attention's query side alone: the kernel lab's baseline.
+
+The model now runs :mod:`dsv2_mlc.schedules.mla_prologue_cuda` instead (this query side plus the
+cached latent's RMSNorm + RoPE in one launch, with more blocks); ``scripts/kernel_lab_absorb.py``
+times the two against each other. What this kernel does:
 
 Absorbed attention needs the query in latent space, ``q_lat[t, h] = [q_nope[t, h] @ W_UK[h],
 rope(q_pe[t, h])]`` (``[n, H, kv_lora_rank + rope]``). Written as Relax ops this is a split, a
@@ -15,9 +19,8 @@ does it in one launch straight from the ``q_proj`` output ``[n, H * (nope + rope
 * rope exactly as :func:`dsv2_mlc.model.rope.apply_rope` (DeepSeek's YaRN on interleaved pairs),
   from the forward pass's cos/sin table.
 
-The reference is the Relax composition it replaces (``DeepseekV2Attention``'s CPU path, checked
-against Hugging Face in CI); ``scripts/kernel_lab_absorb.py`` checks this kernel against a torch
-float32 reference on the GPU.
+``scripts/kernel_lab_absorb.py`` checks this kernel against a torch float32 reference on the
+GPU.
 """
 
 from __future__ import annotations

@@ -31,19 +31,37 @@ Design (one PrimFunc, two kernels):
    ``lse = m + log2(sum 2^(lse_s - m))``, ``o = sum 2^(lse_s - lse) o_s``. With ``nsplit == 1``
    the split kernel writes ``out``/``lse`` itself and the merge kernel returns at once.
 
-**Tensor-core path (the default for fp16, 16 heads per block):** Q stays in registers as
+**Tensor-core path (fp16, 16 heads per block; with ``stages=1``):** Q stays in registers as
 ``mma.sync.m16n8k16`` A fragments (each of the 8 warps holds its k-steps ``w, w + 8, ...`` of the
 36), scores come from 16x8x16 MMAs against the shared page (partial sums of the 8 warps through
 shared memory), the online softmax runs on all 256 threads (one head per 16 lanes, warp-shuffle
 max/sum), P goes to shared as fp16 and ``O += P @ V`` is 8 MMAs per warp (64 columns each) with
 the accumulators in registers (CUDA helpers passed as source through ``T.cuda.func_call``).
+
+**Pipelined tensor-core path (``stages >= 2``; the default, 3 stages):** the split
+block is one CUDA device function (:func:`~.mla_cuda_helpers.pipe_source`; the PrimFunc keeps the
+page-table preamble). It walks its pages with a ring of ``stages`` shared page buffers: the
+prologue issues the first ``stages - 1`` pages as ``cp.async`` 16-byte copies (one commit group
+each, rows past the visible length zero-filled), then the Q fragments are loaded while they fly;
+per page: ``cp.async.wait_group(stages - 2)`` + barrier, issue page ``i + stages - 1`` into the
+buffer page ``i - 1`` used (its id read one page ahead), QK^T with K fragments by ``ldmatrix.x4``,
+the same online softmax, PV with V fragments by ``ldmatrix.x4.trans`` (3 barriers a page, the
+TIR path has 4). Shared memory: ``stages * 18.7 KB`` + 9 KB (2 stages: 46.5 KB static; more:
+``shared.dyn``, which TVM's launcher opts in past 48 KB). With ``min_pages_per_split >=
+stages - 1`` every page of a split is in flight at once. On the H200 (CUPTI, batch 1, V2-Lite;
+schedules/results/mla_attention.md, third round) 3 stages with >= 2 pages per split take 7.4 /
+9.6 / 21.3 us per layer at context 512 / 4K / 32K, against 9.7 / 17.3 / 37.4 for ``stages=1``
+with 1 page per split (the previous default).
+
 **Merge (default "parallel"):** grid ``total * H * (L / 64)``, 256 threads: the split lse go to
 shared memory, every warp reduces their max/sum by shuffles, 16 split lanes x 16 column lanes
 read the partial outputs (float4, 4 splits in flight per thread), a shared-memory sum finishes.
+With ``merge_prefetch`` the lse of all ``smax`` slots are loaded together with ``ws_n`` (two
+dependent global round trips instead of three; the slots past ``ws_n`` are ignored).
 
 The grid provides ``smax = clamp(ceil(target_blocks / total), 1, max_split)`` splits per row
 (defaults 528 and 256); a row uses ``pps = ceil(visible_pages / clamp(ceil(visible_pages /
-min_pages_per_split), 1, smax))`` pages per split (default at least 1) and ``nsplit =
+min_pages_per_split), 1, smax))`` pages per split (default at least 2) and ``nsplit =
 ceil(visible_pages / pps)`` splits, read from its page table on the device (``ws_n`` tells the
 merge), and the blocks past it do nothing. So the launch configuration depends on the number
 of rows only, not on the context length: a captured CUDA graph of a decode step stays valid
@@ -63,6 +81,7 @@ import math
 from tvm import tirx
 from tvm.script import tirx as T
 
+from .mla_cuda_helpers import mma_source, pipe_shared_halves, pipe_source
 from .mla_paging import find_sequence, kv_length, visible_length
 
 __all__ = ["MLA_CUDA_PAGE_SIZE", "mla_attention_cuda", "mla_attention_cuda_supports"]
@@ -73,6 +92,7 @@ _MERGE_THREADS = 256
 _LOAD_BYTES = 16  # one vector load per thread and step
 _ELEM_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 _MAX_SHARED_BYTES = 49152  # static shared memory of one block (no opt-in)
+_MAX_DYN_SHARED_BYTES = 232448  # sm_90 opt-in limit of one block (227 KB)
 _MERGE_UNROLL = 4  # splits a merge thread has in flight
 
 
@@ -87,98 +107,6 @@ def mla_attention_cuda_supports(
     return True
 
 
-def _mma_source(tag: str, KS: int, KSW: int, NTW: int, SROW: int, PS: int) -> str:
-    """CUDA device helpers of the tensor-core path (``mma.sync.m16n8k16`` fp16 -> fp32).
-
-    One warp ``w`` of 8: QK^T over the k-steps ``w, w + 8, ...`` of the 16 heads x 16 tokens
-    tile (Q fragments in registers, K fragments from the shared page), partial scores to
-    ``s_part[w, 16, 16]``; PV over the columns ``[w * NTW * 8, (w + 1) * NTW * 8)`` (P fp16
-    from shared, V fragments from the shared page), accumulators in the mma C layout: rows
-    ``g`` and ``g + 8`` (``g = lane / 4``), columns ``2 * (lane % 4) + {0, 1}`` of each n-tile.
-    """
-    # Every call site carries this source (codegen keys it by the called name): a guard keeps
-    # one definition.
-    return f"""
-#ifndef MLA_SPLIT_KV_HELPERS_{tag}
-#define MLA_SPLIT_KV_HELPERS_{tag}
-__device__ __forceinline__ void mla_mma_{tag}(float* c, unsigned a0, unsigned a1, unsigned a2,
-                                              unsigned a3, unsigned b0, unsigned b1) {{
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {{%0,%1,%2,%3}}, {{%4,%5,%6,%7}}, "
-      "{{%8,%9}}, {{%0,%1,%2,%3}};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}}
-__device__ __forceinline__ void mla_load_q_{tag}(unsigned* qf, const half* q, int D, int w,
-                                                 int lane) {{
-  const int g = lane >> 2, t = lane & 3;
-#pragma unroll
-  for (int i = 0; i < {KSW}; ++i) {{
-    const int ks = w + 8 * i;
-    if (ks < {KS}) {{
-      const half* p0 = q + g * D + ks * 16 + t * 2;
-      const half* p1 = p0 + 8 * D;
-      qf[4 * i + 0] = *reinterpret_cast<const unsigned*>(p0);
-      qf[4 * i + 1] = *reinterpret_cast<const unsigned*>(p1);
-      qf[4 * i + 2] = *reinterpret_cast<const unsigned*>(p0 + 8);
-      qf[4 * i + 3] = *reinterpret_cast<const unsigned*>(p1 + 8);
-    }} else {{
-      qf[4 * i + 0] = 0u; qf[4 * i + 1] = 0u; qf[4 * i + 2] = 0u; qf[4 * i + 3] = 0u;
-    }}
-  }}
-}}
-__device__ __forceinline__ void mla_qk_{tag}(float* s_part, const unsigned* qf, const half* kv,
-                                             int w, int lane) {{
-  const int g = lane >> 2, t = lane & 3;
-  float c[8];
-#pragma unroll
-  for (int i = 0; i < 8; ++i) c[i] = 0.f;
-#pragma unroll
-  for (int i = 0; i < {KSW}; ++i) {{
-    const int ks = w + 8 * i;
-    if (ks < {KS}) {{
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt) {{
-        const half* kp = kv + (nt * 8 + g) * {SROW} + ks * 16 + t * 2;
-        const unsigned b0 = *reinterpret_cast<const unsigned*>(kp);
-        const unsigned b1 = *reinterpret_cast<const unsigned*>(kp + 8);
-        mla_mma_{tag}(c + 4 * nt, qf[4 * i], qf[4 * i + 1], qf[4 * i + 2], qf[4 * i + 3], b0, b1);
-      }}
-    }}
-  }}
-#pragma unroll
-  for (int nt = 0; nt < 2; ++nt) {{
-    float* r0 = s_part + (w * 16 + g) * 16 + nt * 8 + t * 2;
-    float* r1 = r0 + 8 * 16;
-    r0[0] = c[4 * nt + 0]; r0[1] = c[4 * nt + 1];
-    r1[0] = c[4 * nt + 2]; r1[1] = c[4 * nt + 3];
-  }}
-}}
-__device__ __forceinline__ unsigned mla_pack_{tag}(half lo, half hi) {{
-  return (unsigned)__half_as_ushort(lo) | ((unsigned)__half_as_ushort(hi) << 16);
-}}
-__device__ __forceinline__ void mla_pv_{tag}(float* acc, const half* p, const half* kv,
-                                             const float* r, int w, int lane) {{
-  const int g = lane >> 2, t = lane & 3;
-  const float r0 = r[g], r1 = r[g + 8];
-  const unsigned a0 = *reinterpret_cast<const unsigned*>(p + g * {PS} + t * 2);
-  const unsigned a1 = *reinterpret_cast<const unsigned*>(p + (g + 8) * {PS} + t * 2);
-  const unsigned a2 = *reinterpret_cast<const unsigned*>(p + g * {PS} + t * 2 + 8);
-  const unsigned a3 = *reinterpret_cast<const unsigned*>(p + (g + 8) * {PS} + t * 2 + 8);
-#pragma unroll
-  for (int j = 0; j < {NTW}; ++j) {{
-    const half* vp = kv + (t * 2) * {SROW} + w * {NTW * 8} + j * 8 + g;
-    const unsigned b0 = mla_pack_{tag}(vp[0], vp[{SROW}]);
-    const unsigned b1 = mla_pack_{tag}(vp[8 * {SROW}], vp[9 * {SROW}]);
-    float* c = acc + 4 * j;
-    c[0] *= r0; c[1] *= r0; c[2] *= r1; c[3] *= r1;
-    mla_mma_{tag}(c, a0, a1, a2, a3, b0, b1);
-  }}
-}}
-#endif
-"""
-
-
 def mla_attention_cuda(
     num_heads: int,
     latent_dim: int,
@@ -187,12 +115,14 @@ def mla_attention_cuda(
     *,
     heads_per_block: int = 16,
     threads: int = 256,
-    min_pages_per_split: int = 1,
+    min_pages_per_split: int = 2,
     max_split: int = 256,
     target_blocks: int = 528,
     mma: bool = True,
     merge: str = "parallel",
     merge_cols: int = 64,
+    stages: int = 3,
+    merge_prefetch: bool = False,
 ) -> tirx.PrimFunc:
     """The split-KV MLA attention PrimFunc (module docstring) for ``num_heads`` query heads.
 
@@ -204,7 +134,11 @@ def mla_attention_cuda(
     ``dtype`` is float16, HG is 16, the threads are 256, ``(L + R) % 16 == 0`` and
     ``L % 64 == 0``; else the SIMT path), ``merge`` (``"parallel"``: splits and column chunks of
     ``merge_cols`` over the threads and blocks; ``"serial"``: one block per row/head looping over
-    the splits) .
+    the splits), ``stages`` (tensor-core path only: 1 = the TIR page loop, one page loaded then
+    computed; ``>= 2`` = the pipelined split block of :func:`~.mla_cuda_helpers.pipe_source`,
+    ``cp.async`` ``stages - 1`` pages ahead into a ring of ``stages`` shared page buffers,
+    dynamic shared memory past 48 KB), ``merge_prefetch`` (parallel merge: read the split lse
+    of all ``smax`` slots without waiting for ``ws_n``, one dependent global round trip less).
     """
     if dtype not in _ELEM_BYTES:
         raise ValueError(f"mla_attention_cuda supports {sorted(_ELEM_BYTES)}, got {dtype}")
@@ -212,6 +146,8 @@ def mla_attention_cuda(
         raise ValueError(f"merge must be 'parallel' or 'serial', got {merge!r}")
     if min_pages_per_split < 1 or max_split < 1 or target_blocks < 1:
         raise ValueError("min_pages_per_split, max_split and target_blocks must be >= 1")
+    if stages < 1:
+        raise ValueError(f"stages must be >= 1, got {stages}")
     _VEC = _LOAD_BYTES // _ELEM_BYTES[dtype]  # lanes of one 16-byte load
     H = num_heads
     DL = latent_dim
@@ -252,15 +188,24 @@ def mla_attention_cuda(
     NTW = max(DL // 64, 1)
     PS = 24  # p_s row stride (halves): conflict-free A-fragment loads
     tag = f"{H}_{DL}_{D}"
-    mma_src = _mma_source(tag, KS, KSW, NTW, SROW, PS) if use_mma else ""
-    if use_mma:
+    use_pipe = use_mma and stages >= 2
+    mma_src = mma_source(tag, KS, KSW, NTW, SROW, PS) if use_mma and not use_pipe else ""
+    ptag = f"{tag}_s{stages}"
+    pipe_src = pipe_source(ptag, D, DL, stages) if use_pipe else ""
+    SMEM_N = pipe_shared_halves(D, stages) if use_pipe else 1  # pipelined path: one buffer
+    SMEM_SCOPE = "shared.dyn" if SMEM_N * 2 > _MAX_SHARED_BYTES else "shared"
+    if use_pipe:
+        smem, smem_max = SMEM_N * 2, _MAX_DYN_SHARED_BYTES
+    elif use_mma:
         smem = P * SROW * 2 + 8 * HG * P * 4 + HG * PS * 2 + 3 * HG * 4
+        smem_max = _MAX_SHARED_BYTES
     else:
         smem = (HG + P) * SROW * _ELEM_BYTES[dtype] + (DS + 2) * HG * P * 4 + 3 * HG * 4
-    if smem > _MAX_SHARED_BYTES:
+        smem_max = _MAX_SHARED_BYTES
+    if smem > smem_max:
         raise ValueError(
             f"mla_attention_cuda needs {smem} bytes of shared memory for {dtype} rows of {D}, "
-            f"more than {_MAX_SHARED_BYTES}"
+            f"more than {smem_max}"
         )
     # merge kernel
     MT = _MERGE_THREADS
@@ -282,9 +227,10 @@ def mla_attention_cuda(
     min_pps = min_pages_per_split
     n_merge_blocks = NCH if merge == "parallel" else 1
     Q_SH = 1 if use_mma else HG * SROW
-    SP_N = 8 if use_mma else DS
+    KV_N = 1 if use_pipe else P * SROW
+    SP_N = 1 if use_pipe else (8 if use_mma else DS)
     SIMT_HP = 1 if use_mma else HG * P
-    PH_N = HG * PS if use_mma else 1
+    PH_N = HG * PS if use_mma and not use_pipe else 1
     LSE_SH = SMX if merge == "parallel" else 1
     RED_N = SL * MCOLS if merge == "parallel" else 1
 
@@ -361,8 +307,9 @@ def mla_attention_cuda(
                         T.reads()
                         T.writes()
                         q_s = T.sblock_alloc_buffer((Q_SH,), dtype, scope="shared")
-                        kv_s = T.sblock_alloc_buffer((P * SROW,), dtype, scope="shared")
+                        kv_s = T.sblock_alloc_buffer((KV_N,), dtype, scope="shared")
                         s_part = T.sblock_alloc_buffer((SP_N, HG, P), "float32", scope="shared")
+                        smem = T.sblock_alloc_buffer((SMEM_N,), dtype, scope=SMEM_SCOPE)
                         s_s = T.sblock_alloc_buffer((SIMT_HP,), "float32", scope="shared")
                         p_s = T.sblock_alloc_buffer((SIMT_HP,), "float32", scope="shared")
                         ph_s = T.sblock_alloc_buffer((PH_N,), dtype, scope="shared")
@@ -402,7 +349,30 @@ def mla_attention_cuda(
                         pg_hi: T.let[T.int32] = T.min(pg_lo + pps, vis_pages)
                         h0: T.let[T.int32] = by * HG
 
-                        if use_mma:
+                        if use_pipe:
+                            # The whole split block in CUDA (mla_cuda_helpers.pipe_source).
+                            if split < nsplit:
+                                T.cuda.func_call(
+                                    f"mla_split_pipe_{ptag}",
+                                    T.address_of(q[row, h0, 0]),
+                                    T.address_of(pages[0, 0, 0]),
+                                    T.address_of(page_values[page_begin + pg_lo]),
+                                    pg_hi - pg_lo,
+                                    pg_lo * P,
+                                    n_vis,
+                                    sm_scale * log2e,
+                                    T.if_then_else(nsplit == 1, 1, 0),
+                                    T.address_of(output[row, h0, 0]),
+                                    T.address_of(lse[row, h0]),
+                                    ws_o.data,  # opaque: the workspaces keep their size
+                                    ws_lse.data,
+                                    bx * H + h0,
+                                    T.address_of(smem[0]),
+                                    T.address_of(smem[SMEM_N - 1]),
+                                    tx,
+                                    source_code=pipe_src,
+                                )
+                        elif use_mma:
                             # Q fragments of this warp's k-steps -> registers (global).
                             for i in T.unroll(KSW * 4):  # (full extent: no buffer compaction)
                                 qf[i] = T.uint32(0)
@@ -701,13 +671,22 @@ def mla_attention_cuda(
                     mch: T.let[T.int32] = mbx % n_merge_blocks
                     if merge == "parallel":
                         # Block (row, head, column chunk); thread (split lane, column lane).
-                        if msplit > 1:
+                        if merge_prefetch:
+                            # All smax slots, not waiting for ws_n (unused ones are ignored).
                             for i in T.serial((SMX + MT - 1) // MT):
-                                if i * MT + mtx < msplit:
+                                if i * MT + mtx < mmax_s:
                                     lse_sh[i * MT + mtx] = ws_lse[
                                         (mrow * mmax_s + i * MT + mtx) * H + mh
                                     ]
                             T.tvm_storage_sync("shared")
+                        if msplit > 1:
+                            if not merge_prefetch:
+                                for i in T.serial((SMX + MT - 1) // MT):
+                                    if i * MT + mtx < msplit:
+                                        lse_sh[i * MT + mtx] = ws_lse[
+                                            (mrow * mmax_s + i * MT + mtx) * H + mh
+                                        ]
+                                T.tvm_storage_sync("shared")
                             mlane: T.let[T.int32] = mtx % 32
                             mmax[0] = T.float32(neg_inf)
                             for i in T.serial((SMX + 31) // 32):

@@ -1,11 +1,10 @@
 """The DeepSeekMoE router in one kernel: softmax, (group limit), top-k, renormalise or scale.
 
 One row (token) per iteration, rows in parallel (CPU: a parallel loop over ``_route_row``; GPU:
-one warp per token, the same steps as warp reductions, :func:`moe_route_gpu`; :func:`moe_route`
-picks by target). Replaces Relax ``softmax`` + ``topk``
-(whose LLVM lowering calls ``tvm.contrib.sort.topk``, a function of the TVM *compiler* library
-that a runtime-only deployment does not have) and the group mask with a single pass over the
-scores.
+one warp per token, the same selection by warp reductions and ranks, :func:`moe_route_gpu`;
+:func:`moe_route` picks by target). Replaces Relax ``softmax`` + ``topk`` (whose LLVM lowering
+calls ``tvm.contrib.sort.topk``, a function of the TVM *compiler* library that a runtime-only
+deployment does not have) and the group mask with a single pass over the scores.
 
 Semantics (original DeepSeek-V2 ``MoEGate``): ``p = softmax(logits)`` in float32; with
 ``group_limited_greedy``, groups are ranked by their max score, experts outside the ``topk_group``
@@ -133,90 +132,120 @@ GPU_WARPS_PER_BLOCK = 4
 def _route_warp_source(
     tag: str, E: int, K: int, G: int, TG: int, renorm: bool, scale: float
 ) -> str:
-    """CUDA source of ``dsv2_route_<tag>(logits_row, weights_row, ids_row, lane)``: the routing
-    of one token by one warp (``_route_row``'s semantics, reductions over lanes)."""
+    """CUDA source of ``dsv2_route_<tag>(logits_row, weights_row, ids_row, lane, scratch)``:
+    the routing of one token by one warp (``_route_row``'s semantics), ``scratch`` E floats of
+    shared memory of the warp. Softmax by warp reductions; the group limit and the top-k by
+    ranks instead of k rounds of arg-max reductions: every lane ranks its own experts against
+    all E scores in shared memory (``rank = #{f: p_f > p_e or (p_f == p_e and f < e)}``, the
+    selection order of ``_route_row``, ties to the lowest index), and the expert of rank
+    ``j < K`` is written to slot ``j``: independent loads instead of k chains of shuffles."""
     per = E // G
     npl = (E + 31) // 32
-    limited = 1 if (G > 1 and TG < G) else 0
+    limited = G > 1 and TG < G
+    group_limit = (
+        f"""
+  {{
+    float gm = NEG;
+    if (lane < {G}) {{
+      for (int f = lane * {per}; f < (lane + 1) * {per}; ++f) gm = fmaxf(gm, sp[f]);
+    }}
+    int grank = 0;
+    for (int g = 0; g < {G}; ++g) {{
+      const float v = __shfl_sync(0xffffffffu, gm, g);
+      grank += (v > gm || (v == gm && g < lane)) ? 1 : 0;
+    }}
+    const unsigned keep = __ballot_sync(0xffffffffu, lane < {G} && grank < {TG});
+    __syncwarp();
+#pragma unroll
+    for (int i = 0; i < {npl}; ++i) {{
+      const int e = lane + 32 * i;
+      if (e < {E} && !((keep >> (e / {per})) & 1u)) {{ p[i] = 0.f; sp[e] = 0.f; }}
+    }}
+    __syncwarp();
+  }}"""
+        if limited
+        else ""
+    )
+    finish = "w[j] / (total + 1e-20f)" if renorm else f"w[j] * {scale!r}f"
     return f"""
 #ifndef DSV2_ROUTE_{tag}
 #define DSV2_ROUTE_{tag}
 __device__ __forceinline__ void dsv2_route_{tag}(const float* __restrict__ lg,
-    float* __restrict__ w, int* __restrict__ ids, int lane) {{
+    float* __restrict__ w, int* __restrict__ ids, int lane, float* __restrict__ sp) {{
   const float NEG = -3.0e38f;
   float p[{npl}];
-  bool taken[{npl}];
   float m = NEG;
-  #pragma unroll
+#pragma unroll
   for (int i = 0; i < {npl}; ++i) {{
-    int e = lane + 32 * i;
+    const int e = lane + 32 * i;
     p[i] = e < {E} ? lg[e] : NEG;
-    taken[i] = e >= {E};
     m = fmaxf(m, p[i]);
   }}
-  #pragma unroll
+#pragma unroll
   for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
   float s = 0.f;
-  #pragma unroll
+#pragma unroll
   for (int i = 0; i < {npl}; ++i) {{
-    p[i] = taken[i] ? 0.f : expf(p[i] - m);
+    p[i] = lane + 32 * i < {E} ? expf(p[i] - m) : 0.f;
     s += p[i];
   }}
-  #pragma unroll
+#pragma unroll
   for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-  #pragma unroll
-  for (int i = 0; i < {npl}; ++i) p[i] = p[i] / s;
-  if ({limited}) {{
-    unsigned keep = 0u;
-    for (int j = 0; j < {TG}; ++j) {{
-      float bv = NEG;
-      int bg = 0;
-      for (int g = 0; g < {G}; ++g) {{
-        float v = NEG;
-        #pragma unroll
-        for (int i = 0; i < {npl}; ++i) {{
-          int e = lane + 32 * i;
-          if (!taken[i] && e / {per} == g) v = fmaxf(v, p[i]);
-        }}
-        #pragma unroll
-        for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-        if (!((keep >> g) & 1u) && v > bv) {{ bv = v; bg = g; }}
-      }}
-      keep |= 1u << bg;
-    }}
-    #pragma unroll
-    for (int i = 0; i < {npl}; ++i) {{
-      int e = lane + 32 * i;
-      if (e < {E} && !((keep >> (e / {per})) & 1u)) p[i] = 0.f;
+#pragma unroll
+  for (int i = 0; i < {npl}; ++i) {{
+    p[i] = p[i] / s;
+    if (lane + 32 * i < {E}) sp[lane + 32 * i] = p[i];
+  }}
+  __syncwarp();{group_limit}
+  int rank[{npl}];
+#pragma unroll
+  for (int i = 0; i < {npl}; ++i) rank[i] = 0;
+  for (int f = 0; f < {E}; ++f) {{
+    const float v = sp[f];
+#pragma unroll
+    for (int i = 0; i < {npl}; ++i)
+      rank[i] += (v > p[i] || (v == p[i] && f < lane + 32 * i)) ? 1 : 0;
+  }}
+#pragma unroll
+  for (int i = 0; i < {npl}; ++i) {{
+    if (lane + 32 * i < {E} && rank[i] < {K}) {{
+      ids[rank[i]] = lane + 32 * i;
+      w[rank[i]] = p[i];
     }}
   }}
-  float total = 0.f;
-  for (int j = 0; j < {K}; ++j) {{
-    float bv = NEG;
-    int be = 0x7fffffff;
-    #pragma unroll
-    for (int i = 0; i < {npl}; ++i) {{
-      int e = lane + 32 * i;
-      if (!taken[i] && p[i] > bv) {{ bv = p[i]; be = e; }}
-    }}
-    #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {{
-      float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-      int oe = __shfl_xor_sync(0xffffffffu, be, o);
-      if (ov > bv || (ov == bv && oe < be)) {{ bv = ov; be = oe; }}
-    }}
-    #pragma unroll
-    for (int i = 0; i < {npl}; ++i) if (lane + 32 * i == be) taken[i] = true;
-    if (lane == 0) {{ ids[j] = be; w[j] = bv; }}
-    total += bv;
-  }}
+  __syncwarp();
   if (lane == 0) {{
-    for (int j = 0; j < {K}; ++j)
-      w[j] = {"w[j] / (total + 1e-20f)" if renorm else f"w[j] * {scale!r}f"};
+    float total = 0.f;
+    for (int j = 0; j < {K}; ++j) total += w[j];
+    for (int j = 0; j < {K}; ++j) w[j] = {finish};
   }}
+  __syncwarp();
 }}
 #endif
 """
+
+
+def route_warp_source(
+    num_experts: int,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    norm_topk_prob: bool,
+    routed_scaling_factor: float,
+) -> tuple[str, str]:
+    """(name, CUDA source) of the device function ``name(logits_row, weights_row, ids_row,
+    lane, scratch)`` that routes one token with one warp (``scratch``: ``num_experts`` floats of
+    shared memory for the warp); the router of :func:`moe_route_gpu`, and of kernels that route
+    inside (:mod:`dsv2_mlc.schedules.moe_decode_cuda`)."""
+    G = n_group
+    TG = topk_group if (G > 1 and topk_group < G) else G
+    if TG < G and G > 32:
+        raise ValueError(f"the warp router ranks at most 32 groups, not {G}")
+    renorm = norm_topk_prob and top_k > 1
+    scale_tag = f"{routed_scaling_factor:.6g}".replace(".", "p").replace("-", "m")
+    tag = f"e{num_experts}_k{top_k}_g{G}_t{TG}_{'n' if renorm else 's' + scale_tag}"
+    src = _route_warp_source(tag, num_experts, top_k, G, TG, renorm, float(routed_scaling_factor))
+    return f"dsv2_route_{tag}", src
 
 
 def moe_route_gpu(
@@ -228,16 +257,28 @@ def moe_route_gpu(
     routed_scaling_factor: float,
 ) -> tirx.PrimFunc:
     """The same routing for GPU targets: one warp per token (``GPU_WARPS_PER_BLOCK`` tokens per
-    block); softmax, the group limit and each top-k round are warp reductions (CUDA source
-    through ``T.cuda.func_call``). At batch 1 this is 32 lanes instead of one thread serially
-    scanning the experts k times (4.0 us per layer on the H200, CUPTI)."""
-    E, K, G = num_experts, top_k, n_group
+    block); softmax by warp reductions, the group limit and the top-k by ranks over the scores
+    in shared memory (CUDA source through ``T.cuda.func_call``, :func:`route_warp_source`). At
+    batch 1 this is 32 lanes instead of one thread serially scanning the experts k times (4.0 us
+    per layer on the H200, CUPTI)."""
+    E, K = num_experts, top_k
     WPB = GPU_WARPS_PER_BLOCK
-    TG = topk_group if (G > 1 and topk_group < G) else G
-    renorm = norm_topk_prob and K > 1
-    scale_tag = f"{routed_scaling_factor:.6g}".replace(".", "p").replace("-", "m")
-    tag = f"e{E}_k{K}_g{G}_t{TG}_{'n' if renorm else 's' + scale_tag}"
-    src = _route_warp_source(tag, E, K, G, TG, renorm, float(routed_scaling_factor))
+    route, src = route_warp_source(
+        num_experts, top_k, n_group, topk_group, norm_topk_prob, routed_scaling_factor
+    )
+    # the warps' scratch is declared in CUDA: a TIR buffer seen only through address_of would be
+    # shrunk to the elements TIR sees indexed
+    fname = f"{route}_block{WPB}"
+    src += f"""
+#ifndef {fname.upper()}
+#define {fname.upper()}
+__device__ __forceinline__ void {fname}(const float* __restrict__ lg, float* __restrict__ w,
+    int* __restrict__ ids, int tid) {{
+  __shared__ float scratch[{WPB * E}];
+  {route}(lg, w, ids, tid & 31, scratch + (tid >> 5) * {E});
+}}
+#endif
+"""
 
     @T.prim_func(private=True, s_tir=True)
     def moe_route(var_logits: T.handle, var_weights: T.handle, var_ids: T.handle):
@@ -253,11 +294,11 @@ def moe_route_gpu(
                     T.writes()
                     if bx * WPB + tx // 32 < n:
                         T.cuda.func_call(
-                            f"dsv2_route_{tag}",
+                            fname,
                             T.address_of(logits[bx * WPB + tx // 32, 0]),
                             T.address_of(weights[bx * WPB + tx // 32, 0]),
                             T.address_of(ids[bx * WPB + tx // 32, 0]),
-                            tx % 32,
+                            tx,
                             source_code=src,
                         )
 

@@ -37,6 +37,7 @@ H, EXPERTS, TOPK = 2048, 64, 6
 KERNELS: dict[str, tuple[str, int, int]] = {
     "q_proj": ("dense", 3072, H),
     "kv_a": ("dense", 576, H),
+    "qkv_a": ("dense", 3648, H),  # q_proj + kv_a fused (self_attn.qkv_a_proj), what the model runs
     "o_proj": ("dense", 2048, H),
     "sh_gate_up": ("dense", 5632, H),
     "sh_down_add": ("dense_add", 2048, 2816),
@@ -276,34 +277,6 @@ def _kernel_time(torch, calls: list) -> float | None:
         return None
 
 
-def _graph_time(torch, tvm_ffi, calls: list) -> float | None:
-    """Seconds per call replaying ``calls`` (x4) from one CUDA graph; None if capture fails."""
-    try:
-        g = torch.cuda.CUDAGraph()
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        seq = calls * max(1, 64 // len(calls))
-        with torch.cuda.stream(s), tvm_ffi.use_torch_stream():  # warm up on the side stream
-            for f in seq[:4]:
-                f()
-        torch.cuda.current_stream().wait_stream(s)
-        torch.cuda.synchronize()
-        with tvm_ffi.use_torch_stream(torch.cuda.graph(g)):
-            for f in seq:
-                f()
-        g.replay()
-        torch.cuda.synchronize()
-
-        def replay5() -> None:
-            for _ in range(5):
-                g.replay()
-
-        return lab_common.event_median(torch, replay5, 5 * len(seq), 7)
-    except Exception as err:  # noqa: BLE001
-        print(f"  (graph capture failed: {str(err)[:100]})")
-        return None
-
-
 def run(args: argparse.Namespace) -> int:
     """Check and time every (kernel, variant); print tables; write JSON to --out."""
     import torch
@@ -344,7 +317,8 @@ def run(args: argparse.Namespace) -> int:
             with tvm_ffi.use_torch_stream():
                 cell["cold_s"] = _time(torch, calls, args.budget_s)
                 cell["hot_s"] = _time(torch, calls[:1], args.budget_s / 2)
-            cell["graph_s"] = None if args.no_graph else _graph_time(torch, tvm_ffi, calls)
+            graph_s = None if args.no_graph else lab_common.graph_seconds(torch, tvm_ffi, calls)
+            cell["graph_s"] = graph_s
             with tvm_ffi.use_torch_stream():
                 cell["kernel_s"] = None if args.no_profile else _kernel_time(torch, calls)
             row["variants"][vname] = cell

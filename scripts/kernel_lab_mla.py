@@ -15,7 +15,10 @@ and 1) and a batch with an empty sequence; runs every kernel of the manifest, ch
 float32 torch reference (relative L2 of ``out``, max ``lse`` error over finite entries, ``-inf``
 rows), times it with CUDA events (median of several loops of back-to-back calls) and prints one
 table (case x kernel, us; ``!`` marks a wrong result) plus an error summary per kernel.
-``--only a,b`` restricts the kernels, ``--cases substr`` the cases.
+``--only a,b`` restricts the kernels, ``--cases substr`` the cases. ``--cupti`` adds a second
+table, the GPU kernel time per call (split + merge kernels, CUPTI through ``torch.profiler``,
+one profiler session per case): what a CUDA-graph decode step pays besides ~1.1 us per launch,
+without the ``tvm_ffi`` call overhead that dominates the event times of calls below ~15 us.
 """
 
 from __future__ import annotations
@@ -34,17 +37,35 @@ LAB_DIR = ROOT / "build" / "lab"
 HEADS, LATENT, ROPE, PAGE = 16, 512, 64, 16
 # name -> mla_attention_cuda keyword arguments ("ours": the defaults, the model's kernel)
 VARIANTS: dict[str, dict] = {
-    "ours": {},
-    "v0": dict(  # the kernel before this round: 2 pages/split, <= 64 splits, serial merge, SIMT
-        mma=False, min_pages_per_split=2, max_split=64, target_blocks=264, merge="serial"
+    "ours": {},  # the defaults: 3-stage pipelined split block, >= 2 pages per split
+    "v0": dict(  # the first kernel: 2 pages/split, <= 64 splits, serial merge, SIMT
+        mma=False,
+        min_pages_per_split=2,
+        max_split=64,
+        target_blocks=264,
+        merge="serial",
+        stages=1,
+    ),  # fmt: skip
+    # second round: the TIR page loop (stages=1), 1 page per split; "mma1" was the default
+    "mma1": dict(stages=1, min_pages_per_split=1),
+    "simt": dict(mma=False, stages=1, min_pages_per_split=1),
+    "simt_hg8": dict(mma=False, heads_per_block=8, stages=1, min_pages_per_split=1),
+    "simt_hg4": dict(mma=False, heads_per_block=4, stages=1, min_pages_per_split=1),
+    "simt_t512": dict(mma=False, threads=512, stages=1, min_pages_per_split=1),
+    "mma_s128": dict(max_split=128, target_blocks=264, stages=1, min_pages_per_split=1),
+    "mma_pp2": dict(min_pages_per_split=2, stages=1),
+    "mma_serial": dict(merge="serial", stages=1, min_pages_per_split=1),
+    # Third round: the pipelined split block (cp.async ring of `stages` page buffers, ldmatrix),
+    # multi-page splits, and a merge that reads the split lse without waiting for ws_n.
+    "pipe2": dict(stages=2, min_pages_per_split=1),  # mma1's grid: only the block code changes
+    "pipe3_pp2": dict(stages=3, min_pages_per_split=2, max_split=128, target_blocks=264),
+    "pipe3_pp2_s256": dict(stages=3, min_pages_per_split=2),  # = ours since the third round
+    "pipe5_pp4": dict(stages=5, min_pages_per_split=4, max_split=128, target_blocks=264),
+    "pipe5_pp2_s256": dict(stages=5, min_pages_per_split=2),
+    "ours_mpf": dict(merge_prefetch=True, stages=1, min_pages_per_split=1),
+    "pipe3_pp2_mpf": dict(
+        stages=3, min_pages_per_split=2, max_split=128, target_blocks=264, merge_prefetch=True
     ),
-    "simt": dict(mma=False),  # 1 page/split, <= 256 splits, parallel merge
-    "simt_hg8": dict(mma=False, heads_per_block=8),
-    "simt_hg4": dict(mma=False, heads_per_block=4),
-    "simt_t512": dict(mma=False, threads=512),
-    "mma_s128": dict(max_split=128, target_blocks=264),
-    "mma_pp2": dict(min_pages_per_split=2),
-    "mma_serial": dict(merge="serial"),
 }
 BAD_REL, BAD_LSE = 2e-3, 1e-3  # a result worse than this is flagged "!"
 
@@ -159,6 +180,32 @@ def _time(torch, func, c: dict, budget_s: float) -> float:
     return lab_common.time_call(torch, func, _args(c, *_call(torch, func, c)), budget_s)
 
 
+def _kernel_times(torch, kernels: dict, c: dict, reps: int = 32) -> dict[str, float]:
+    """Seconds of GPU kernel time per call (CUPTI via ``torch.profiler``: the durations of a
+    kernel's split and merge launches, no launch gaps or host overhead), ``key -> s``, for all
+    kernels of one case in one profiler session (``reps`` calls each, after a warm-up call)."""
+    import re
+
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    argsets = {k: _args(c, *_call(torch, f, c)) for k, f in kernels.items()}
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for key, f in kernels.items():
+            for _ in range(reps):
+                f(*argsets[key])
+        torch.cuda.synchronize()
+    # The library of kernel `key` exports `mla_<key>`; its kernels are `mla_<key>_kernel[_<i>]`.
+    pattern = re.compile(r"mla_(.+)_kernel(_\d+)?$")
+    sums = dict.fromkeys(kernels, 0.0)
+    for e in prof.events():
+        m = pattern.match(e.name) if e.device_type == DeviceType.CUDA else None
+        if m and m.group(1) in sums:
+            sums[m.group(1)] += e.time_range.elapsed_us()
+    return {k: v / reps / 1e6 for k, v in sums.items()}
+
+
 def _bad(e: dict) -> bool:
     return (
         not e["rel_l2"] <= BAD_REL
@@ -210,6 +257,13 @@ def run(args: argparse.Namespace) -> int:
             except Exception as err:  # noqa: BLE001 - report and go on with the next kernel
                 row[key] = {"error": str(err)[:300]}
                 cells.append(f"{'ERR':>{width}s}")
+        if args.cupti:  # ours only (TVM's kernel takes up to 0.25 s a call)
+            ok = {k: f for k, f in kernels.items() if k != "tvm" and "rel_l2" in row[k]}
+            try:
+                for key, sec in _kernel_times(torch, ok, c).items():
+                    row[key]["kernel_s"] = sec
+            except Exception as err:  # noqa: BLE001 - the event times stand without it
+                print(f"  (profiler failed: {str(err)[:200]})")
         del c, ref
         torch.cuda.empty_cache()
         results.append(row)
@@ -227,6 +281,15 @@ def run(args: argparse.Namespace) -> int:
             )
         else:
             print(f"  {key:12s} all cases raised")
+    if args.cupti:
+        print("GPU kernel time per call, us (CUPTI: split + merge kernels, no launch gaps)")
+        print(f"{'case':26s}" + "".join(f"{k:>{width}s}" for k in keys))
+        for r in results:
+            cells = [r.get(k, {}).get("kernel_s") for k in keys]
+            print(
+                f"{r['case']:26s}"
+                + "".join(f"{x * 1e6:{width}.2f}" if x else f"{'-':>{width}s}" for x in cells)
+            )
     out = Path(args.out) if args.out else None
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
@@ -243,6 +306,7 @@ def main(argv: list[str] | None = None) -> int:
         "check and time the kernels (GPU machine)",
     )
     lab_common.add_case_options(r, budget_per_case_s=0.3)
+    r.add_argument("--cupti", action="store_true", help="also GPU kernel times (torch.profiler)")
     args = parser.parse_args(argv)
     return prepare(args) if args.cmd == "prepare" else run(args)
 

@@ -6,8 +6,8 @@ Build side (``prepare``, build box with TVM + nvcc, no GPU): TIR-only libraries 
 GPU side (``run``: torch, ``tvm_ffi`` and TVM's runtime libraries only): loading the runtime and
 the lab libraries (:func:`load_tvm_runtime`, :func:`load_kernels`, :func:`ffi_tensors`) and
 CUDA-event timing (:func:`wall_seconds`, :func:`loop_counts`, :func:`event_median`,
-:func:`time_call`). Both: the command line every lab starts from (:func:`lab_parser`,
-:func:`add_case_options`).
+:func:`time_call`, :func:`graph_seconds`) and CUPTI kernel times (:func:`cupti_seconds`).
+Both: the command line every lab starts from (:func:`lab_parser`, :func:`add_case_options`).
 
 Nothing here imports tvm at module level (the GPU box has no tvm): only the build functions do;
 torch is passed in by the callers, as the labs do.
@@ -222,6 +222,58 @@ def time_call(torch: Any, func: Callable, args: list, budget_s: float) -> float:
             func(*args)
 
     return event_median(torch, run_loop, inner, loops)
+
+
+def graph_seconds(torch: Any, tvm_ffi: Any, calls: list[Callable[[], object]]) -> float | None:
+    """Seconds per call of ``calls`` (repeated to about 64) replayed from one CUDA graph (the
+    launches as in a captured decode step); None if the capture fails."""
+    try:
+        g = torch.cuda.CUDAGraph()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        seq = calls * max(1, 64 // len(calls))
+        with torch.cuda.stream(side), tvm_ffi.use_torch_stream():  # warm up on the side stream
+            for f in seq[:4]:
+                f()
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        with tvm_ffi.use_torch_stream(torch.cuda.graph(g)):
+            for f in seq:
+                f()
+        g.replay()
+        torch.cuda.synchronize()
+
+        def replay5() -> None:
+            for _ in range(5):
+                g.replay()
+
+        return event_median(torch, replay5, 5 * len(seq), 7)
+    except Exception as err:  # noqa: BLE001 - reported, the caller goes on without it
+        print(f"  (graph capture failed: {str(err)[:100]})")
+        return None
+
+
+def cupti_seconds(torch: Any, calls: list[Callable[[], object]]) -> float | None:
+    """Summed GPU duration of the kernels of one call (CUPTI, through ``torch.profiler``;
+    launch gaps excluded), averaged over ``calls`` repeated to about 64; None if profiling
+    fails."""
+    try:
+        from torch.autograd import DeviceType
+        from torch.profiler import ProfilerActivity, profile
+
+        seq = calls * max(1, 64 // len(calls))
+        for f in seq[:8]:
+            f()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for f in seq:
+                f()
+            torch.cuda.synchronize()
+        us = [e.time_range.elapsed_us() for e in prof.events() if e.device_type == DeviceType.CUDA]
+        return sum(us) / 1e6 / len(seq) if us else None
+    except Exception as err:  # noqa: BLE001 - reported, the caller goes on without it
+        print(f"  (profiler failed: {str(err)[:100]})")
+        return None
 
 
 # -- command line ----------------------------------------------------------------------------------

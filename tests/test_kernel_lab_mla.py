@@ -88,7 +88,13 @@ _CONTEXT_NAMES = (
 
 
 @pytest.mark.parametrize(
-    "kwargs", [{}, {"mma": False, "heads_per_block": 8}, {"merge": "serial", "max_split": 64}]
+    "kwargs",
+    [
+        {},
+        {"mma": False, "heads_per_block": 8},
+        {"merge": "serial", "max_split": 64},
+        {"stages": 3, "min_pages_per_split": 2, "merge_prefetch": True},
+    ],
 )
 def test_launch_config_depends_on_rows_only(kwargs: dict) -> None:
     """Grid extents and workspace sizes read ``total_len`` only, never the page table: a captured
@@ -106,6 +112,24 @@ def test_launch_config_depends_on_rows_only(kwargs: dict) -> None:
         assert not words & set(_CONTEXT_NAMES), line
 
 
+@needs_nvcc
+@pytest.mark.parametrize("stages", [2, 3])
+def test_pipelined_path_source(stages: int) -> None:
+    """``stages >= 2``: the split block is the cp.async / ldmatrix device function; 2 stages fit
+    static shared memory (46.5 KB), 3 take dynamic shared memory (64 KB, opted in at launch)."""
+    from dsv2_mlc.compiler.cuda import cuda_codegen, make_cuda_target
+
+    target = make_cuda_target("sm_90")
+    func = mla_attention_cuda(16, 512, 64, "float16", stages=stages, min_pages_per_split=2)
+    with cuda_codegen(), target:
+        exe = tvm.compile(tvm.IRModule({"m": func.with_attr("global_symbol", "m")}), target)
+    src = exe.mod.imports_[0].inspect_source("cuda")
+    for needle in (f"mla_split_pipe_16_512_576_s{stages}(", "cp.async.wait_group", "ldmatrix"):
+        assert needle in src
+    assert ("extern __shared__" in src) == (stages > 2)
+    assert "mla_qk_" not in src  # the TIR page loop is gone
+
+
 def test_kernel_rejects_bad_variant_arguments() -> None:
     with pytest.raises(ValueError, match="merge"):
         mla_attention_cuda(16, 512, 64, merge="tree")
@@ -113,6 +137,8 @@ def test_kernel_rejects_bad_variant_arguments() -> None:
         mla_attention_cuda(16, 512, 64, threads=384)
     with pytest.raises(ValueError, match=">= 1"):
         mla_attention_cuda(16, 512, 64, min_pages_per_split=0)
+    with pytest.raises(ValueError, match="stages"):
+        mla_attention_cuda(16, 512, 64, stages=0)
 
 
 def test_kernel_rejects_unsupported_shapes() -> None:

@@ -289,8 +289,9 @@ def test_mma_kernels_compile_for_sm90(group: int):
 
 
 def test_wiring_grouped_in_prefill_and_extend_only_on_cuda():
-    """Traced for CUDA, prefill / extend call the grouped kernels and decode the gathers; the
-    kernels come scheduled and survive the fuse phase; traced for LLVM, nothing changes."""
+    """Traced for CUDA, prefill / extend call the grouped kernels and decode the fused decode
+    kernels; the kernels come scheduled and survive the fuse phase; traced for LLVM, the
+    gathers everywhere."""
     from dsv2_mlc.compiler.compile import _export
     from dsv2_mlc.passes.pipeline import PHASES
 
@@ -310,7 +311,11 @@ def test_wiring_grouped_in_prefill_and_extend_only_on_cuda():
             assert uses == (expect and entry != "batch_decode"), (target.kind.name, entry)
             assert not (called & grouped_kernels) or uses
             gather = any(name.startswith("moe_gate_up_q4") for name in called)
-            assert gather != uses, (entry, sorted(called))
+            fused = "moe_decode_gate_up" in called  # INT4 decode on CUDA: moe_decode_cuda
+            if expect and entry == "batch_decode":
+                assert fused and not gather, (entry, sorted(called))
+            else:
+                assert gather != uses and not fused, (entry, sorted(called))
         for gv, func in mod.functions_items():
             if gv.name_hint in grouped_kernels:
                 assert func.attrs["tirx.is_scheduled"], gv.name_hint

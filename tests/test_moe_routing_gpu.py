@@ -11,7 +11,7 @@ import pytest
 import tvm
 
 from dsv2_mlc.compiler.cuda import cuda_codegen, make_cuda_target
-from dsv2_mlc.schedules.moe_routing import moe_route, moe_route_gpu
+from dsv2_mlc.schedules.moe_routing import GPU_WARPS_PER_BLOCK, moe_route, moe_route_gpu
 
 
 @pytest.mark.parametrize(
@@ -29,7 +29,11 @@ def test_gpu_router_builds_for_sm90_with_warp_reductions(args):
     target = make_cuda_target("sm_90")
     mod = tvm.IRModule({"route": func.with_attr("global_symbol", "route")})
     with cuda_codegen(), target:
-        tvm.compile(mod, target=target)
+        lib = tvm.compile(mod, target=target)
+    # every warp of a block has its own scratch of all E scores (the ranks read all of them):
+    # declared in CUDA at full size, not a TIR buffer TVM would shrink to the indices it sees
+    cuda = lib.mod.imports[0].inspect_source()
+    assert f"__shared__ float scratch[{GPU_WARPS_PER_BLOCK * args[0]}];" in cuda
 
 
 def test_router_choice_follows_the_target():

@@ -95,6 +95,14 @@ def dequantized_hf_state(params: dict[str, np.ndarray], cfg: dict, group: int) -
             state[hf.replace("gate_up_proj", "gate_proj")] = full[:half]
             state[hf.replace("gate_up_proj", "up_proj")] = full[half:]
             continue
+        if hf.endswith("qkv_a_proj.weight"):  # query (or q-LoRA q_a) rows, then kv_a rows
+            lora = cfg.get("q_lora_rank")
+            q_rows = lora or cfg["num_attention_heads"] * (
+                cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"]
+            )
+            state[hf.replace("qkv_a_proj", "q_a_proj" if lora else "q_proj")] = full[:q_rows]
+            state[hf.replace("qkv_a_proj", "kv_a_proj_with_mqa")] = full[q_rows:]
+            continue
         state[hf] = full
     return {k: torch.from_numpy(np.ascontiguousarray(v, np.float32)) for k, v in state.items()}
 

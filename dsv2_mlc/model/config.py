@@ -70,6 +70,14 @@ class DeepseekV2Config:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
     @property
+    def q_a_dim(self) -> int:
+        """Query rows of the fused ``qkv_a_proj``: ``q_lora_rank`` with q-LoRA, else all the
+        query heads (``num_attention_heads * qk_head_dim``)."""
+        if self.q_lora_rank is None:
+            return self.num_attention_heads * self.qk_head_dim
+        return self.q_lora_rank
+
+    @property
     def latent_dim(self) -> int:
         """Width of the cached MLA latent per token per layer (kv_lora_rank + rope)."""
         return self.kv_lora_rank + self.qk_rope_head_dim

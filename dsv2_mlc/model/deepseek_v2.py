@@ -15,8 +15,9 @@ batch from ``begin_forward``):
   token per layer), in pages of 16 tokens.
 
 Parameter names are the Hugging Face names, except where a checkpoint tensor is stored
-transformed (see ``weights.py``): fused ``gate_up_proj``, stacked routed experts, and
-``kv_b_proj`` split into ``kv_b_proj.w_uk`` / ``kv_b_proj.w_uv``.
+transformed (see ``weights.py``): fused ``gate_up_proj``, ``self_attn.qkv_a_proj`` (``q_proj`` or
+``q_a_proj`` rows, then ``kv_a_proj_with_mqa`` rows), stacked routed experts, and ``kv_b_proj``
+split into ``kv_b_proj.w_uk`` / ``kv_b_proj.w_uv``.
 """
 
 from __future__ import annotations
@@ -34,7 +35,13 @@ from tvm.target import Target
 from ..passes._rewrite import ENTRY_KIND_ATTR
 from .config import DeepseekV2Config
 from .kv_cache import MLAPagedKVCache
-from .mla_ops import absorb_query, absorb_value, latent_norm_rope
+from .mla_ops import (
+    absorb_query,
+    absorb_value,
+    has_prologue_kernel,
+    latent_norm_rope,
+    mla_prologue,
+)
 from .moe import DeepseekV2MLP, DeepseekV2MoE
 from .rope import apply_rope, rope_table
 
@@ -72,14 +79,23 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter((dim,), dtype)
         self.eps = eps
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, cols: int | None = None) -> Tensor:
+        """The norm of ``x``, or with ``cols`` of its leading ``cols`` columns only (read in
+        place from a wider ``x``: no split kernel)."""
         eps = self.eps
-        return nn.tensor_expr_op(
-            lambda xt, wt: rms_norm_te(xt, wt, eps),
-            "rms_norm",
-            [x, self.weight],
-            attrs={RMS_NORM_ATTR: eps},
-        )
+        if cols is None:
+            return nn.tensor_expr_op(
+                lambda xt, wt: rms_norm_te(xt, wt, eps),
+                "rms_norm",
+                [x, self.weight],
+                attrs={RMS_NORM_ATTR: eps},
+            )
+
+        def leading(xt: te.Tensor, wt: te.Tensor) -> te.Tensor:
+            head = te.compute((*xt.shape[:-1], cols), lambda *i: xt(*i), name="leading")
+            return rms_norm_te(head, wt, eps)
+
+        return nn.tensor_expr_op(leading, "rms_norm_leading", [x, self.weight])
 
 
 class KVBProj(nn.Module):
@@ -98,15 +114,14 @@ class DeepseekV2Attention(nn.Module):
         self.cfg = cfg
         self.layer_id = layer_id
         h, heads = cfg.hidden_size, cfg.num_attention_heads
-        if cfg.q_lora_rank is None:
-            self.q_proj = nn.Linear(h, heads * cfg.qk_head_dim, bias=False, dtype=dtype)
-        else:
-            self.q_a_proj = nn.Linear(h, cfg.q_lora_rank, bias=False, dtype=dtype)
+        # q_proj (or q-LoRA's q_a_proj) and kv_a_proj_with_mqa read the same x: one matmul,
+        # query rows first (weights.py).
+        self.qkv_a_proj = nn.Linear(h, cfg.q_a_dim + cfg.latent_dim, bias=False, dtype=dtype)
+        if cfg.q_lora_rank is not None:
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, LORA_NORM_EPS, dtype)
             self.q_b_proj = nn.Linear(
                 cfg.q_lora_rank, heads * cfg.qk_head_dim, bias=False, dtype=dtype
             )
-        self.kv_a_proj_with_mqa = nn.Linear(h, cfg.latent_dim, bias=False, dtype=dtype)
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, LORA_NORM_EPS, dtype)
         self.kv_b_proj = KVBProj(cfg, dtype)
         self.o_proj = nn.Linear(heads * cfg.v_head_dim, h, bias=False, dtype=dtype)
@@ -121,15 +136,23 @@ class DeepseekV2Attention(nn.Module):
         heads, nope, rope_dim = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
         lora, v_dim, scale = cfg.kv_lora_rank, cfg.v_head_dim, cfg.softmax_scale
 
+        # [n, q_a_dim + L + R]: the query heads (q-LoRA: q_a), then c_kv and k_pe
+        qkv = self.qkv_a_proj(x)
         if cfg.q_lora_rank is None:
-            q = self.q_proj(x)
+            q_src = qkv  # the query heads at columns [0, H * (nope + R))
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        # The cached latent [RMSNorm(c_kv), rope(k_pe)], one kernel (mla_ops).
-        latent = latent_norm_rope(
-            self.kv_a_proj_with_mqa(x), self.kv_a_layernorm.weight, rope, cfg, LORA_NORM_EPS
-        )
+            q_src = self.q_b_proj(self.q_a_layernorm(qkv, cols=cfg.q_lora_rank))
+        norm_w = self.kv_a_layernorm.weight
+        fused = mode != "prefill" and has_prologue_kernel(Target.current(allow_none=True))
+        if fused:  # the latent-space query and the cached latent in one kernel (mla_ops)
+            q_lat, latent = mla_prologue(
+                q_src, qkv, cfg.q_a_dim, self.kv_b_proj.w_uk, norm_w, rope, cfg, LORA_NORM_EPS
+            )
+        else:  # the cached latent [RMSNorm(c_kv), rope(k_pe)], one kernel (mla_ops)
+            latent = latent_norm_rope(qkv, cfg.q_a_dim, norm_w, rope, cfg, LORA_NORM_EPS)
         cache = cache.append_mla_kv(self.layer_id, op.reshape(latent, (1, n, 1, cfg.latent_dim)))
+        if mode != "decode" or not fused:  # the query heads alone [n, H * (nope + R)]
+            q = q_src if cfg.q_lora_rank is not None else op.split(qkv, [cfg.q_a_dim], axis=1)[0]
 
         out = None
         if mode != "decode":
@@ -147,7 +170,8 @@ class DeepseekV2Attention(nn.Module):
             out, lse = cache.self_attention(self.layer_id, query, key, value, scale)
         if mode != "prefill":
             # Absorbed attention over the cached latent pages.
-            q_lat = absorb_query(q, self.kv_b_proj.w_uk, rope, cfg, Target.current(allow_none=True))
+            if not fused:
+                q_lat = absorb_query(q, self.kv_b_proj.w_uk, rope, cfg)
             q_lat = op.reshape(q_lat, (1, n, heads, cfg.latent_dim))
             o_lat, lse_lat = cache.cross_attention(self.layer_id, q_lat, lora, scale)
             o_cross = absorb_value(

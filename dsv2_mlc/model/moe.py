@@ -187,9 +187,16 @@ class DeepseekV2Gate(nn.Module):
 
         The router kernel follows the target being traced for (``with target:``; none: CPU).
         """
+        return self.route(self.logits(x))
+
+    def logits(self, x: Tensor) -> Tensor:
+        """x: [n, H] -> router logits [n, E] float32."""
+        return nn.tensor_expr_op(gate_logits_te, "moe_gate_logits", [x, self.weight])
+
+    def route(self, logits: Tensor) -> tuple[Tensor, Tensor]:
+        """logits [n, E] -> (weights [n, k] float32, expert ids [n, k] int32)."""
         cfg = self.cfg
-        n, k = x.shape[0], cfg.num_experts_per_tok
-        logits = nn.tensor_expr_op(gate_logits_te, "moe_gate_logits", [x, self.weight])
+        n, k = logits.shape[0], cfg.num_experts_per_tok
         route = moe_route(
             Target.current(allow_none=True),
             cfg.n_routed_experts,
@@ -219,6 +226,13 @@ class DeepseekV2Experts(nn.Module):
         self.num_experts, self.intermediate = e, i
         self.gate_up_proj = nn.Parameter((e, 2 * i, h), dtype)
         self.down_proj = nn.Parameter((e, h, i), dtype)
+
+    def fused_decode(
+        self, x: Tensor, logits: Tensor, gate: DeepseekV2Gate, shared: DeepseekV2MLP
+    ) -> Tensor | None:
+        """Routing + routed + shared experts in fused decode kernels, where this layout has
+        them (INT4 experts on CUDA: ``GroupQuantExperts``); None here (float weights)."""
+        return None
 
     def forward(self, x: Tensor, weights: Tensor, idx: Tensor, mode: str | None = None) -> Tensor:
         """x [n, H], weights [n, k] fp32, idx [n, k] -> sum_j weights[:, j] * expert_j(x).
@@ -254,8 +268,15 @@ class DeepseekV2MoE(nn.Module):
         """x: [n, H] (the tokens of the batch, flattened) -> [n, H].
 
         ``mode`` is the entry point's ("prefill" | "extend" | "decode"): the routed experts of
-        prefill and extend on CUDA run as grouped GEMMs, the rest keeps the gather kernels."""
-        weights, idx = self.gate(x)
+        prefill and extend on CUDA run as grouped GEMMs; decode runs the experts' fused kernels
+        where they have them (``fused_decode``: routing, routed and shared experts in two
+        launches), the rest keeps the gather kernels."""
+        logits = self.gate.logits(x)
+        if mode == "decode" and self.shared_experts is not None:
+            fused = self.experts.fused_decode(x, logits, self.gate, self.shared_experts)
+            if fused is not None:
+                return fused
+        weights, idx = self.gate.route(logits)
         out = self.experts(x, weights, idx, mode)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)

@@ -2,10 +2,14 @@
 
 Each :class:`Conversion` names the checkpoint tensors it reads (with the shape the config implies),
 the parameters it produces, and the transform between them. Most are the identity under the same
-name; three are not:
+name; four are not:
 
 * ``mlp.{gate,up}_proj.weight`` (dense layers, shared experts) are concatenated, gate rows first,
   into ``mlp.gate_up_proj.weight`` [2I, H] (one matmul, then SiLU(gate) * up);
+* ``self_attn.q_proj.weight`` (with q-LoRA: ``q_a_proj.weight``) and
+  ``self_attn.kv_a_proj_with_mqa.weight``, which read the same normed hidden state, are
+  concatenated, query rows first, into ``self_attn.qkv_a_proj.weight`` [q_a_dim + L + R, H]
+  (one matmul; the forward pass reads the query and the latent at their column offsets);
 * routed experts ``mlp.experts.E.{gate,up,down}_proj.weight`` are stacked into
   ``mlp.experts.gate_up_proj`` [E, 2I, H] and ``mlp.experts.down_proj`` [E, H, I];
 * ``self_attn.kv_b_proj.weight`` [heads * (nope + v), kv_lora_rank] is split per head into
@@ -87,18 +91,16 @@ def _mlp(prefix: str, hidden: int, inter: int) -> list[Conversion]:
 
 def _attention(cfg: DeepseekV2Config, p: str) -> list[Conversion]:
     h, heads = cfg.hidden_size, cfg.num_attention_heads
-    convs = []
-    if cfg.q_lora_rank is None:
-        convs.append(_same(f"{p}.q_proj.weight", (heads * cfg.qk_head_dim, h)))
-    else:
+    q_name = f"{p}.q_proj.weight" if cfg.q_lora_rank is None else f"{p}.q_a_proj.weight"
+    qkv_a = ((q_name, (cfg.q_a_dim, h)), (f"{p}.kv_a_proj_with_mqa.weight", (cfg.latent_dim, h)))
+    convs = [Conversion(qkv_a, (f"{p}.qkv_a_proj.weight",), _concat_rows)]
+    if cfg.q_lora_rank is not None:
         convs += [
-            _same(f"{p}.q_a_proj.weight", (cfg.q_lora_rank, h)),
             _same(f"{p}.q_a_layernorm.weight", (cfg.q_lora_rank,)),
             _same(f"{p}.q_b_proj.weight", (heads * cfg.qk_head_dim, cfg.q_lora_rank)),
         ]
     kv_b_shape = (heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank)
     convs += [
-        _same(f"{p}.kv_a_proj_with_mqa.weight", (cfg.latent_dim, h)),
         _same(f"{p}.kv_a_layernorm.weight", (cfg.kv_lora_rank,)),
         Conversion(
             ((f"{p}.kv_b_proj.weight", kv_b_shape),),

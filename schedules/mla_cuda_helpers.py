@@ -1,0 +1,364 @@
+"""CUDA device code of the tensor-core paths of :mod:`dsv2_mlc.schedules.mla_attention_cuda`.
+
+The split-KV MLA kernel calls these through ``T.cuda.func_call`` (the source travels with every
+call site; an ``#ifndef`` guard keeps one definition). :func:`mma_source`: the helpers of the
+default path (QK^T and PV of one page, ``mma.sync.m16n8k16`` fp16 -> fp32, the TIR code loads the
+page). :func:`pipe_source`: the whole split block of the pipelined path (``stages >= 2``): a
+block walks the pages of its split with ``cp.async`` copies ``stages - 1`` pages ahead into a ring
+of shared page buffers, K/V fragments by ``ldmatrix``, and writes the final or partial state.
+"""
+
+from string import Template
+
+__all__ = ["mma_source", "pipe_shared_halves", "pipe_source"]
+
+P = 16  # page size (tokens)
+PS = 24  # P tile row stride (halves): conflict-free ldmatrix rows
+
+
+def mma_source(tag: str, KS: int, KSW: int, NTW: int, SROW: int, PS: int) -> str:
+    """CUDA device helpers of the tensor-core path (``mma.sync.m16n8k16`` fp16 -> fp32).
+
+    One warp ``w`` of 8: QK^T over the k-steps ``w, w + 8, ...`` of the 16 heads x 16 tokens
+    tile (Q fragments in registers, K fragments from the shared page), partial scores to
+    ``s_part[w, 16, 16]``; PV over the columns ``[w * NTW * 8, (w + 1) * NTW * 8)`` (P fp16
+    from shared, V fragments from the shared page), accumulators in the mma C layout: rows
+    ``g`` and ``g + 8`` (``g = lane / 4``), columns ``2 * (lane % 4) + {0, 1}`` of each n-tile.
+    """
+    # Every call site carries this source (codegen keys it by the called name): a guard keeps
+    # one definition.
+    return f"""
+#ifndef MLA_SPLIT_KV_HELPERS_{tag}
+#define MLA_SPLIT_KV_HELPERS_{tag}
+__device__ __forceinline__ void mla_mma_{tag}(float* c, unsigned a0, unsigned a1, unsigned a2,
+                                              unsigned a3, unsigned b0, unsigned b1) {{
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {{%0,%1,%2,%3}}, {{%4,%5,%6,%7}}, "
+      "{{%8,%9}}, {{%0,%1,%2,%3}};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}}
+__device__ __forceinline__ void mla_load_q_{tag}(unsigned* qf, const half* q, int D, int w,
+                                                 int lane) {{
+  const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int i = 0; i < {KSW}; ++i) {{
+    const int ks = w + 8 * i;
+    if (ks < {KS}) {{
+      const half* p0 = q + g * D + ks * 16 + t * 2;
+      const half* p1 = p0 + 8 * D;
+      qf[4 * i + 0] = *reinterpret_cast<const unsigned*>(p0);
+      qf[4 * i + 1] = *reinterpret_cast<const unsigned*>(p1);
+      qf[4 * i + 2] = *reinterpret_cast<const unsigned*>(p0 + 8);
+      qf[4 * i + 3] = *reinterpret_cast<const unsigned*>(p1 + 8);
+    }} else {{
+      qf[4 * i + 0] = 0u; qf[4 * i + 1] = 0u; qf[4 * i + 2] = 0u; qf[4 * i + 3] = 0u;
+    }}
+  }}
+}}
+__device__ __forceinline__ void mla_qk_{tag}(float* s_part, const unsigned* qf, const half* kv,
+                                             int w, int lane) {{
+  const int g = lane >> 2, t = lane & 3;
+  float c[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) c[i] = 0.f;
+#pragma unroll
+  for (int i = 0; i < {KSW}; ++i) {{
+    const int ks = w + 8 * i;
+    if (ks < {KS}) {{
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {{
+        const half* kp = kv + (nt * 8 + g) * {SROW} + ks * 16 + t * 2;
+        const unsigned b0 = *reinterpret_cast<const unsigned*>(kp);
+        const unsigned b1 = *reinterpret_cast<const unsigned*>(kp + 8);
+        mla_mma_{tag}(c + 4 * nt, qf[4 * i], qf[4 * i + 1], qf[4 * i + 2], qf[4 * i + 3], b0, b1);
+      }}
+    }}
+  }}
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt) {{
+    float* r0 = s_part + (w * 16 + g) * 16 + nt * 8 + t * 2;
+    float* r1 = r0 + 8 * 16;
+    r0[0] = c[4 * nt + 0]; r0[1] = c[4 * nt + 1];
+    r1[0] = c[4 * nt + 2]; r1[1] = c[4 * nt + 3];
+  }}
+}}
+__device__ __forceinline__ unsigned mla_pack_{tag}(half lo, half hi) {{
+  return (unsigned)__half_as_ushort(lo) | ((unsigned)__half_as_ushort(hi) << 16);
+}}
+__device__ __forceinline__ void mla_pv_{tag}(float* acc, const half* p, const half* kv,
+                                             const float* r, int w, int lane) {{
+  const int g = lane >> 2, t = lane & 3;
+  const float r0 = r[g], r1 = r[g + 8];
+  const unsigned a0 = *reinterpret_cast<const unsigned*>(p + g * {PS} + t * 2);
+  const unsigned a1 = *reinterpret_cast<const unsigned*>(p + (g + 8) * {PS} + t * 2);
+  const unsigned a2 = *reinterpret_cast<const unsigned*>(p + g * {PS} + t * 2 + 8);
+  const unsigned a3 = *reinterpret_cast<const unsigned*>(p + (g + 8) * {PS} + t * 2 + 8);
+#pragma unroll
+  for (int j = 0; j < {NTW}; ++j) {{
+    const half* vp = kv + (t * 2) * {SROW} + w * {NTW * 8} + j * 8 + g;
+    const unsigned b0 = mla_pack_{tag}(vp[0], vp[{SROW}]);
+    const unsigned b1 = mla_pack_{tag}(vp[8 * {SROW}], vp[9 * {SROW}]);
+    float* c = acc + 4 * j;
+    c[0] *= r0; c[1] *= r0; c[2] *= r1; c[3] *= r1;
+    mla_mma_{tag}(c, a0, a1, a2, a3, b0, b1);
+  }}
+}}
+#endif
+"""
+
+
+def pipe_shared_halves(D: int, stages: int) -> int:
+    """Shared memory (halves) of one block of the pipelined path: ``stages`` page buffers of 16
+    rows x ``D + 8`` halves, the 8 warps' partial scores (16 x 16 fp32 each), the P tile
+    (16 x ``PS`` fp16) and the per-head rescale / max / sum (3 x 16 fp32)."""
+    return stages * P * (D + 8) + 8 * 16 * 16 * 2 + 16 * PS + 3 * 16 * 2
+
+
+# The PTX primitives of the pipelined block (tests/test_mla_pipe_emulation.py swaps in CPU
+# emulations of exactly these seven functions).
+_PIPE_PRIMS = r"""
+__device__ __forceinline__ void mlap_mma_${tag}(float* c, const unsigned* a, unsigned b0,
+                                               unsigned b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ void mlap_ldsm_${tag}(unsigned* r, unsigned addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr) : "memory");
+}
+__device__ __forceinline__ void mlap_ldsm_t_${tag}(unsigned* r, unsigned addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr) : "memory");
+}
+__device__ __forceinline__ void mlap_ldsm_t2_${tag}(unsigned* r, unsigned addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];"
+               : "=r"(r[0]), "=r"(r[1]) : "r"(addr) : "memory");
+}
+__device__ __forceinline__ void mlap_cp_${tag}(unsigned dst, const void* src, int bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
+               :: "r"(dst), "l"(src), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mlap_commit_${tag}() {
+  asm volatile("cp.async.commit_group;" ::: "memory");
+}
+__device__ __forceinline__ void mlap_wait_${tag}() {
+  asm volatile("cp.async.wait_group ${wait};" ::: "memory");
+}
+"""
+
+_PIPE_BODY = r"""
+// One page (16 rows of ${d} halves at src) -> the shared buffer at dst (rows of ${srow}
+// halves), 16-byte cp.async copies; rows >= valid are zero-filled (no global read).
+__device__ __forceinline__ void mlap_page_${tag}(unsigned dst, const half* src, int valid,
+                                                int tx) {
+#pragma unroll
+  for (int it = 0; it < ${load_iters}; ++it) {
+    const int i = it * 256 + tx;
+    if (i < ${page_vecs}) {
+      const int r = i / ${dv};
+      const int c = i - r * ${dv};
+      mlap_cp_${tag}(dst + (r * ${srow} + c * 8) * 2, src + r * ${d} + c * 8,
+                     r < valid ? 16 : 0);
+    }
+  }
+}
+// One split block (256 threads, 16 heads): pages ids[0, npg) of the row (tokens tok0...),
+// n_vis visible keys; q: the 16 heads x ${d} of the row; final_: write out (16 x ${dl},
+// head stride ${dl}) and lse (16), else the partial state to ws_o / ws_lse.
+__device__ __forceinline__ void mla_split_pipe_${tag}(
+    const half* __restrict__ q, const half* __restrict__ pages, const int* __restrict__ ids,
+    int npg, int tok0, int n_vis, float scale, int final_, half* __restrict__ out,
+    float* __restrict__ lse, float* __restrict__ ws_o, float* __restrict__ ws_lse, int ws_row,
+    half* smem, const half* smem_last, int tx) {
+  ws_o += (size_t)ws_row * ${dl};  // this block's 16 heads (row ws_row of the workspace)
+  ws_lse += ws_row;
+  float* s_part = reinterpret_cast<float*>(smem + ${kv_halves});
+  half* p_s = reinterpret_cast<half*>(s_part + 2048);
+  float* r_s = reinterpret_cast<float*>(p_s + ${p_halves});
+  float* m_s = r_s + 16;
+  float* d_s = r_s + 32;
+  const int w = tx >> 5, lane = tx & 31, g = lane >> 2, t = lane & 3;
+  const unsigned kv0 = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  const int valid0 = n_vis - tok0;  // visible rows from the first page of the split on
+  // Prologue: pages 0 .. ${stages} - 2 in flight (one commit group each, empty past npg).
+#pragma unroll
+  for (int s = 0; s < ${stages} - 1; ++s) {
+    if (s < npg) {
+      mlap_page_${tag}(kv0 + s * ${buf_bytes}, pages + (size_t)ids[s] * ${page_elems},
+                       valid0 - s * 16, tx);
+    }
+    mlap_commit_${tag}();
+  }
+  int nid = ${stages} - 1 < npg ? ids[${stages} - 1] : 0;  // the next page to issue
+  // Q -> mma A fragments of this warp's k-steps w, w + 8, ... (registers, whole block).
+  unsigned qf[${ksw} * 4];
+#pragma unroll
+  for (int i = 0; i < ${ksw}; ++i) {
+    const int ks = w + 8 * i;
+    if (ks < ${ks}) {
+      const half* p0 = q + g * ${d} + ks * 16 + t * 2;
+      const half* p1 = p0 + 8 * ${d};
+      qf[4 * i + 0] = *reinterpret_cast<const unsigned*>(p0);
+      qf[4 * i + 1] = *reinterpret_cast<const unsigned*>(p1);
+      qf[4 * i + 2] = *reinterpret_cast<const unsigned*>(p0 + 8);
+      qf[4 * i + 3] = *reinterpret_cast<const unsigned*>(p1 + 8);
+    } else {
+      qf[4 * i + 0] = 0u; qf[4 * i + 1] = 0u; qf[4 * i + 2] = 0u; qf[4 * i + 3] = 0u;
+    }
+  }
+  float acc[${ntw} * 4];
+#pragma unroll
+  for (int i = 0; i < ${ntw} * 4; ++i) acc[i] = 0.f;
+  float m_run = -INFINITY, d_run = 0.f;  // of head sh, the same in its 16 lanes
+  const int sh = tx >> 4, st = tx & 15;
+  // ldmatrix row addresses (lane -> matrix lane / 8, row lane % 8), bytes.
+  const int lr = lane & 7, lm = lane >> 3;
+  // K (x4): tokens 0-7 / 8-15 (lm / 2) x dims +0 / +8 (lm % 2) -> b0, b1 of n-tiles 0, 1.
+  const unsigned k_off = (((lm >> 1) * 8 + lr) * ${srow} + (lm & 1) * 8) * 2;
+  // V (x4.trans): tokens 0-7 / 8-15 (lm % 2) x columns +0 / +8 (lm / 2) -> b0, b1 of two
+  // n-tiles; this warp's columns start at w * ${wcols}.
+  const unsigned v_off = (((lm & 1) * 8 + lr) * ${srow} + (lm >> 1) * 8 + w * ${wcols}) * 2;
+  // P (x4): heads 0-7 / 8-15 (lm % 2) x tokens +0 / +8 (lm / 2) -> a0..a3.
+  const unsigned p_addr = static_cast<unsigned>(__cvta_generic_to_shared(p_s)) +
+                          (((lm & 1) * 8 + lr) * ${ps} + (lm >> 1) * 8) * 2;
+  for (int i = 0; i < npg; ++i) {
+    mlap_wait_${tag}();  // page i has landed (this thread's copies)
+    __syncthreads();     // ... everyone's; and buffer (i - 1) % ${stages} is free again
+    {
+      const int j = i + ${stages} - 1;
+      if (j < npg) {
+        mlap_page_${tag}(kv0 + (j % ${stages}) * ${buf_bytes},
+                         pages + (size_t)nid * ${page_elems}, valid0 - j * 16, tx);
+      }
+      mlap_commit_${tag}();
+      if (j + 1 < npg) nid = ids[j + 1];
+    }
+    const unsigned kvb = kv0 + (i % ${stages}) * ${buf_bytes};
+    // Partial scores of this warp's k-steps: S[16 heads, 16 tokens].
+    float c[8];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) c[k] = 0.f;
+#pragma unroll
+    for (int k = 0; k < ${ksw}; ++k) {
+      const int ks = w + 8 * k;
+      if (ks < ${ks}) {
+        unsigned b[4];
+        mlap_ldsm_${tag}(b, kvb + k_off + ks * 32);
+        mlap_mma_${tag}(c, qf + 4 * k, b[0], b[1]);
+        mlap_mma_${tag}(c + 4, qf + 4 * k, b[2], b[3]);
+      }
+    }
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+      float* r0 = s_part + (w * 16 + g) * 16 + nt * 8 + t * 2;
+      *reinterpret_cast<float2*>(r0) = make_float2(c[4 * nt], c[4 * nt + 1]);
+      *reinterpret_cast<float2*>(r0 + 128) = make_float2(c[4 * nt + 2], c[4 * nt + 3]);
+    }
+    __syncthreads();
+    // Online softmax: thread (head sh, token st), base 2.
+    float sv = 0.f;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) sv += s_part[(k * 16 + sh) * 16 + st];
+    sv = st < valid0 - i * 16 ? sv * scale : -INFINITY;
+    float mx = sv;
+#pragma unroll
+    for (int o = 8; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    const float m_new = fmaxf(m_run, mx);
+    const float p = m_new == -INFINITY ? 0.f : exp2f(sv - m_new);
+    const float rs = m_run == -INFINITY ? 0.f : exp2f(m_run - m_new);
+    float ps = p;
+#pragma unroll
+    for (int o = 8; o > 0; o >>= 1) ps += __shfl_xor_sync(0xffffffffu, ps, o);
+    d_run = d_run * rs + ps;
+    m_run = m_new;
+    p_s[sh * ${ps} + st] = __float2half_rn(p);
+    if (st == 0) r_s[sh] = rs;
+    __syncthreads();
+    // O = O * rescale + P @ V over this warp's ${ntw} n-tiles.
+    const float r0 = r_s[g], r1 = r_s[g + 8];
+    unsigned a[4];
+    mlap_ldsm_${tag}(a, p_addr);
+#pragma unroll
+    for (int j = 0; j + 1 < ${ntw}; j += 2) {
+      unsigned b[4];
+      mlap_ldsm_t_${tag}(b, kvb + v_off + j * 16);
+      float* o = acc + 4 * j;
+      o[0] *= r0; o[1] *= r0; o[2] *= r1; o[3] *= r1;
+      o[4] *= r0; o[5] *= r0; o[6] *= r1; o[7] *= r1;
+      mlap_mma_${tag}(o, a, b[0], b[1]);
+      mlap_mma_${tag}(o + 4, a, b[2], b[3]);
+    }
+    if (${ntw} % 2) {
+      unsigned b[2];
+      mlap_ldsm_t2_${tag}(b, kvb + v_off + (${ntw} - 1) * 16);
+      float* o = acc + 4 * (${ntw} - 1);
+      o[0] *= r0; o[1] *= r0; o[2] *= r1; o[3] *= r1;
+      mlap_mma_${tag}(o, a, b[0], b[1]);
+    }
+  }
+  // Epilogue (mma C layout: heads g, g + 8; columns 2t, 2t + 1 of each n-tile).
+  if (st == 0) {
+    m_s[sh] = m_run;
+    d_s[sh] = d_run;
+  }
+  __syncthreads();
+  const float d0 = d_s[g], d1 = d_s[g + 8];
+  const float i0 = d0 > 0.f ? 1.f / d0 : 0.f, i1 = d1 > 0.f ? 1.f / d1 : 0.f;
+#pragma unroll
+  for (int j = 0; j < ${ntw}; ++j) {
+    const int col = w * ${wcols} + j * 8 + t * 2;
+    const float* o = acc + 4 * j;
+    if (final_) {
+      *reinterpret_cast<__half2*>(out + g * ${dl} + col) = __floats2half2_rn(o[0] * i0, o[1] * i0);
+      *reinterpret_cast<__half2*>(out + (g + 8) * ${dl} + col) =
+          __floats2half2_rn(o[2] * i1, o[3] * i1);
+    } else {
+      *reinterpret_cast<float2*>(ws_o + g * ${dl} + col) = make_float2(o[0] * i0, o[1] * i0);
+      *reinterpret_cast<float2*>(ws_o + (g + 8) * ${dl} + col) =
+          make_float2(o[2] * i1, o[3] * i1);
+    }
+  }
+  if (tx < 16) {
+    const float v = d_s[tx] > 0.f ? m_s[tx] + log2f(d_s[tx]) : -INFINITY;
+    if (final_) lse[tx] = v; else ws_lse[tx] = v;
+  }
+}
+"""
+
+
+def pipe_source(tag: str, D: int, DL: int, stages: int, prims: bool = True) -> str:
+    """CUDA source of ``mla_split_pipe_<tag>`` (module docstring), the split block of the
+    pipelined tensor-core path for 16 heads, rows of ``D`` (latent + rope) halves, ``DL``
+    output columns (``D % 16 == 0``, ``DL % 64 == 0``) and ``stages`` (>= 2) page buffers.
+    ``prims=False`` leaves out the PTX primitives (``mlap_{mma,ldsm,ldsm_t,ldsm_t2,cp,commit,
+    wait}_<tag>``) and the include guard, for a CPU emulation."""
+    srow = D + 8
+    dv = D // 8
+    ks = D // 16
+    body = _PIPE_PRIMS + _PIPE_BODY if prims else _PIPE_BODY
+    if prims:
+        body = f"\n#ifndef MLA_SPLIT_PIPE_{tag}\n#define MLA_SPLIT_PIPE_{tag}{body}#endif\n"
+    return Template(body).substitute(
+        tag=tag,
+        d=D,
+        dl=DL,
+        srow=srow,
+        dv=dv,
+        ps=PS,
+        stages=stages,
+        wait=stages - 2,
+        ks=ks,
+        ksw=(ks + 7) // 8,
+        ntw=DL // 64,
+        wcols=DL // 8,
+        load_iters=(P * dv + 255) // 256,
+        page_vecs=P * dv,
+        page_elems=P * D,
+        buf_bytes=P * srow * 2,
+        kv_halves=stages * P * srow,
+        p_halves=16 * PS,
+    )

@@ -1,0 +1,311 @@
+"""The pipelined MLA split block (``mla_cuda_helpers.pipe_source``) run on the CPU, no GPU.
+
+The device function is compiled as C++20 with g++ (``half`` = ``_Float16``), one ``std::thread``
+per CUDA thread, with CPU emulations of its seven PTX primitives swapped in:
+``mma.sync.m16n8k16`` (the PTX fragment layouts), ``ldmatrix`` (x4, x4.trans, x2.trans),
+``cp.async`` (16-byte copies, zero-fill) with commit/wait groups, plus ``__syncthreads`` and
+``__shfl_xor_sync`` as barriers. ``cp.async`` copies land either at issue ("early") or only at
+the ``wait_group`` that must cover them ("late"), the two ends of what the hardware may do, so a
+wrong ring-buffer index or wait count shows up as a wrong result. Every block of a few rows
+(empty, one key, page edges, several splits) is run, the partial states are merged as the merge
+kernel does, and out/lse are checked against a float64 softmax. Shared memory starts as NaN and
+the page rows past the visible length are NaN, so reads of unwritten data show.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dsv2_mlc.schedules.mla_cuda_helpers import P, pipe_shared_halves, pipe_source
+
+pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ (C++20)")
+H = 16  # heads per block (the pipelined path's only shape)
+
+_PRELUDE = r"""
+#include <barrier>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+#define __device__
+#define __forceinline__ inline
+typedef _Float16 half;
+struct __half2 { half x, y; };
+struct float2 { float x, y; };
+static inline float2 make_float2(float a, float b) { return {a, b}; }
+static inline half __float2half_rn(float f) { return (half)f; }
+static inline __half2 __floats2half2_rn(float a, float b) { return {(half)a, (half)b}; }
+
+struct Block {
+  std::barrier<>* bar;
+  std::barrier<>* wbar[8];
+  char* smem;
+  int late;  // cp.async copies land at the covering wait_group, else at issue
+  float fst[8][32][16];
+  unsigned ust[8][32][8];
+};
+struct Copy { unsigned dst; const char* src; int bytes; };
+thread_local int t_tx;
+thread_local Block* t_b;
+thread_local std::vector<Copy> t_open;
+thread_local std::vector<std::vector<Copy>> t_groups;
+static void fail(const char* what) { fprintf(stderr, "emulation: %s\n", what); std::abort(); }
+static inline void __syncthreads() { t_b->bar->arrive_and_wait(); }
+static inline void wsync() { t_b->wbar[t_tx >> 5]->arrive_and_wait(); }
+static inline size_t __cvta_generic_to_shared(const void* p) {
+  return (size_t)((const char*)p - t_b->smem);
+}
+static inline float __shfl_xor_sync(unsigned, float v, int o) {
+  const int w = t_tx >> 5, l = t_tx & 31;
+  t_b->fst[w][l][0] = v;
+  wsync();
+  const float r = t_b->fst[w][l ^ o][0];
+  wsync();
+  return r;
+}
+static inline float lo_h(unsigned u) {
+  half h; unsigned short s = u & 0xffff; memcpy(&h, &s, 2); return (float)h;
+}
+static inline float hi_h(unsigned u) { return lo_h(u >> 16); }
+static inline unsigned short smem_u16(unsigned addr) {
+  unsigned short s; memcpy(&s, t_b->smem + addr, 2); return s;
+}
+static void land(const Copy& c) {
+  if (c.dst % 16 || (uintptr_t)c.src % 16) fail("cp.async address not 16-byte aligned");
+  char* d = t_b->smem + c.dst;
+  if (c.bytes == 16) memcpy(d, c.src, 16);
+  else if (c.bytes == 0) memset(d, 0, 16);
+  else fail("cp.async src-size");
+}
+"""
+
+_PRIMS = r"""
+static inline void mlap_mma_$tag(float* c, const unsigned* a, unsigned b0, unsigned b1) {
+  const int w = t_tx >> 5, l = t_tx & 31;
+  for (int i = 0; i < 4; ++i) t_b->ust[w][l][i] = a[i];
+  t_b->ust[w][l][4] = b0; t_b->ust[w][l][5] = b1;
+  wsync();
+  float A[16][16], B[16][8];
+  for (int L = 0; L < 32; ++L) {
+    const int g = L >> 2, t = L & 3;
+    const unsigned* u = t_b->ust[w][L];
+    A[g][2 * t] = lo_h(u[0]); A[g][2 * t + 1] = hi_h(u[0]);
+    A[g + 8][2 * t] = lo_h(u[1]); A[g + 8][2 * t + 1] = hi_h(u[1]);
+    A[g][2 * t + 8] = lo_h(u[2]); A[g][2 * t + 9] = hi_h(u[2]);
+    A[g + 8][2 * t + 8] = lo_h(u[3]); A[g + 8][2 * t + 9] = hi_h(u[3]);
+    B[2 * t][g] = lo_h(u[4]); B[2 * t + 1][g] = hi_h(u[4]);
+    B[2 * t + 8][g] = lo_h(u[5]); B[2 * t + 9][g] = hi_h(u[5]);
+  }
+  wsync();
+  const int g = l >> 2, t = l & 3;
+  for (int e = 0; e < 4; ++e) {
+    const int r = g + 8 * (e >> 1), n = 2 * t + (e & 1);
+    float s = 0.f;
+    for (int k = 0; k < 16; ++k) s += A[r][k] * B[k][n];
+    c[e] += s;
+  }
+}
+static void ldsm(unsigned* r, unsigned addr, int nmat, bool trans) {
+  const int w = t_tx >> 5, l = t_tx & 31;
+  if (addr % 16) fail("ldmatrix row address not 16-byte aligned");
+  t_b->ust[w][l][0] = addr;
+  wsync();
+  const int g = l >> 2, t = l & 3;
+  for (int i = 0; i < nmat; ++i) {
+    unsigned lo, hi;
+    if (!trans) {
+      const unsigned row = t_b->ust[w][i * 8 + g][0];
+      lo = smem_u16(row + 4 * t); hi = smem_u16(row + 4 * t + 2);
+    } else {
+      lo = smem_u16(t_b->ust[w][i * 8 + 2 * t][0] + 2 * g);
+      hi = smem_u16(t_b->ust[w][i * 8 + 2 * t + 1][0] + 2 * g);
+    }
+    r[i] = lo | (hi << 16);
+  }
+  wsync();
+}
+static inline void mlap_ldsm_$tag(unsigned* r, unsigned a) { ldsm(r, a, 4, false); }
+static inline void mlap_ldsm_t_$tag(unsigned* r, unsigned a) { ldsm(r, a, 4, true); }
+static inline void mlap_ldsm_t2_$tag(unsigned* r, unsigned a) { ldsm(r, a, 2, true); }
+static inline void mlap_cp_$tag(unsigned dst, const void* src, int bytes) {
+  const Copy c{dst, (const char*)src, bytes};
+  if (t_b->late) t_open.push_back(c); else land(c);
+}
+static inline void mlap_commit_$tag() { t_groups.push_back(t_open); t_open.clear(); }
+static inline void mlap_wait_$tag() {
+  while (t_groups.size() > $wait) {
+    for (const Copy& c : t_groups.front()) land(c);
+    t_groups.erase(t_groups.begin());
+  }
+}
+"""
+
+_MAIN = r"""
+template <class T> static std::vector<T> load(const char* path, size_t n) {
+  std::vector<T> v(n);
+  FILE* f = fopen(path, "rb");
+  if (!f || fread(v.data(), sizeof(T), n, f) != n) fail(path);
+  fclose(f);
+  return v;
+}
+template <class T> static void save(const char* path, const std::vector<T>& v) {
+  FILE* f = fopen(path, "wb");
+  fwrite(v.data(), sizeof(T), v.size(), f);
+  fclose(f);
+}
+// argv: dir late n_rows n_pages n_ids n_jobs n_ws; jobs: row ids_off npg tok0 n_vis final ws_row
+int main(int argc, char** argv) {
+  const std::string dir = argv[1];
+  const int late = atoi(argv[2]), n_rows = atoi(argv[3]), n_pages = atoi(argv[4]);
+  const int n_ids = atoi(argv[5]), n_jobs = atoi(argv[6]), n_ws = atoi(argv[7]);
+  auto q = load<half>((dir + "/q").c_str(), (size_t)n_rows * 16 * $d);
+  std::vector<half> pages_v = load<half>((dir + "/pages").c_str(), (size_t)n_pages * 16 * $d);
+  half* pages = (half*)aligned_alloc(64, pages_v.size() * 2);
+  memcpy(pages, pages_v.data(), pages_v.size() * 2);
+  auto ids = load<int>((dir + "/ids").c_str(), n_ids);
+  auto jobs = load<int>((dir + "/jobs").c_str(), (size_t)n_jobs * 7);
+  std::vector<half> out((size_t)n_rows * 16 * $dl, (half)7.f);
+  std::vector<float> lse((size_t)n_rows * 16, 7.f);
+  std::vector<float> ws_o((size_t)n_ws * $dl, NAN), ws_lse(n_ws, NAN);
+  const size_t smem_bytes = $smem_halves * 2;
+  char* smem = (char*)aligned_alloc(64, (smem_bytes + 63) / 64 * 64);
+  for (int j = 0; j < n_jobs; ++j) {
+    const int* jb = &jobs[(size_t)j * 7];
+    memset(smem, 0xff, smem_bytes);  // NaN halves / floats
+    Block blk;
+    std::barrier<> bar(256);
+    std::vector<std::barrier<>*> wb;
+    for (int w = 0; w < 8; ++w) blk.wbar[w] = new std::barrier<>(32);
+    blk.bar = &bar; blk.smem = smem; blk.late = late;
+    std::vector<std::thread> th;
+    for (int tx = 0; tx < 256; ++tx) {
+      th.emplace_back([&, tx] {
+        t_tx = tx; t_b = &blk; t_open.clear(); t_groups.clear();
+        mla_split_pipe_$tag(q.data() + (size_t)jb[0] * 16 * $d, pages, ids.data() + jb[1], jb[2],
+                            jb[3], jb[4], $scale, jb[5], out.data() + (size_t)jb[0] * 16 * $dl,
+                            lse.data() + (size_t)jb[0] * 16, ws_o.data(), ws_lse.data(), jb[6],
+                            (half*)smem, (const half*)smem + $smem_halves - 1, tx);
+        if (!t_open.empty()) fail("uncommitted cp.async copies");
+        for (auto& g : t_groups) if (!g.empty()) fail("copies never waited for");
+      });
+    }
+    for (auto& t : th) t.join();
+    for (int w = 0; w < 8; ++w) delete blk.wbar[w];
+  }
+  save((dir + "/out").c_str(), out);
+  save((dir + "/lse").c_str(), lse);
+  save((dir + "/ws_o").c_str(), ws_o);
+  save((dir + "/ws_lse").c_str(), ws_lse);
+  return 0;
+}
+"""
+
+SCALE = 0.25  # sm_scale * log2(e) of the test (any value)
+
+
+def _build(tmp: Path, d: int, dl: int, stages: int) -> Path:
+    from string import Template
+
+    tag = "emu"
+    src = (
+        _PRELUDE
+        + Template(_PRIMS).substitute(tag=tag, wait=stages - 2)
+        + pipe_source(tag, d, dl, stages, prims=False)
+        + Template(_MAIN).substitute(
+            tag=tag, d=d, dl=dl, smem_halves=pipe_shared_halves(d, stages), scale=f"{SCALE}f"
+        )
+    )
+    (tmp / "emu.cpp").write_text(src)
+    exe = tmp / "emu"
+    subprocess.run(
+        ["g++", "-std=c++20", "-O1", "-pthread", "-fno-strict-aliasing", "-w", "-o", exe,
+         tmp / "emu.cpp"],
+        check=True,
+    )  # fmt: skip
+    return exe
+
+
+def _plan(n_vis: list[int], min_pps: int, smax: int) -> tuple[list, list, int]:
+    """Per row: (page_begin, n_vis); the blocks the split kernel runs (the PrimFunc's page-table
+    arithmetic: pps, nsplit, page range) as jobs; the workspace rows."""
+    jobs, rows, begin = [], [], 0
+    for r, n in enumerate(n_vis):
+        vis = -(-n // P)
+        want = max(min(-(-vis // min_pps), smax), 1)
+        pps = max(-(-vis // want), 1)
+        nsplit = max(-(-vis // pps), 1)
+        rows.append((begin, nsplit))
+        for s in range(nsplit):
+            lo, hi = min(s * pps, vis), min(s * pps + pps, vis)
+            jobs.append([r, begin + lo, hi - lo, lo * P, n, int(nsplit == 1), (r * smax + s) * H])
+        begin += max(vis, 1)
+    return jobs, rows, len(n_vis) * smax * H
+
+
+def _run(tmp: Path, exe: Path, d: int, dl: int, n_vis: list[int], min_pps: int, smax: int,
+         late: int) -> None:  # fmt: skip
+    rng = np.random.default_rng(7 + late)
+    jobs, rows, n_ws = _plan(n_vis, min_pps, smax)
+    n_ids = sum(max(-(-n // P), 1) for n in n_vis)
+    n_pages = n_ids + 3
+    perm = rng.permutation(n_pages)[:n_ids].astype(np.int32)
+    pages = rng.standard_normal((n_pages, P, d)).astype(np.float16)
+    q = (rng.standard_normal((len(n_vis), H, d)) * 0.5).astype(np.float16)
+    kv = []
+    for (begin, _), n in zip(rows, n_vis, strict=True):
+        vis = -(-n // P)
+        ids = perm[begin : begin + vis]
+        kv.append(pages[ids].reshape(-1, d)[:n].astype(np.float64))
+        if vis:  # rows past the visible length: NaN (they must never be read)
+            pages[ids[-1], n - (vis - 1) * P :] = np.nan
+    for name, arr in (("q", q), ("pages", pages), ("ids", perm), ("jobs", np.int32(jobs))):
+        np.ascontiguousarray(arr).tofile(tmp / name)
+    args = [str(exe), str(tmp), str(late), str(len(n_vis)), str(n_pages), str(n_ids)]
+    subprocess.run(args + [str(len(jobs)), str(n_ws)], check=True, timeout=600)
+    out = np.fromfile(tmp / "out", np.float16).reshape(len(n_vis), H, dl).astype(np.float64)
+    lse = np.fromfile(tmp / "lse", np.float32).reshape(len(n_vis), H).astype(np.float64)
+    ws_o = np.fromfile(tmp / "ws_o", np.float32).reshape(len(n_vis), smax, H, dl)
+    ws_lse = np.fromfile(tmp / "ws_lse", np.float32).reshape(len(n_vis), smax, H)
+    for r, ((_, nsplit), n) in enumerate(zip(rows, n_vis, strict=True)):
+        if nsplit > 1:  # the merge kernel's arithmetic
+            ls = ws_lse[r, :nsplit].astype(np.float64)
+            m = ls.max(axis=0)
+            w = np.exp2(ls - m)
+            lse[r] = m + np.log2(w.sum(axis=0))
+            out[r] = (w[..., None] * ws_o[r, :nsplit]).sum(axis=0) / w.sum(axis=0)[:, None]
+        if n == 0:
+            assert (out[r] == 0).all() and (lse[r] == -math.inf).all(), f"row {r}: empty"
+            continue
+        s = q[r].astype(np.float64) @ kv[r].T * SCALE  # base-2 scores
+        ref_lse = s.max(axis=1) + np.log2(np.exp2(s - s.max(axis=1, keepdims=True)).sum(axis=1))
+        ref = np.exp2(s - ref_lse[:, None]) @ kv[r][:, :dl]
+        rel = np.linalg.norm(out[r] - ref) / np.linalg.norm(ref)
+        assert rel < 2e-3, f"row {r} (n_vis {n}, {nsplit} splits): rel L2 {rel:.2e}"
+        assert np.abs(lse[r] - ref_lse).max() < 1e-3, f"row {r}: lse"
+
+
+@pytest.mark.parametrize(
+    ("d", "dl", "stages", "min_pps", "smax"),
+    [
+        (80, 64, 2, 1, 4),  # one n-tile per warp: the ldmatrix.x2 tail
+        (80, 64, 3, 2, 3),
+        (80, 64, 4, 1, 2),  # long splits, 3 pages in flight
+        (576, 512, 3, 2, 4),  # V2-Lite
+    ],
+)
+def test_pipelined_split_block(tmp_path: Path, d: int, dl: int, stages: int, min_pps: int,
+                               smax: int) -> None:  # fmt: skip
+    exe = _build(tmp_path, d, dl, stages)
+    n_vis = [0, 1, 16, 17, 100, 300] if d < 200 else [0, 33, 200]
+    for late in (0, 1):
+        _run(tmp_path, exe, d, dl, n_vis, min_pps, smax, late)
