@@ -20,6 +20,8 @@ def _compile(args: argparse.Namespace) -> int:
         quantize_embedding=args.quantize_embedding,
         quantize_lm_head=args.quantize_lm_head,
         dump_ir=args.dump_ir,
+        pdl=args.pdl,
+        pdl_launch_dependents=args.pdl_launch_dependents,
     )
     if args.random_weights:
         result = compile_random_model(args.model_dir, args.output, **options)
@@ -232,6 +234,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="store lm_head in INT4 too (q4 default: yes)",
     )
     p.add_argument("--dump-ir", default=None, help="write the IR after each pipeline phase here")
+    p.add_argument(
+        "--pdl",
+        action="store_true",
+        help="CUDA sm_90+: Programmatic Dependent Launch (every kernel starts with "
+        "griddepcontrol.wait; decode graphs link kernels with programmatic edges)",
+    )
+    p.add_argument(
+        "--pdl-launch-dependents",
+        action="store_true",
+        help="with --pdl: each kernel also releases the next one's launch after its wait",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument(
         "--random-weights",

@@ -12,6 +12,10 @@ Phases, in order (weight quantization, ``QuantizeInt4``, rewrites the nn model b
 4. ``schedule``: per-target kernel schedules (GPU targets: hand schedules for the tagged decode
    kernels, ``ScheduleDecodeKernels``, then dlight rules for the rest; LLVM: none yet).
 5. ``lower``: TVM's VM lowering (memory planning, builtins, shape lowering).
+
+The TIR pipeline that lowers the kernels afterwards is TVM's default; :func:`tir_pipeline` names
+a variant for Programmatic Dependent Launch that also prepends ``griddepcontrol.wait`` to every
+CUDA kernel (``InsertGridDependencyControl``), ours and the ones TVM adds (the KV cache's).
 """
 
 from __future__ import annotations
@@ -108,6 +112,37 @@ def _dump_pass(path: Path) -> tvm.transform.Pass:
         return mod
 
     return dump
+
+
+def tir_pipeline(pdl: bool = False, launch_dependents: bool = False) -> str:
+    """The name of the TIR pipeline to pass to ``tvm.compile(..., tir_pipeline=...)``.
+
+    ``"default"`` unless ``pdl``; with ``pdl``, TVM's default pipeline with
+    ``InsertGridDependencyControl(launch_dependents)`` after its device finalisation passes
+    (registered with TVM under a dsv2-mlc name on first use: ``tvm.compile`` takes TIR
+    pipelines by name only)."""
+    if launch_dependents and not pdl:
+        raise ValueError("launch_dependents needs pdl")
+    if not pdl:
+        return "default"
+    from tvm.tirx import compilation_pipeline
+
+    from .grid_dependency_control import InsertGridDependencyControl
+
+    name = "dsv2_mlc_pdl_launch" if launch_dependents else "dsv2_mlc_pdl"
+
+    def make() -> tuple:
+        lower, finalize_host, finalize_device = compilation_pipeline.get_tir_pipeline("default")
+
+        def finalize_device_pdl() -> tvm.transform.Pass:
+            return tvm.transform.Sequential(
+                [finalize_device(), InsertGridDependencyControl(launch_dependents)]
+            )
+
+        return lower, finalize_host, finalize_device_pdl
+
+    compilation_pipeline.register_tir_pipeline(name, make)
+    return name
 
 
 def build_pipeline(target: Target, dump_dir: str | Path | None = None) -> tvm.transform.Pass:

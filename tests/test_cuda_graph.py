@@ -48,6 +48,9 @@ class FakeCuda:
     def instantiate(self, graph: int) -> int:
         return graph + 1000
 
+    def destroy_graph(self, graph: int) -> None:
+        self.log.append(("destroy_graph", graph))
+
     def launch(self, exe: int, stream: int) -> None:
         self.log.append(("launch", exe, stream))
 
@@ -80,6 +83,7 @@ def test_capture_once_per_key_then_replay():
     out, written = _run(graphs, cuda, (1, 9), 6, calls)
     assert out == ("out", True) and written == [6]  # the captured outputs, new ids copied in
     assert cuda.log[-1] == ("launch", 1101, 7) and len(calls) == 2
+    assert ("destroy_graph", 101) in cuda.log  # the graph itself, once instantiated
     _run(graphs, cuda, (1, 10), 7, calls)
     _run(graphs, cuda, (1, 11), 8, calls)  # third key: the least recently used one goes
     assert ("destroy", 1101) in cuda.log

@@ -32,7 +32,7 @@ from ..runtime.layout import (
     TOKENIZER_FILES,
     BuildConfig,
 )
-from .cuda import DEFAULT_ARCH, check_fatbin, cuda_codegen, make_cuda_target
+from .cuda import DEFAULT_ARCH, check_fatbin, cuda_codegen, cuda_sources, make_cuda_target
 
 DTYPES = ("float32", "float16")
 DEVICES = ("cpu", "cuda")
@@ -60,6 +60,30 @@ def make_target(device: str, arch: str = DEFAULT_ARCH):  # -> tvm.target.Target
 
         return tvm.target.Target({"kind": "llvm"})
     raise CompileError(f"unsupported --device {device!r}; supported: {', '.join(DEVICES)}")
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    """Code-generation options recorded in the build (``BuildConfig``) for the runtime."""
+
+    pdl: bool = False
+    pdl_launch_dependents: bool = False
+
+
+PDL_MIN_SM = 90  # griddepcontrol.* (PTX ISA 7.8) needs sm_90
+
+
+def _build_options(device: str, arch: str, pdl: bool, pdl_launch_dependents: bool) -> BuildOptions:
+    if pdl_launch_dependents and not pdl:
+        raise CompileError("--pdl-launch-dependents needs --pdl")
+    if pdl and device != "cuda":
+        raise CompileError(f"--pdl is for --device cuda only, not {device!r}")
+    sm = arch.removeprefix("sm_")
+    if pdl and not (sm.isdigit() and int(sm) >= PDL_MIN_SM):
+        raise CompileError(
+            f"--pdl needs sm_{PDL_MIN_SM} or newer (griddepcontrol); --arch is {arch}"
+        )
+    return BuildOptions(pdl=pdl, pdl_launch_dependents=pdl_launch_dependents)
 
 
 def _resolve_quantization(
@@ -95,6 +119,8 @@ def compile_model(
     dump_ir: str | Path | None = None,
     progress: bool = True,
     arch: str = DEFAULT_ARCH,
+    pdl: bool = False,
+    pdl_launch_dependents: bool = False,
 ) -> CompileResult:
     """Compile the HF checkpoint in ``model_dir`` for ``device`` into ``out_dir``.
 
@@ -103,9 +129,15 @@ def compile_model(
 
     ``arch`` is the CUDA architecture for ``device="cuda"`` (kernels are precompiled for it with
     nvcc, also on a machine without a GPU; see :mod:`dsv2_mlc.compiler.cuda`).
+
+    ``pdl`` (CUDA, sm_90 or newer) builds for Programmatic Dependent Launch: every kernel starts
+    with ``griddepcontrol.wait``, and the build says so (``BuildConfig.pdl``) so the runtime
+    links the kernels of its decode graphs with programmatic edges. ``pdl_launch_dependents``
+    (needs ``pdl``) also lets each kernel release its successor's launch right after its wait.
     """
     start = time.perf_counter()
     quant = _resolve_quantization(dtype, quantization, quantize_embedding, quantize_lm_head)
+    options = _build_options(device, arch, pdl, pdl_launch_dependents)
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise CompileError(f"{model_dir}: model folder not found")
@@ -121,7 +153,7 @@ def compile_model(
 
     try:
         with staged_dir(out_dir) as tmp:
-            build = _build(cfg, ckpt, convs, target, device, quant, tmp, dump_ir, progress)
+            build = _build(cfg, ckpt, convs, target, device, quant, tmp, dump_ir, progress, options)
             for name in TOKENIZER_FILES:
                 if (model_dir / name).is_file():
                     shutil.copy2(model_dir / name, tmp / name)
@@ -140,6 +172,7 @@ def _build(
     tmp: Path,
     dump_ir: str | Path | None,
     progress: bool,
+    options: BuildOptions,
 ) -> BuildConfig:
     from tvm.contrib import tvmjs
 
@@ -155,7 +188,7 @@ def _build(
     if produced != [name for name, _ in named_params]:
         raise AssertionError("weight map and model parameters disagree (a bug in dsv2_mlc)")
 
-    _compile_library(mod, target, device, tmp, dump_ir)
+    _compile_library(mod, target, device, tmp, dump_ir, options)
 
     def params() -> Iterator[tuple[str, np.ndarray]]:
         stream = quantize_params(convert(convs, ckpt, convert_dtypes), plan)
@@ -174,7 +207,7 @@ def _build(
         tvmjs.dump_tensor_cache(
             params(), str(tmp / PARAMS_DIR), encode_format="raw", show_progress=False
         )
-    return _write_build_config(cfg, quant, device, target, produced, tmp)
+    return _write_build_config(cfg, quant, device, target, produced, tmp, options)
 
 
 def _export(cfg: DeepseekV2Config, target, quant: Quantization) -> tuple:
@@ -189,18 +222,43 @@ def _export(cfg: DeepseekV2Config, target, quant: Quantization) -> tuple:
     return model.annotate_entries(mod), named_params, plan
 
 
-def _compile_library(mod, target, device: str, tmp: Path, dump_ir: str | Path | None) -> None:
+def _compile_library(
+    mod, target, device: str, tmp: Path, dump_ir: str | Path | None, options: BuildOptions
+) -> None:
     """Run the pipeline, compile and export ``tmp/model.so`` (CUDA: with precompiled kernels)."""
     import tvm
 
-    from ..passes.pipeline import build_pipeline
+    from ..passes.pipeline import build_pipeline, tir_pipeline
 
     codegen = cuda_codegen() if device == "cuda" else contextlib.nullcontext()
     with target, codegen:  # the nvcc callback reads its -arch from Target.current()
-        executable = tvm.compile(mod, target=target, relax_pipeline=build_pipeline(target, dump_ir))
+        executable = tvm.compile(
+            mod,
+            target=target,
+            relax_pipeline=build_pipeline(target, dump_ir),
+            tir_pipeline=tir_pipeline(options.pdl, options.pdl_launch_dependents),
+        )
+    if options.pdl:
+        check_pdl_kernels(executable.mod)
     executable.export_library(str(tmp / LIBRARY))
     if device == "cuda":
         check_fatbin(tmp / LIBRARY, str(target.arch))
+
+
+def check_pdl_kernels(module) -> int:  # (tvm.runtime.Module) -> int
+    """Raise ``AssertionError`` unless every CUDA kernel of ``module`` starts with
+    ``griddepcontrol.wait``; the number of kernels."""
+    from ..passes.grid_dependency_control import kernels_without_wait
+
+    total = 0
+    for source in cuda_sources(module):
+        kernels, missing = kernels_without_wait(source)
+        if missing:
+            raise AssertionError(f"kernels without griddepcontrol.wait: {', '.join(missing)}")
+        total += len(kernels)
+    if total == 0:
+        raise AssertionError("a PDL build with no CUDA kernel")
+    return total
 
 
 def _write_build_config(
@@ -210,6 +268,7 @@ def _write_build_config(
     target,
     param_names: list[str],
     tmp: Path,
+    options: BuildOptions,
 ) -> BuildConfig:
     import tvm
     import tvm_ffi
@@ -224,6 +283,8 @@ def _write_build_config(
         param_names=param_names,
         tvm_version=tvm.__version__,
         tvm_ffi_version=tvm_ffi.__version__,
+        pdl=options.pdl,
+        pdl_launch_dependents=options.pdl_launch_dependents,
     )
     (tmp / BUILD_CONFIG).write_text(json.dumps(build.to_dict(), indent=1))
     return build
@@ -240,6 +301,8 @@ def compile_random_model(
     quantize_lm_head: bool | None = None,
     dump_ir: str | Path | None = None,
     arch: str = DEFAULT_ARCH,
+    pdl: bool = False,
+    pdl_launch_dependents: bool = False,
 ) -> CompileResult:
     """Compile from a ``config.json`` alone (a file or the folder holding it), for benchmarks.
 
@@ -253,6 +316,7 @@ def compile_random_model(
 
     start = time.perf_counter()
     quant = _resolve_quantization(dtype, quantization, quantize_embedding, quantize_lm_head)
+    options = _build_options(device, arch, pdl, pdl_launch_dependents)
     out_dir = Path(out_dir).resolve()
     _check_out_dir(out_dir)
     cfg = DeepseekV2Config.from_file(config)
@@ -261,10 +325,11 @@ def compile_random_model(
     with staged_dir(out_dir) as tmp:
         mod, named_params, _ = _export(cfg, target, quant)
         mod = add_fill_kernels(mod, (quant.dtype, "float32"))
-        _compile_library(mod, target, device, tmp, dump_ir)
+        _compile_library(mod, target, device, tmp, dump_ir, options)
         spec = init_spec((name, p.shape, p.dtype) for name, p in named_params)
         write_spec(tmp, spec)
-        build = _write_build_config(cfg, quant, device, target, [p.name for p in spec], tmp)
+        names = [p.name for p in spec]
+        build = _write_build_config(cfg, quant, device, target, names, tmp, options)
     return CompileResult(out_dir, build, time.perf_counter() - start)
 
 

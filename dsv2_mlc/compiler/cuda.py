@@ -222,3 +222,18 @@ def check_fatbin(library: str | Path, arch: str = DEFAULT_ARCH) -> None:
     found = embedded_sm_archs(data)
     if want not in found:
         raise AssertionError(f"{library}: no {arch} machine code in the fatbin (found {found})")
+
+
+def cuda_sources(module) -> list[str]:  # (tvm.runtime.Module) -> list[str]
+    """The CUDA C++ of every CUDA module imported (transitively) by ``module``, as generated
+    (also when the module holds compiled kernels, before export)."""
+    found, stack, seen = [], [module], set()
+    while stack:
+        mod = stack.pop()
+        if id(mod) in seen:
+            continue
+        seen.add(id(mod))
+        if mod.kind == "cuda":
+            found.append(mod.inspect_source("cuda"))
+        stack.extend(mod.imports_)
+    return found

@@ -28,10 +28,18 @@ with the legacy default stream (where the runtime's copies run) is implicit. If 
 the step's eager result stands and that key is not tried again. The engine checks each graph's
 first replay against an eager run of the same step (``same``), so a wrong key would fall back to
 eager steps instead of returning wrong logits.
+
+**Programmatic Dependent Launch.** For a build compiled with ``--pdl`` (``BuildConfig.pdl``),
+``DecodeGraphs(pdl_port=...)`` turns every kernel->kernel edge of a captured graph into a
+programmatic one before instantiating it (:mod:`dsv2_mlc.runtime.pdl`), so each kernel is
+launched while its predecessor drains. If the CUDA runtime or driver cannot (older than 12.3, or
+the instantiation refuses the edges), the plain graph is used and PDL stays off for later
+captures (``stats["pdl_failures"]``, ``last_error``).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -43,8 +51,11 @@ import tvm_ffi
 
 from .cudart import CudaRuntime
 from .device import device_of
+from .pdl import BrokenGraphError, make_programmatic, restore_default
 
 __all__ = ["DecodeGraphs", "decode_graph_key"]
+
+log = logging.getLogger(__name__)
 
 PAGE_ALIGN = 4  # int32 elements per 16-byte alignment unit of the KV cache's auxiliary buffer
 
@@ -70,18 +81,30 @@ class DecodeGraphs:
 
     A key serves 64 tokens of one sequence (a page bucket) and is captured in about 6 ms on the
     H200; each graph keeps its output logits alive (``batch x vocab`` float32, 0.4 MB at batch
-    1 for a 102K vocabulary), so a small LRU is enough and bounds that memory."""
+    1 for a 102K vocabulary), so a small LRU is enough and bounds that memory.
 
-    def __init__(self, device: str, capacity: int = 16, cuda: CudaRuntime | None = None) -> None:
+    ``pdl_port`` (a :mod:`~dsv2_mlc.runtime.pdl` port; only for ``--pdl`` builds, whose kernels
+    all wait for their predecessors): captured kernel->kernel edges become programmatic."""
+
+    def __init__(
+        self,
+        device: str,
+        capacity: int = 16,
+        cuda: CudaRuntime | None = None,
+        pdl_port: int | None = None,
+    ) -> None:
         self.cuda = cuda or CudaRuntime()
         self.device = device_of(device)
         self.stream = self.cuda.create_stream()  # blocking: ordered with the legacy stream
         self.capacity = capacity
         self._graphs: OrderedDict[tuple, _Graph] = OrderedDict()
         self._failed: set[tuple] = set()
+        self.pdl_port = pdl_port
         self.stats: dict[str, float] = dict(
             captures=0, replays=0, failures=0, mismatches=0, capture_s=0.0
         )
+        if pdl_port is not None:
+            self.stats.update(pdl_edges=0, pdl_failures=0)
         self.last_error: str | None = None
 
     def run(
@@ -135,7 +158,10 @@ class DecodeGraphs:
                     out = call(ids_t)
                 finally:
                     graph = cuda.end_capture(self.stream)
-            exe = cuda.instantiate(graph)
+            try:
+                exe = self._instantiate(graph)
+            finally:
+                cuda.destroy_graph(graph)
         except Exception as err:  # noqa: BLE001 (fall back to eager steps for this key)
             cuda.clear_error()
             self._failed.add(key)
@@ -148,6 +174,36 @@ class DecodeGraphs:
         while len(self._graphs) > self.capacity:
             _, old = self._graphs.popitem(last=False)
             cuda.destroy(old.exe)
+
+    def _instantiate(self, graph: int) -> int:
+        """``graph`` instantiated, with programmatic kernel edges where PDL is on and works."""
+        cuda, port = self.cuda, self.pdl_port
+        if port is None:
+            return cuda.instantiate(graph)
+        try:
+            edges = make_programmatic(cuda, graph, port)
+        except BrokenGraphError:
+            self._pdl_off("programmatic graph edges failed and left the graph broken")
+            raise  # this capture fails (eager steps for its key)
+        except Exception as err:  # noqa: BLE001 (the graph is as captured)
+            cuda.clear_error()
+            self._pdl_off(f"programmatic graph edges unavailable: {err}")
+            return cuda.instantiate(graph)
+        try:
+            exe = cuda.instantiate(graph)
+        except Exception as err:  # noqa: BLE001 (retry without the programmatic edges)
+            cuda.clear_error()
+            self._pdl_off(f"instantiating a graph with programmatic edges failed: {err}")
+            restore_default(cuda, graph, edges, port)  # BrokenGraphError: this capture fails
+            return cuda.instantiate(graph)
+        self.stats["pdl_edges"] = len(edges)  # of the latest capture
+        return exe
+
+    def _pdl_off(self, why: str) -> None:
+        log.warning("%s; decode graphs use plain edges from now on", why)
+        self.pdl_port = None
+        self.stats["pdl_failures"] += 1
+        self.last_error = why
 
     def clear(self) -> None:
         """Drop every graph (after the cache's page layout was reset)."""

@@ -4,9 +4,22 @@ from __future__ import annotations
 
 import ctypes
 
-__all__ = ["CudaRuntime"]
+__all__ = ["CudaRuntime", "EdgeData"]
 
 _CAPTURE_MODE_RELAXED = 2  # cudaStreamCaptureModeRelaxed
+_EDGE_DATA_API = 12030  # cudaGraphEdgeData and the *_v2 graph edge calls: CUDA 12.3
+_EDGE_DATA_DEFAULT_NAMES = 13000  # CUDA 13 dropped the _v2 names: the plain ones take edge data
+
+
+class EdgeData(ctypes.Structure):
+    """``cudaGraphEdgeData`` (driver_types.h, CUDA 12.3+): three bytes and 5 reserved zeros."""
+
+    _fields_ = [
+        ("from_port", ctypes.c_ubyte),
+        ("to_port", ctypes.c_ubyte),
+        ("type", ctypes.c_ubyte),
+        ("reserved", ctypes.c_ubyte * 5),
+    ]
 
 
 class CudaRuntime:
@@ -51,13 +64,84 @@ class CudaRuntime:
         return int(graph.value or 0)
 
     def instantiate(self, graph: int) -> int:
+        """An executable graph of ``graph`` (which stays; :meth:`destroy_graph` frees it)."""
         exe = ctypes.c_void_p()
         err = self.lib.cudaGraphInstantiate(
             ctypes.byref(exe), ctypes.c_void_p(graph), ctypes.c_ulonglong(0)
         )
-        self.lib.cudaGraphDestroy(ctypes.c_void_p(graph))
         self._check(err, "cudaGraphInstantiate")
         return int(exe.value or 0)
+
+    def destroy_graph(self, graph: int) -> None:
+        self.lib.cudaGraphDestroy(ctypes.c_void_p(graph))
+
+    def synchronize(self, stream: int) -> None:
+        self._check(
+            self.lib.cudaStreamSynchronize(ctypes.c_void_p(stream)), "cudaStreamSynchronize"
+        )
+
+    # -- graph topology (programmatic edges, runtime/pdl.py) ---------------------------------
+    def _edge_call(self, name: str):  # -> the ctypes function taking cudaGraphEdgeData
+        """``name`` (e.g. ``cudaGraphGetEdges``) in its edge-data form: ``name`` itself from
+        CUDA 13 on, ``name_v2`` on 12.3-12.9; RuntimeError where neither exists."""
+        runtime, driver = ctypes.c_int(), ctypes.c_int()
+        self._check(self.lib.cudaRuntimeGetVersion(ctypes.byref(runtime)), "cudaRuntimeGetVersion")
+        self._check(self.lib.cudaDriverGetVersion(ctypes.byref(driver)), "cudaDriverGetVersion")
+        if min(runtime.value, driver.value) < _EDGE_DATA_API:
+            raise RuntimeError(
+                f"graph edge data needs CUDA 12.3+ (runtime {runtime.value}, driver {driver.value})"
+            )
+        symbol = name if runtime.value >= _EDGE_DATA_DEFAULT_NAMES else f"{name}_v2"
+        try:
+            return getattr(self.lib, symbol)
+        except AttributeError as err:
+            raise RuntimeError(f"{symbol} not found in the CUDA runtime") from err
+
+    def graph_nodes(self, graph: int) -> list[int]:
+        """Every node of ``graph`` (``cudaGraphGetNodes``)."""
+        count = ctypes.c_size_t()
+        g = ctypes.c_void_p(graph)
+        self._check(self.lib.cudaGraphGetNodes(g, None, ctypes.byref(count)), "cudaGraphGetNodes")
+        nodes = (ctypes.c_void_p * count.value)()
+        self._check(self.lib.cudaGraphGetNodes(g, nodes, ctypes.byref(count)), "cudaGraphGetNodes")
+        return [int(n or 0) for n in nodes[: count.value]]
+
+    def node_type(self, node: int) -> int:
+        """``cudaGraphNodeGetType``: a ``cudaGraphNodeType`` (0 is a kernel)."""
+        kind = ctypes.c_int()
+        err = self.lib.cudaGraphNodeGetType(ctypes.c_void_p(node), ctypes.byref(kind))
+        self._check(err, "cudaGraphNodeGetType")
+        return kind.value
+
+    def graph_edges(self, graph: int) -> list[tuple[int, int, tuple[int, int, int]]]:
+        """Every edge of ``graph``: (from node, to node, (from_port, to_port, type))."""
+        get = self._edge_call("cudaGraphGetEdges")
+        count = ctypes.c_size_t()
+        g = ctypes.c_void_p(graph)
+        self._check(get(g, None, None, None, ctypes.byref(count)), "cudaGraphGetEdges")
+        n = count.value
+        src, dst, data = (ctypes.c_void_p * n)(), (ctypes.c_void_p * n)(), (EdgeData * n)()
+        self._check(get(g, src, dst, data, ctypes.byref(count)), "cudaGraphGetEdges")
+        return [
+            (int(src[i] or 0), int(dst[i] or 0), (d.from_port, d.to_port, d.type))
+            for i, d in enumerate(data[: count.value])
+        ]
+
+    def _edges(self, name: str, graph: int, edges: list[tuple[int, int]], data: tuple) -> None:
+        n = len(edges)
+        src = (ctypes.c_void_p * n)(*(a for a, _ in edges))
+        dst = (ctypes.c_void_p * n)(*(b for _, b in edges))
+        arr = (EdgeData * n)(*(EdgeData(*data) for _ in edges))
+        fn = self._edge_call(name)
+        self._check(fn(ctypes.c_void_p(graph), src, dst, arr, ctypes.c_size_t(n)), name)
+
+    def remove_edges(self, graph: int, edges: list[tuple[int, int]], data: tuple) -> None:
+        """Remove ``edges`` (from, to), each with edge data ``data`` (from_port, to_port, type)."""
+        self._edges("cudaGraphRemoveDependencies", graph, edges, data)
+
+    def add_edges(self, graph: int, edges: list[tuple[int, int]], data: tuple) -> None:
+        """Add ``edges`` (from, to), each with edge data ``data`` (from_port, to_port, type)."""
+        self._edges("cudaGraphAddDependencies", graph, edges, data)
 
     def launch(self, exe: int, stream: int) -> None:
         self._check(

@@ -19,6 +19,7 @@ from .cuda_graph import DecodeGraphs, decode_graph_key
 from .device import copy_into, to_device, to_numpy
 from .generation import GenerationResult, GenerationStream, StreamDelta, run_generation
 from .layout import LIBRARY, PARAMS_DIR, BuildConfig, BuildError
+from .pdl import PORTS as PDL_PORTS
 from .sampling import SamplingParams
 from .tokenizer import Tokenizer, TokenizerError
 from .tvm_runtime import global_func, load_runtime
@@ -57,8 +58,28 @@ def _same_logits(a: Any, b: Any) -> bool:
     return bool(np.array_equal(to_numpy(a[0]), to_numpy(b[0])))
 
 
+def _same_greedy(a: Any, b: Any) -> bool:
+    """Whether two greedy decode outputs (logits, tokens) are bit-identical."""
+    return _same_logits(a, b) and bool(np.array_equal(to_numpy(a[1]), to_numpy(b[1])))
+
+
 def _shape(v: int) -> tvm_ffi.Shape:
     return tvm_ffi.Shape([int(v)])
+
+
+def _pdl_port(build: BuildConfig, pdl: str | None) -> int | None:
+    """The graph edge port for ``Engine(pdl=...)`` on ``build`` (None: plain edges)."""
+    if pdl == "off" or (pdl is None and not build.pdl):
+        return None
+    name = pdl or "programmatic"
+    if name not in PDL_PORTS:
+        raise ValueError(f"pdl={pdl!r}: use one of off, {', '.join(PDL_PORTS)}")
+    if not build.pdl:
+        raise BuildError(
+            f"pdl={pdl!r} needs a build compiled with --pdl (its kernels wait for their "
+            "predecessors); this one was not"
+        )
+    return PDL_PORTS[name]
 
 
 class Engine:
@@ -80,15 +101,21 @@ class Engine:
         lib_dir: str | Path | None = None,
         random_weights: int | None = None,
         cuda_graph: bool = True,
+        pdl: str | None = None,
     ):
         """``random_weights=SEED`` creates deterministic random weights on the device instead of
         reading ``params/`` (required for builds made with ``--random-weights``; see
         :mod:`dsv2_mlc.runtime.random_params`). ``cuda_graph`` (CUDA builds): replay decode steps
-        from captured CUDA graphs (:mod:`dsv2_mlc.runtime.cuda_graph`)."""
+        from captured CUDA graphs (:mod:`dsv2_mlc.runtime.cuda_graph`).
+
+        ``pdl``: how the kernels of a decode graph are linked in a build compiled with ``--pdl``
+        (:mod:`dsv2_mlc.runtime.pdl`): ``"programmatic"`` (the default for such builds),
+        ``"launch-completion"``, or ``"off"`` (plain edges, the only choice for other builds)."""
         self.path = Path(model)
         self.build = BuildConfig.read(self.path)
         self.config = DeepseekV2Config.from_dict(self.build.model)
         self.device = self.build.device
+        port = _pdl_port(self.build, pdl)
         limit = self.config.max_position_embeddings
         self.context_window = min(context_window or min(limit, 4096), limit)
         self.max_batch_size = max_batch_size
@@ -119,6 +146,8 @@ class Engine:
             self._params = create_random_params(library, spec, self.device, random_weights)
         self.random_weights = random_weights
         self._fn = {name: vm[name] for name in ("batch_prefill", "batch_extend", "batch_decode")}
+        # the device arg-max (``greedy_tokens``); builds compiled before it have none
+        self._greedy = vm["greedy_tokens"] if vm.implements_function("greedy_tokens") else None
         self._kv_state = {
             name: global_func(f"vm.builtin.kv_state_{name}")
             for name in (
@@ -140,7 +169,8 @@ class Engine:
         )
         self._seq_len: dict[int, int] = {}
         self._shared: set[int] = set()  # sequences that share pages (forks): no graphs
-        self._graphs = DecodeGraphs(self.device) if cuda_graph and self.device == "cuda" else None
+        use_graphs = cuda_graph and self.device == "cuda"
+        self._graphs = DecodeGraphs(self.device, pdl_port=port) if use_graphs else None
         self._query_positions = global_func("vm.builtin.attention_kv_cache_get_query_positions")
         self._ids = itertools.count()
         self._tokenizer: Tokenizer | None = None
@@ -297,15 +327,22 @@ class Engine:
                 "or raise kv_capacity"
             )
 
-    def _forward(self, seq_ids: list[int], chunks: list[list[int]], all_logits: bool) -> np.ndarray:
-        """One model call over one chunk per sequence; logits of the last (or every) token."""
+    def _forward(
+        self, seq_ids: list[int], chunks: list[list[int]], all_logits: bool, greedy: bool = False
+    ) -> np.ndarray:
+        """One model call over one chunk per sequence; logits of the last (or every) token, or
+        with ``greedy`` (decode steps, a build with ``greedy_tokens``) each sequence's arg-max
+        token, picked on the device."""
         lengths = [len(c) for c in chunks]
         if all(n == 1 for n in lengths) and len(seq_ids) > MAX_DECODE_GROUP:
             parts = range(0, len(seq_ids), MAX_DECODE_GROUP)
             return np.concatenate(
                 [
                     self._forward(
-                        seq_ids[i : i + MAX_DECODE_GROUP], chunks[i : i + MAX_DECODE_GROUP], False
+                        seq_ids[i : i + MAX_DECODE_GROUP],
+                        chunks[i : i + MAX_DECODE_GROUP],
+                        False,
+                        greedy,
                     )
                     for i in parts
                 ]
@@ -321,7 +358,7 @@ class Engine:
         self._kv_state["begin_forward"](self._cache, tvm_ffi.Shape(seq_ids), tvm_ffi.Shape(lengths))
         try:
             if all(n == 1 for n in lengths):
-                out = self._decode_call(seq_ids, ids.reshape(-1, 1))
+                out = self._decode_call(seq_ids, ids.reshape(-1, 1), greedy)
             else:
                 ends = np.cumsum(lengths)
                 if all_logits:
@@ -339,23 +376,34 @@ class Engine:
             self._kv_state["end_forward"](self._cache)
         for seq, n in zip(seq_ids, lengths, strict=True):
             self._seq_len[seq] += n
+        if greedy:  # 4 bytes per sequence to the host
+            return to_numpy(out[1]).astype(np.int64)
         logits = to_numpy(out[0])  # a copy on the host, whatever the device
         return logits.reshape(-1, self.config.vocab_size)
 
-    def _decode_call(self, seq_ids: list[int], ids: np.ndarray) -> Any:
-        """``batch_decode`` for a begun step: from a CUDA graph where one applies."""
+    def _decode_call(self, seq_ids: list[int], ids: np.ndarray, greedy: bool = False) -> Any:
+        """``batch_decode`` for a begun step: from a CUDA graph where one applies. With
+        ``greedy``, ``(logits, tokens)``: the device arg-max runs right after (in the same graph,
+        whose key is then marked ``"greedy"``)."""
+        greedy_fn = self._greedy if greedy else None
+        if greedy and greedy_fn is None:
+            raise RuntimeError("this build has no greedy_tokens function")
 
         def call(ids_t: tvm_ffi.Tensor) -> Any:
-            return self._fn["batch_decode"](ids_t, self._cache, self._params)
+            out = self._fn["batch_decode"](ids_t, self._cache, self._params)
+            if greedy_fn is None:
+                return out
+            return out[0], greedy_fn(out[0])  # logits first: the graphs' replay check
 
         graphs = self._graphs
         if graphs is None or self._shared.intersection(seq_ids):
             return call(to_device(ids, self.device))
         key = decode_graph_key(PAGE_SIZE, [self._seq_len[s] + 1 for s in seq_ids])
+        if greedy:
+            key = (*key, "greedy")
         self._query_positions(self._cache)  # page tables to the device now, outside the graph
-        return graphs.run(
-            key, ids, call, lambda a: to_device(a, self.device), copy_into, _same_logits
-        )
+        same = _same_greedy if greedy else _same_logits
+        return graphs.run(key, ids, call, lambda a: to_device(a, self.device), copy_into, same)
 
     @property
     def cuda_graph_stats(self) -> dict[str, float] | None:
@@ -407,6 +455,23 @@ class Engine:
         seq_ids = list(seq_ids)
         self._check_room(seq_ids, [1] * len(seq_ids))
         return self._forward(seq_ids, [[int(t)] for t in tokens], all_logits=False)
+
+    @property
+    def has_device_greedy(self) -> bool:
+        """Whether :meth:`decode_greedy` picks the tokens on the device (the build has the
+        ``greedy_tokens`` function; older builds fall back to the host)."""
+        return self._greedy is not None
+
+    def decode_greedy(self, seq_ids: Sequence[int], tokens: Sequence[int]) -> np.ndarray:
+        """:meth:`decode`, then the arg-max of each sequence's logits (``np.argmax``: ties to
+        the lowest id): the next token ids, int64 ``[len(seq_ids)]``. The arg-max runs on the
+        device and only the ids are copied back (on CUDA inside the decode step's graph); a
+        build without ``greedy_tokens`` copies the logits and takes the arg-max on the host."""
+        if self._greedy is None:
+            return self.decode(seq_ids, tokens).argmax(-1)
+        seq_ids = list(seq_ids)
+        self._check_room(seq_ids, [1] * len(seq_ids))
+        return self._forward(seq_ids, [[int(t)] for t in tokens], all_logits=False, greedy=True)
 
     # -- convenience ----------------------------------------------------------------------------
     def logits(self, prompt_ids: Sequence[int]) -> np.ndarray:

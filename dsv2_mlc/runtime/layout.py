@@ -37,6 +37,11 @@ class BuildConfig:
     quantization: str = "q0f32"
     tvm_version: str = ""
     tvm_ffi_version: str = ""
+    # Programmatic Dependent Launch (CUDA, sm_90+): every kernel starts with griddepcontrol.wait,
+    # so decode graphs may use programmatic kernel->kernel edges (runtime/pdl.py); with
+    # pdl_launch_dependents, kernels also signal griddepcontrol.launch_dependents after the wait.
+    pdl: bool = False
+    pdl_launch_dependents: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-serialisable form."""

@@ -1,0 +1,206 @@
+"""PDL builds (``--pdl``): every CUDA kernel starts with ``griddepcontrol.wait`` and compiles for
+sm_90, and the build records the option for the runtime. Needs nvcc for the CUDA builds (no
+GPU); the decode graphs with programmatic edges run in scripts/gpu_pdl_check.py."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import tvm
+from tvm import te, tirx
+from tvm.script import ir as I
+from tvm.script import tirx as T
+
+from dsv2_mlc.compiler.compile import CompileError, compile_random_model, make_target
+from dsv2_mlc.compiler.cuda import check_fatbin, cuda_codegen, cuda_sources
+from dsv2_mlc.passes.grid_dependency_control import (
+    LAUNCH_DEPENDENTS,
+    WAIT,
+    InsertGridDependencyControl,
+    is_cuda_kernel,
+    kernels_without_wait,
+)
+from dsv2_mlc.passes.pipeline import tir_pipeline
+from dsv2_mlc.runtime.layout import BUILD_CONFIG, BuildConfig
+
+sys.path.insert(0, str(Path(__file__).parent))
+from hf_reference import CONFIG_A  # noqa: E402
+
+needs_nvcc = pytest.mark.skipif(
+    shutil.which("nvcc") is None or shutil.which("gcc") is None,
+    reason="CUDA builds need nvcc (and gcc for the driver stub)",
+)
+
+
+def _module() -> tvm.IRModule:
+    """Three kernels: elementwise, a shared-memory reduction, and a two-kernel function."""
+    import tvm.s_tir.dlight as dl
+
+    n = te.var("n")
+    a = te.placeholder((n, 128), "float32", name="a")
+    scaled = te.compute((n, 128), lambda i, j: a[i, j] * 2, name="scaled")
+    k = te.reduce_axis((0, 128), "k")
+    total = te.compute((n,), lambda i: te.sum(a[i, k], axis=k), name="total")
+    mod = tvm.IRModule(
+        {
+            "scale": te.create_prim_func([a, scaled]).with_attr("global_symbol", "scale"),
+            "row_sum": te.create_prim_func([a, total]).with_attr("global_symbol", "row_sum"),
+        }
+    )
+    with make_target("cuda", "sm_90"):
+        return dl.ApplyDefaultSchedule(dl.gpu.Reduction(), dl.gpu.Fallback())(mod)
+
+
+def _build(pipeline: str) -> tvm.runtime.Module:
+    target = make_target("cuda", "sm_90")
+    with target, cuda_codegen():
+        return tvm.compile(_module(), target=target, tir_pipeline=pipeline)
+
+
+def _body_starts(source: str, kernel: str) -> list[str]:
+    head = source.split(f" {kernel}(")[2]  # [0] before, [1] the declaration, [2] the definition
+    lines = head.split("{", 1)[1].strip().splitlines()
+    return [line.strip() for line in lines[:2]]
+
+
+@needs_nvcc
+@pytest.mark.parametrize("launch", [False, True], ids=["wait", "wait+launch_dependents"])
+def test_every_kernel_starts_with_the_wait_and_compiles_for_sm90(tmp_path: Path, launch: bool):
+    lib = _build(tir_pipeline(pdl=True, launch_dependents=launch))
+    (source,) = cuda_sources(lib.mod)
+    kernels, missing = kernels_without_wait(source)
+    assert sorted(kernels) == ["row_sum_kernel", "scale_kernel"] and missing == []
+    assert 'asm volatile("griddepcontrol.wait;" ::: "memory");' in source
+    assert source.count(f"void {WAIT}()") == 1  # one helper, called by every kernel
+    for kernel in kernels:
+        first = _body_starts(source, kernel)
+        assert first[0] == f"{WAIT}();"
+        assert (first[1] == f"{LAUNCH_DEPENDENTS}();") is launch
+    assert ("griddepcontrol.launch_dependents" in source) is launch
+    lib.export_library(str(tmp_path / "lib.so"))
+    check_fatbin(tmp_path / "lib.so", "sm_90")  # nvcc compiled the PTX for sm_90
+
+
+@needs_nvcc
+def test_default_pipeline_adds_nothing():
+    assert tir_pipeline() == "default"
+    (source,) = cuda_sources(_build("default").mod)
+    kernels, missing = kernels_without_wait(source)
+    assert len(kernels) == 2 and sorted(missing) == sorted(kernels)
+    assert "griddepcontrol" not in source
+
+
+def test_pass_touches_cuda_kernels_only():
+    cuda, llvm = tvm.target.Target({"kind": "cuda"}), tvm.target.Target({"kind": "llvm"})
+
+    @I.ir_module
+    class Mod:
+        @T.prim_func
+        def kernel(a: T.handle):
+            T.func_attr({"calling_conv": 2, "target": cuda})
+            T.evaluate(0)
+
+        @T.prim_func
+        def helper(a: T.handle):
+            T.func_attr({"target": cuda})
+            T.evaluate(0)
+
+        @T.prim_func
+        def host(a: T.handle):
+            T.func_attr({"calling_conv": 2, "target": llvm})
+            T.evaluate(0)
+
+    assert [is_cuda_kernel(Mod[n]) for n in ("kernel", "helper", "host")] == [True, False, False]
+    out = InsertGridDependencyControl()(Mod)
+    assert isinstance(out["kernel"].body, tirx.SeqStmt) and WAIT in out["kernel"].script()
+    assert out["helper"].same_as(Mod["helper"]) and out["host"].same_as(Mod["host"])
+
+
+def test_kernels_without_wait_reads_cuda_source():
+    src = (
+        'extern "C" __global__ void __launch_bounds__(64) a_kernel(float* x);\n'
+        'extern "C" __global__ void __launch_bounds__(64) a_kernel(float* x) {\n'
+        f"  {WAIT}();\n  x[0] = 1;\n}}\n"
+        'extern "C" __global__ void b_kernel(float* __restrict__ x, int n) {\n  x[0] = 1;\n}\n'
+    )
+    assert kernels_without_wait(src) == (["a_kernel", "b_kernel"], ["b_kernel"])
+
+
+@needs_nvcc
+def test_pdl_build_waits_in_tvm_kernels_too_and_records_the_option(tmp_path: Path, monkeypatch):
+    """A whole model: our kernels and TVM's (KV cache append, attention merge, page copies) all
+    wait; the build config says ``pdl`` so the runtime may use programmatic graph edges."""
+    import dsv2_mlc.compiler.compile as compile_mod
+
+    seen: list[list[str]] = []
+    check = compile_mod.check_pdl_kernels
+
+    def spy(module) -> int:
+        seen.extend(kernels_without_wait(s)[0] for s in cuda_sources(module))
+        return check(module)  # raises if any kernel lacks the wait
+
+    monkeypatch.setattr(compile_mod, "check_pdl_kernels", spy)
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(CONFIG_A))
+    result = compile_random_model(
+        cfg, tmp_path / "out", device="cuda", quantization="q4f16_g32", arch="sm_90",
+        pdl=True, pdl_launch_dependents=True,
+    )  # fmt: skip
+    kernels = {k for names in seen for k in names}
+    tvm_kernels = {
+        "tir_kv_cache_transpose_append_mla_kernel",
+        "tir_attention_merge_state_mla_kernel",
+        "copy_single_page_mla_kernel",
+        "compact_kv_copy_kernel",
+    }
+    assert tvm_kernels <= kernels and len(kernels) > 40
+    raw = json.loads((result.out_dir / BUILD_CONFIG).read_text())
+    assert raw["pdl"] is True and raw["pdl_launch_dependents"] is True
+    build = BuildConfig.read(result.out_dir)
+    assert build.pdl and build.pdl_launch_dependents
+    check_fatbin(result.out_dir / "model.so", "sm_90")
+
+
+def test_old_build_configs_read_as_no_pdl(tmp_path: Path):
+    raw = dict(format_version=1, model={}, dtype="float16", device="cuda", target="{}")
+    (tmp_path / BUILD_CONFIG).write_text(json.dumps(raw))
+    build = BuildConfig.read(tmp_path)
+    assert build.pdl is False and build.pdl_launch_dependents is False
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(device="cpu", pdl=True), "cuda only"),
+        (dict(device="cuda", arch="sm_80", pdl=True), "sm_90 or newer"),
+        (dict(device="cuda", pdl_launch_dependents=True), "needs --pdl"),
+    ],
+)
+def test_pdl_options_are_checked_before_building(tmp_path: Path, kwargs, message):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(CONFIG_A))
+    with pytest.raises(CompileError, match=message):
+        compile_random_model(cfg, tmp_path / "out", **kwargs)
+    assert not (tmp_path / "out").exists()
+
+
+def test_cli_passes_pdl_flags(tmp_path: Path, monkeypatch):
+    import dsv2_mlc.compiler.compile as compile_mod
+    from dsv2_mlc.cli import main
+
+    calls = []
+
+    def fake(config, out, **options):
+        calls.append(options)
+        raise CompileError("stop")
+
+    monkeypatch.setattr(compile_mod, "compile_random_model", fake)
+    base = ["compile", str(tmp_path), "-o", str(tmp_path / "o"), "--random-weights"]
+    for extra in ([], ["--pdl"], ["--pdl", "--pdl-launch-dependents"]):
+        main([*base, "--device", "cuda", *extra])
+    flags = [(c["pdl"], c["pdl_launch_dependents"]) for c in calls]
+    assert flags == [(False, False), (True, False), (True, True)]
