@@ -243,6 +243,13 @@ __device__ __forceinline__ void {name}(const half* __restrict__ x,
   const int warp = tid >> 5, lane = tid & 31;
   if (tid == 0) s_ready = 0;
   __syncthreads();
+  half* hrow = hout + t * {items};
+  volatile int* ready = &s_ready;
+  // items blk * W + warp + k * {stride}, two in flight: load the next before reducing this one;
+  // the first (a shared expert's row for all but the last warps) loads while warp 0 routes
+  dsv2_gu_buf_{tag} a, b;
+  int i = blk * {W} + warp;
+  if (warp != 0 && i < {items}) dsv2_gu_load_{tag}(a, i, lane, w, s, sw, ss, s_ids, ready);
   if (warp == 0) {{
     {route_name}(logits + t * {E}, s_w, s_ids, lane, s_p);
     if (blk == 0 && lane < {K}) {{
@@ -252,6 +259,7 @@ __device__ __forceinline__ void {name}(const half* __restrict__ x,
     __threadfence_block();
     __syncwarp();
     if (lane == 0) *((volatile int*)&s_ready) = 1;
+    if (i < {items}) dsv2_gu_load_{tag}(a, i, lane, w, s, sw, ss, s_ids, ready);
   }}
   uint4 xv[{cpl}][4];
 #pragma unroll
@@ -262,12 +270,6 @@ __device__ __forceinline__ void {name}(const half* __restrict__ x,
       xv[j][0] = p[0]; xv[j][1] = p[1]; xv[j][2] = p[2]; xv[j][3] = p[3];
     }}
   }}
-  half* hrow = hout + t * {items};
-  volatile int* ready = &s_ready;
-  // items blk * W + warp + k * {stride}, two in flight: load the next before reducing this one
-  dsv2_gu_buf_{tag} a, b;
-  int i = blk * {W} + warp;
-  if (i < {items}) dsv2_gu_load_{tag}(a, i, lane, w, s, sw, ss, s_ids, ready);
   while (i < {items}) {{
     const int i1 = i + {stride};
     if (i1 < {items}) dsv2_gu_load_{tag}(b, i1, lane, w, s, sw, ss, s_ids, ready);
@@ -309,6 +311,25 @@ __device__ __forceinline__ void {name}(const half* __restrict__ h,
   __shared__ __align__(16) uint4 hs[{TOT // 8}];
   __shared__ float s_w[{K}];
   __shared__ int s_ids[{K}];
+  const int warp = tid >> 5, lane = tid & 31;
+  const int grp = lane / {L}, gl = lane % {L};
+  const int o0 = ((blk * {W} + warp) * {32 // L} + grp) * {R};
+  uint4 wq[{cpl}][{R}];
+  half sc[{cpl}][{R}];
+  // the shared experts' chunks need no expert id: in flight while h is staged
+#pragma unroll
+  for (int j = 0; j < {cpl}; ++j) {{
+    const int q = gl + {L} * j;
+    if (q >= {kci} && ({exact} || q < {nc})) {{
+      const int col = q - {kci};
+#pragma unroll
+      for (int r = 0; r < {R}; ++r) {{
+        const long long o = min(o0 + r, {H - 1});
+        wq[j][r] = reinterpret_cast<const uint4*>(sdw + o * {IS // 8})[col];
+        sc[j][r] = sds[o * {IS // G} + col * {_CHUNK} / {G}];
+      }}
+    }}
+  }}
   const uint4* hrow = reinterpret_cast<const uint4*>(h + t * {TOT});
   for (int v = tid; v < {TOT // 8}; v += {threads}) {{
     const int c = v >> 2, p = v & 3;
@@ -319,38 +340,20 @@ __device__ __forceinline__ void {name}(const half* __restrict__ h,
     s_ids[tid] = ids[t * {K} + tid];
   }}
   __syncthreads();
-  const int warp = tid >> 5, lane = tid & 31;
-  const int grp = lane / {L}, gl = lane % {L};
-  const int o0 = ((blk * {W} + warp) * {32 // L} + grp) * {R};
-  uint4 wq[{cpl}][{R}];
-  half sc[{cpl}][{R}];
 #pragma unroll
   for (int j = 0; j < {cpl}; ++j) {{
     const int q = gl + {L} * j;
-    if ({exact} || q < {nc}) {{
-      const unsigned* base;
-      const half* sbase;
-      int col, wstride, sstride;
-      if (q < {kci}) {{
-        const int slot = q / {ci};
-        col = q - slot * {ci};
-        const long long e = s_ids[slot];
-        base = dw + e * {H} * {NI // 8};
-        sbase = ds + e * {H} * {NI // G};
-        wstride = {NI // 8};
-        sstride = {NI // G};
-      }} else {{
-        col = q - {kci};
-        base = sdw;
-        sbase = sds;
-        wstride = {IS // 8};
-        sstride = {IS // G};
-      }}
+    if (q < {kci}) {{
+      const int slot = q / {ci};
+      const int col = q - slot * {ci};
+      const long long e = s_ids[slot];
+      const unsigned* base = dw + e * {H} * {NI // 8};
+      const half* sbase = ds + e * {H} * {NI // G};
 #pragma unroll
       for (int r = 0; r < {R}; ++r) {{
         const long long o = min(o0 + r, {H - 1});
-        wq[j][r] = reinterpret_cast<const uint4*>(base + o * wstride)[col];
-        sc[j][r] = sbase[o * sstride + col * {_CHUNK} / {G}];
+        wq[j][r] = reinterpret_cast<const uint4*>(base + o * {NI // 8})[col];
+        sc[j][r] = sbase[o * {NI // G} + col * {_CHUNK} / {G}];
       }}
     }}
   }}

@@ -59,11 +59,13 @@ def test_cuda_export_loads_without_compiler_or_nvrtc(cuda_build):
         assert "tvm" not in sys.modules
         assert tvm_ffi.get_global_func("tvm_callback_cuda_compile", allow_missing=True) is None
         print("LOADED", vm["get_function_arity"]("batch_decode"))
+        print("GREEDY", vm["get_function_arity"]("greedy_tokens"))  # the device arg-max
         """
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "LOADED 3" in proc.stdout
+    assert "GREEDY 1" in proc.stdout
 
 
 def test_cuda_arch_must_be_plain_sm():

@@ -133,7 +133,7 @@ def test_tiny_cuda_build_runs_one_projection_and_the_prologue(tmp_path: Path, na
         assert not [k for k in kernels if "absorb_q" in k or "latent_norm_rope" in k]
     assert not [k for k in _kernels(decode) if "split" in k]  # q and the latent read in place
     for layer in range(layers):  # one GEMV reads the fused weight, none the HF ones
-        calls = re.findall(rf"\(\w+, model_layers_{layer}_self_attn_(\w+)_q_weight\d*,", decode)
+        calls = re.findall(rf"model_layers_{layer}_self_attn_(\w+)_q_weight\d*,", decode)
         assert calls.count("qkv_a_proj") == 1, calls
         assert not {"q_proj", "q_a_proj", "kv_a_proj_with_mqa"} & set(calls), calls
     kernels = _kernels(prefill)  # prefill: the latent kernel alone, no absorbed query

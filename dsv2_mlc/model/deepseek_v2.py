@@ -33,6 +33,8 @@ from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache
 from tvm.target import Target
 
 from ..passes._rewrite import ENTRY_KIND_ATTR
+from ..schedules.argmax import greedy_argmax
+from ..schedules.norm_gemv_cuda import add_norm_gemv_q4, add_norm_router, add_norm_unsupported
 from .config import DeepseekV2Config
 from .kv_cache import MLAPagedKVCache
 from .mla_ops import (
@@ -127,17 +129,19 @@ class DeepseekV2Attention(nn.Module):
         self.o_proj = nn.Linear(heads * cfg.v_head_dim, h, bias=False, dtype=dtype)
 
     def forward(
-        self, x: Tensor, rope: Tensor, cache: PagedKVCache, mode: Mode
+        self, x: Tensor, rope: Tensor, cache: PagedKVCache, mode: Mode, qkv: Tensor | None = None
     ) -> tuple[Tensor, PagedKVCache]:
         """x: [n, hidden] (all tokens of the batch), rope: [n, R] float32 (the tokens'
-        ``rope_table``) -> ([n, hidden], cache)."""
+        ``rope_table``) -> ([n, hidden], cache). ``qkv``: ``qkv_a_proj(x)`` when the caller
+        computed it (with the norm folded in: ``DeepseekV2DecoderLayer.forward_decode``)."""
         cfg = self.cfg
         n = x.shape[0]
         heads, nope, rope_dim = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
         lora, v_dim, scale = cfg.kv_lora_rank, cfg.v_head_dim, cfg.softmax_scale
 
         # [n, q_a_dim + L + R]: the query heads (q-LoRA: q_a), then c_kv and k_pe
-        qkv = self.qkv_a_proj(x)
+        if qkv is None:
+            qkv = self.qkv_a_proj(x)
         if cfg.q_lora_rank is None:
             q_src = qkv  # the query heads at columns [0, H * (nope + R))
         else:
@@ -205,6 +209,58 @@ class DeepseekV2DecoderLayer(nn.Module):
         x = x + self.mlp(self.post_attention_layernorm(x), mode)
         return x, cache
 
+    def forward_decode(
+        self, r: Tensor, d: Tensor | None, rope: Tensor, cache: PagedKVCache
+    ) -> tuple[Tensor, Tensor, PagedKVCache]:
+        """Decode on CUDA (fp16) with each residual add + RMSNorm folded into the kernel that
+        reads the norm (:mod:`dsv2_mlc.schedules.norm_gemv_cuda`): the INT4 ``qkv_a_proj`` and
+        the MoE router. The hidden state is ``r + d`` (``d``: the previous layer's output, None
+        before the first layer); returns ``(r', d', cache)``, the next layer's."""
+        proj, norm = self.self_attn.qkv_a_proj, self.input_layernorm
+        n, h = r.shape
+        q4 = _int4_linear(proj)
+        if d is not None and q4 is not None:
+            qkv, s = op.tensor_ir_op(
+                add_norm_gemv_q4(h, proj.out_features, q4, norm.eps),
+                "add_norm_qkv_a",
+                args=[r, d, norm.weight, proj.q_weight, proj.q_scale],
+                out=[
+                    Tensor.placeholder((n, proj.out_features), r.dtype),
+                    Tensor.placeholder((n, h), r.dtype),
+                ],
+            )
+        else:
+            s = r if d is None else r + d
+            qkv = proj(norm(s))
+        attn, cache = self.self_attn(s, rope, cache, "decode", qkv=qkv)
+        mlp, post = self.mlp, self.post_attention_layernorm
+        if not isinstance(mlp, DeepseekV2MoE):
+            s = s + attn
+            return s, mlp(post(s), "decode"), cache
+        experts = mlp.gate.weight.shape[0]
+        logits, xn, s = op.tensor_ir_op(
+            add_norm_router(h, experts, post.eps),
+            "add_norm_router",
+            args=[s, attn, post.weight, mlp.gate.weight],
+            out=[
+                Tensor.placeholder((n, experts), "float32"),
+                Tensor.placeholder((n, h), r.dtype),
+                Tensor.placeholder((n, h), r.dtype),
+            ],
+        )
+        return s, mlp.forward_with_logits(xn, logits, "decode"), cache
+
+
+def _int4_linear(linear: nn.Module) -> int | None:
+    """The group size of ``linear`` if it is an INT4 group-quantised linear layer with fp16
+    scales that :func:`add_norm_gemv_q4` takes (else None)."""
+    from ..passes.quantize_int4 import GroupQuantLinear  # (passes import this module)
+
+    if not isinstance(linear, GroupQuantLinear) or linear.q_scale.dtype != "float16":
+        return None
+    ok = add_norm_unsupported(linear.in_features, linear.group_size) is None
+    return linear.group_size if ok else None
+
 
 class DeepseekV2Model(nn.Module):
     """Embedding, decoder layers, final norm (HF's ``model.*``)."""
@@ -233,9 +289,21 @@ class DeepseekV2ForCausalLM(nn.Module):
         # One RoPE cos/sin table per forward pass, read by every layer.
         positions = cache.get_query_positions(n)
         rope = rope_table(positions, self.cfg.rope, self.cfg.qk_rope_head_dim)
+        if mode == "decode" and self._fold_norms(x):
+            r, d = x, None
+            for layer in self.model.layers:
+                r, d, cache = layer.forward_decode(r, d, rope, cache)
+            return r + d, cache
         for layer in self.model.layers:
             x, cache = layer(x, rope, cache, mode)
         return x, cache
+
+    def _fold_norms(self, x: Tensor) -> bool:
+        """Whether decode folds the residual adds + RMSNorms into the kernels that read them
+        (``DeepseekV2DecoderLayer.forward_decode``): CUDA, fp16, a hidden size they take."""
+        target = Target.current(allow_none=True)
+        cuda = target is not None and target.kind.name == "cuda"
+        return cuda and x.dtype == "float16" and add_norm_unsupported(x.shape[-1]) is None
 
     def _logits(self, x: Tensor) -> Tensor:
         return self.lm_head(self.model.norm(x)).astype("float32")
@@ -267,6 +335,17 @@ class DeepseekV2ForCausalLM(nn.Module):
         x, cache = self._body(input_ids, paged_kv_cache, "decode")
         logits = self._logits(x)
         return op.reshape(logits, (input_ids.shape[0], 1, self.cfg.vocab_size)), cache
+
+    def greedy_tokens(self, logits: Tensor) -> Tensor:
+        """Greedy decoding on the device: ``logits`` [b, 1, vocab] float32 (``batch_decode``'s
+        output) -> the arg-max token of each row [b] int32 (``np.argmax``: ties to the lowest
+        id, a NaN above every number); 4 bytes per sequence to copy to the host."""
+        return op.tensor_ir_op(
+            greedy_argmax(self.target),
+            "greedy_argmax",
+            args=[logits],
+            out=Tensor.placeholder((logits.shape[0],), "int32"),
+        )
 
     def create_paged_kv_cache(
         self,
@@ -328,6 +407,10 @@ class DeepseekV2ForCausalLM(nn.Module):
                 "prefill_chunk_size": int,
                 "page_size": int,
                 "support_sliding_window": int,
+                "$": {"param_mode": "none", "effect_mode": "none"},
+            },
+            "greedy_tokens": {
+                "logits": nn.spec.Tensor(["batch_size", 1, self.cfg.vocab_size], "float32"),
                 "$": {"param_mode": "none", "effect_mode": "none"},
             },
         }

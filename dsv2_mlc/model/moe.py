@@ -271,7 +271,11 @@ class DeepseekV2MoE(nn.Module):
         prefill and extend on CUDA run as grouped GEMMs; decode runs the experts' fused kernels
         where they have them (``fused_decode``: routing, routed and shared experts in two
         launches), the rest keeps the gather kernels."""
-        logits = self.gate.logits(x)
+        return self.forward_with_logits(x, self.gate.logits(x), mode)
+
+    def forward_with_logits(self, x: Tensor, logits: Tensor, mode: str | None = None) -> Tensor:
+        """:meth:`forward` with the router's logits ``[n, E]`` already computed (decode on
+        CUDA computes them with the RMSNorm that produces ``x``: ``norm_gemv_cuda``)."""
         if mode == "decode" and self.shared_experts is not None:
             fused = self.experts.fused_decode(x, logits, self.gate, self.shared_experts)
             if fused is not None:

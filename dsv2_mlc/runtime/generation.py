@@ -161,8 +161,9 @@ def _generate(
         logits = engine.prefill([seq], [prompt[cached:]])[0]
         t1 = time.perf_counter()
         prefill_s = t1 - t0
+        picked: int | None = None  # the next token, when the device picked it (greedy)
         while True:
-            token = sampler.sample(logits)
+            token = sampler.sample(logits) if picked is None else sampler.accept(picked)
             tokens.append(token)
             finished = None
             if token in stop_ids:
@@ -183,7 +184,10 @@ def _generate(
             safe = len(text) - stops.held(text, emitted)
             out, emitted = text[emitted:safe], max(emitted, safe)
             yield StreamDelta(out, [token])
-            logits = engine.decode([seq], [token])[0]
+            if sampler.needs_logits:
+                logits = engine.decode([seq], [token])[0]
+            else:  # greedy: the arg-max on the device, only the token comes back
+                picked = int(engine.decode_greedy([seq], [token])[0])
             decode_s = time.perf_counter() - t1
     finally:
         if reason == "abort":  # closed early or failed: keep what was streamed

@@ -5,6 +5,10 @@ seen token's logit is divided by the penalty when positive, multiplied when nega
 temperature, top-k and top-p. Temperature 0 is greedy decoding: exactly ``argmax`` (of the
 penalised logits when a repetition penalty is set). A seed makes sampling reproducible: every
 generation that carries it starts a fresh ``numpy.random.Generator(seed)``.
+
+Plain greedy decoding (temperature 0, no repetition penalty) needs no logits on the host
+(:attr:`Sampler.needs_logits`): the generation loop then takes the engine's device arg-max
+(``Engine.decode_greedy``, the same ``argmax``) and hands the token to :meth:`Sampler.accept`.
 """
 
 from __future__ import annotations
@@ -186,6 +190,18 @@ class Sampler:
             keep[0] = True
             ids, p = ids[keep], p[keep]
         return ids, p / p.sum()
+
+    @property
+    def needs_logits(self) -> bool:
+        """False when the next token is exactly the arg-max of the raw logits (greedy, no
+        repetition penalty), so the caller may pick it on the device and :meth:`accept` it."""
+        return not (self.params.greedy and self.params.repetition_penalty == 1.0)
+
+    def accept(self, token: int) -> int:
+        """Take ``token`` picked elsewhere (the device arg-max) as the next token."""
+        token = int(token)
+        self._seen[token] = True
+        return token
 
     def sample(self, logits: np.ndarray) -> int:
         """The next token; it is added to the seen tokens."""

@@ -1,0 +1,346 @@
+"""Decode on CUDA: the residual add + RMSNorm folded into the kernel that consumes the norm.
+
+At batch 1 every decoder layer ran ``s = residual + delta; y = RMSNorm(s)`` as its own kernel
+twice (``fused_add_rms_norm_rows``, 2.1 us each on the H200, a launch each) right before a GEMV
+that reads ``y``. A whole row of ``H`` fp16 values is what one warp's lanes hold anyway when they
+reduce a GEMV row (lane ``l`` owns the 32-element chunks ``l, l + 32, ...``), so every warp can
+form ``s``, its sum of squares (a warp reduction) and ``y`` in registers from 2-3 reads of
+``4 H`` bytes that L2 serves, with no block barrier. Two kernels do this:
+
+* :func:`add_norm_gemv_q4`: ``y = RMSNorm(r + d) @ W^T`` for an INT4 group weight ``W [N, H]``
+  (the attention's fused ``qkv_a_proj``), a persistent grid of warps each taking every
+  ``blocks * warps``-th output row, two rows in flight (as ``moe_decode_cuda``'s gate/up kernel);
+  also writes ``s`` (the next residual).
+* :func:`add_norm_router`: the MoE router's float32 logits ``RMSNorm(r + d) @ G^T`` (``G [E,
+  H]`` float32), a warp per expert; also writes ``s`` and the normalised row (the experts' input).
+
+Numerics as the fused add + RMSNorm they replace (``passes/fuse_add_rms_norm.py``): ``s`` is the
+fp16 sum, the sum of squares float32, ``y = w * fp16(s * rsqrt(mean(s^2) + eps))`` in fp16; the
+INT4 dot products are :func:`dsv2_mlc.schedules.decode_gemv_cuda.dot32_source`'s (fp16 partial
+sums of ``run`` products, float32 across chunks), the router's dot products float32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tvm import tirx
+from tvm.script import tirx as T
+
+from .decode_gemv_cuda import dot32_source
+
+__all__ = ["NormGemvTiles", "add_norm_gemv_q4", "add_norm_router", "add_norm_unsupported"]
+
+_CHUNK = 32  # fp16 values of one lane's chunk (one 16-byte load of INT4 weights)
+
+
+@dataclass(frozen=True)
+class NormGemvTiles:
+    """``blocks`` per token of ``warps`` warps (a warp per output); ``run`` products per fp16
+    partial sum of the INT4 dot product."""
+
+    warps: int = 8
+    blocks: int = 264
+    run: int = 16
+
+    @property
+    def name(self) -> str:
+        return f"w{self.warps}_b{self.blocks}_h{self.run}"
+
+
+def add_norm_unsupported(hidden: int, group: int | None = None) -> str | None:
+    """Why these kernels cannot take a row of ``hidden`` (and INT4 ``group``); None: they can."""
+    if hidden % _CHUNK:
+        return f"hidden {hidden} is not a multiple of {_CHUNK}"
+    if group is not None and (group % _CHUNK or hidden % group):
+        return f"group {group} does not split hidden {hidden} into 32-element chunks"
+    return None
+
+
+def _eps_tag(eps: float) -> str:
+    return "e" + f"{eps:.4g}".replace(".", "p").replace("-", "m").replace("+", "")
+
+
+def _norm_source(tag: str, H: int, eps: float) -> str:
+    """CUDA: ``dsv2_add_norm_<tag>(r, d, w, xv, s_out, lane)``: the warp forms ``s = r + d``
+    (writing it to ``s_out`` unless null), then ``xv = w * fp16(s * rsqrt(mean(s^2) + eps))``,
+    lane ``l`` holding chunks ``l + 32 j`` (``xv[j]``: 32 fp16 values)."""
+    nch = H // _CHUNK
+    cpl = -(-nch // 32)
+    return f"""
+#ifndef DSV2_ADD_NORM_{tag}
+#define DSV2_ADD_NORM_{tag}
+__device__ __forceinline__ void dsv2_add_norm_{tag}(const half* __restrict__ r,
+    const half* __restrict__ d, const half* __restrict__ w, uint4 (&xv)[{cpl}][4],
+    half* __restrict__ s_out, int lane) {{
+  float ss = 0.f;
+#pragma unroll
+  for (int j = 0; j < {cpl}; ++j) {{
+    const int c = lane + 32 * j;
+    if (c < {nch}) {{
+      const uint4* rp = reinterpret_cast<const uint4*>(r + c * {_CHUNK});
+      const uint4* dp = reinterpret_cast<const uint4*>(d + c * {_CHUNK});
+#pragma unroll
+      for (int p = 0; p < 4; ++p) {{
+        uint4 a = rp[p], b = dp[p];
+        __half2* ah = reinterpret_cast<__half2*>(&a);
+        const __half2* bh = reinterpret_cast<const __half2*>(&b);
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {{
+          ah[k] = __hadd2(ah[k], bh[k]);
+          const float2 f = __half22float2(ah[k]);
+          ss += f.x * f.x + f.y * f.y;
+        }}
+        xv[j][p] = a;
+        if (s_out != nullptr) reinterpret_cast<uint4*>(s_out + c * {_CHUNK})[p] = a;
+      }}
+    }}
+  }}
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+  const float inv = rsqrtf(ss / {float(H)!r}f + {float(eps)!r}f);
+#pragma unroll
+  for (int j = 0; j < {cpl}; ++j) {{
+    const int c = lane + 32 * j;
+    if (c < {nch}) {{
+      const uint4* wp = reinterpret_cast<const uint4*>(w + c * {_CHUNK});
+#pragma unroll
+      for (int p = 0; p < 4; ++p) {{
+        uint4 wv = wp[p];
+        const __half2* wh = reinterpret_cast<const __half2*>(&wv);
+        __half2* xh = reinterpret_cast<__half2*>(&xv[j][p]);
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {{
+          const float2 f = __half22float2(xh[k]);
+          xh[k] = __hmul2(wh[k], __floats2half2_rn(f.x * inv, f.y * inv));
+        }}
+      }}
+    }}
+  }}
+}}
+#endif
+"""
+
+
+def _gemv_source(tag: str, H: int, N: int, G: int, tiles: NormGemvTiles) -> str:
+    """CUDA: ``dsv2_norm_gemv_<tag>(...)``: the norm prologue, then the persistent INT4 GEMV."""
+    nch = H // _CHUNK
+    cpl = -(-nch // 32)
+    W, NB = tiles.warps, tiles.blocks
+    stride = W * NB
+    return f"""
+#ifndef DSV2_NORM_GEMV_{tag}
+#define DSV2_NORM_GEMV_{tag}
+struct dsv2_ng_buf_{tag} {{
+  uint4 q[{cpl}];
+  half s[{cpl}];
+}};
+__device__ __forceinline__ void dsv2_ng_load_{tag}(dsv2_ng_buf_{tag}& b, int o, int lane,
+    const unsigned* __restrict__ qw, const half* __restrict__ qs) {{
+  const unsigned* row = qw + (long long)o * {H // 8};
+  const half* srow = qs + (long long)o * {H // G};
+#pragma unroll
+  for (int j = 0; j < {cpl}; ++j) {{
+    const int c = lane + 32 * j;
+    if (c < {nch}) {{
+      b.q[j] = reinterpret_cast<const uint4*>(row)[c];
+      b.s[j] = srow[c * {_CHUNK} / {G}];
+    }}
+  }}
+}}
+__device__ __forceinline__ void dsv2_ng_store_{tag}(const dsv2_ng_buf_{tag}& b, int o, int lane,
+    const uint4 (&xv)[{cpl}][4], half* __restrict__ yrow) {{
+  float acc = 0.f;
+#pragma unroll
+  for (int j = 0; j < {cpl}; ++j) {{
+    const int c = lane + 32 * j;
+    if (c < {nch})
+      acc += dsv2_dot32_int4_h{tiles.run}(reinterpret_cast<const unsigned*>(&b.q[j]),
+                                          reinterpret_cast<const half*>(xv[j]), b.s[j]);
+  }}
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+  if (lane == 0) yrow[o] = __float2half(acc);
+}}
+__device__ __forceinline__ void dsv2_norm_gemv_{tag}(const half* __restrict__ r,
+    const half* __restrict__ d, const half* __restrict__ nw, const unsigned* __restrict__ qw,
+    const half* __restrict__ qs, half* __restrict__ y, half* __restrict__ s_out, long long t,
+    int blk, int tid) {{
+  const int warp = tid >> 5, lane = tid & 31;
+  half* yrow = y + t * {N};
+  dsv2_ng_buf_{tag} a, b;
+  // the first two rows' weights are in flight while the warp forms the norm
+  int o = blk * {W} + warp;
+  if (o < {N}) dsv2_ng_load_{tag}(a, o, lane, qw, qs);
+  if (o + {stride} < {N}) dsv2_ng_load_{tag}(b, o + {stride}, lane, qw, qs);
+  uint4 xv[{cpl}][4];
+  const bool writer = blk == 0 && warp == 0;
+  dsv2_add_norm_{tag}(r + t * {H}, d + t * {H}, nw, xv, writer ? s_out + t * {H} : nullptr,
+                      lane);
+  while (o < {N}) {{
+    const int o1 = o + {stride};
+    dsv2_ng_store_{tag}(a, o, lane, xv, yrow);
+    if (o1 >= {N}) break;
+    const int o2 = o1 + {stride};
+    if (o2 < {N}) dsv2_ng_load_{tag}(a, o2, lane, qw, qs);
+    dsv2_ng_store_{tag}(b, o1, lane, xv, yrow);
+    if (o2 + {stride} < {N}) dsv2_ng_load_{tag}(b, o2 + {stride}, lane, qw, qs);
+    o = o2;
+  }}
+}}
+#endif
+"""
+
+
+def add_norm_gemv_q4(
+    hidden: int, out_dim: int, group: int, eps: float, tiles: NormGemvTiles = NormGemvTiles()
+) -> tirx.PrimFunc:
+    """``f(r [n, H] f16, d [n, H] f16, norm_w [H] f16, qw [N, H/8] u32, qs [N, H/g] f16) ->
+    (y [n, N] f16, s [n, H] f16)`` with ``s = r + d``, ``y = RMSNorm(s) @ W^T`` (module
+    docstring)."""
+    why = add_norm_unsupported(hidden, group)
+    if why:
+        raise ValueError(f"add_norm_gemv_q4: {why}")
+    H, N, G = hidden, out_dim, group
+    NB, THREADS = tiles.blocks, tiles.warps * 32
+    tag = f"h{H}_n{N}_g{G}_{tiles.name}_{_eps_tag(eps)}"
+    src = dot32_source(tiles.run) + _norm_source(tag, H, eps) + _gemv_source(tag, H, N, G, tiles)
+
+    @T.prim_func(private=True, s_tir=True)
+    def add_norm_gemv(var_r: T.handle, var_d: T.handle, nw: T.Buffer((H,), "float16"),
+                      qw: T.Buffer((N, H // 8), "uint32"), qs: T.Buffer((N, H // G), "float16"),
+                      var_y: T.handle, var_s: T.handle):  # fmt: skip
+        T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
+        n = T.int64()
+        r = T.match_buffer(var_r, (n, H), "float16")
+        d = T.match_buffer(var_d, (n, H), "float16")
+        y = T.match_buffer(var_y, (n, N), "float16")
+        s = T.match_buffer(var_s, (n, H), "float16")
+        for bx in T.thread_binding(n * NB, thread="blockIdx.x"):
+            for tx in T.thread_binding(THREADS, thread="threadIdx.x"):
+                with T.sblock("add_norm_gemv"):
+                    T.reads()
+                    T.writes()
+                    T.cuda.func_call(
+                        f"dsv2_norm_gemv_{tag}",
+                        T.address_of(r[0, 0]),
+                        T.address_of(d[0, 0]),
+                        T.address_of(nw[0]),
+                        T.address_of(qw[0, 0]),
+                        T.address_of(qs[0, 0]),
+                        T.address_of(y[0, 0]),
+                        T.address_of(s[0, 0]),
+                        bx // NB,
+                        T.cast(bx % NB, "int32"),
+                        T.cast(tx, "int32"),
+                        source_code=src,
+                    )
+
+    return add_norm_gemv
+
+
+def _router_source(tag: str, H: int, E: int, W: int) -> str:
+    nch = H // _CHUNK
+    cpl = -(-nch // 32)
+    return f"""
+#ifndef DSV2_NORM_ROUTER_{tag}
+#define DSV2_NORM_ROUTER_{tag}
+__device__ __forceinline__ void dsv2_norm_router_{tag}(const half* __restrict__ r,
+    const half* __restrict__ d, const half* __restrict__ nw, const float* __restrict__ gw,
+    float* __restrict__ logits, half* __restrict__ xn, half* __restrict__ s_out, long long t,
+    int blk, int tid) {{
+  const int warp = tid >> 5, lane = tid & 31;
+  // this warp's gate row is in flight while it forms the norm
+  const int e = min(blk * {W} + warp, {E - 1});
+  const float* row = gw + (long long)e * {H};
+  float4 g[{cpl}][8];
+#pragma unroll
+  for (int j = 0; j < {cpl}; ++j) {{
+    const int c = lane + 32 * j;
+    if (c < {nch}) {{
+#pragma unroll
+      for (int k = 0; k < 8; ++k) g[j][k] = reinterpret_cast<const float4*>(row + c * {_CHUNK})[k];
+    }}
+  }}
+  uint4 xv[{cpl}][4];
+  const bool writer = blk == 0 && warp == 0;
+  dsv2_add_norm_{tag}(r + t * {H}, d + t * {H}, nw, xv, writer ? s_out + t * {H} : nullptr,
+                      lane);
+  if (writer) {{
+#pragma unroll
+    for (int j = 0; j < {cpl}; ++j) {{
+      const int c = lane + 32 * j;
+      if (c < {nch}) {{
+#pragma unroll
+        for (int p = 0; p < 4; ++p)
+          reinterpret_cast<uint4*>(xn + t * {H} + c * {_CHUNK})[p] = xv[j][p];
+      }}
+    }}
+  }}
+  if (blk * {W} + warp >= {E}) return;
+  float acc = 0.f;
+#pragma unroll
+  for (int j = 0; j < {cpl}; ++j) {{
+    const int c = lane + 32 * j;
+    if (c < {nch}) {{
+      const __half2* xh = reinterpret_cast<const __half2*>(xv[j]);
+#pragma unroll
+      for (int k = 0; k < 8; ++k) {{
+        const float4 gk = g[j][k];
+        const float2 a = __half22float2(xh[2 * k]), b = __half22float2(xh[2 * k + 1]);
+        acc += a.x * gk.x + a.y * gk.y + b.x * gk.z + b.y * gk.w;
+      }}
+    }}
+  }}
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+  if (lane == 0) logits[t * {E} + e] = acc;
+}}
+#endif
+"""
+
+
+def add_norm_router(hidden: int, experts: int, eps: float, warps: int = 4) -> tirx.PrimFunc:
+    """``f(r [n, H] f16, d [n, H] f16, norm_w [H] f16, gate_w [E, H] f32) -> (logits [n, E]
+    f32, xn [n, H] f16, s [n, H] f16)`` with ``s = r + d``, ``xn = RMSNorm(s)``, ``logits = xn
+    @ gate_w^T`` in float32 (module docstring)."""
+    why = add_norm_unsupported(hidden)
+    if why:
+        raise ValueError(f"add_norm_router: {why}")
+    H, E, W = hidden, experts, warps
+    NB, THREADS = -(-E // W), W * 32
+    tag = f"h{H}_r{E}_w{W}_{_eps_tag(eps)}"
+    src = _norm_source(tag, H, eps) + _router_source(tag, H, E, W)
+
+    @T.prim_func(private=True, s_tir=True)
+    def add_norm_router(var_r: T.handle, var_d: T.handle, nw: T.Buffer((H,), "float16"),
+                        gw: T.Buffer((E, H), "float32"), var_logits: T.handle, var_xn: T.handle,
+                        var_s: T.handle):  # fmt: skip
+        T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
+        n = T.int64()
+        r = T.match_buffer(var_r, (n, H), "float16")
+        d = T.match_buffer(var_d, (n, H), "float16")
+        logits = T.match_buffer(var_logits, (n, E), "float32")
+        xn = T.match_buffer(var_xn, (n, H), "float16")
+        s = T.match_buffer(var_s, (n, H), "float16")
+        for bx in T.thread_binding(n * NB, thread="blockIdx.x"):
+            for tx in T.thread_binding(THREADS, thread="threadIdx.x"):
+                with T.sblock("add_norm_router"):
+                    T.reads()
+                    T.writes()
+                    T.cuda.func_call(
+                        f"dsv2_norm_router_{tag}",
+                        T.address_of(r[0, 0]),
+                        T.address_of(d[0, 0]),
+                        T.address_of(nw[0]),
+                        T.address_of(gw[0, 0]),
+                        T.address_of(logits[0, 0]),
+                        T.address_of(xn[0, 0]),
+                        T.address_of(s[0, 0]),
+                        bx // NB,
+                        T.cast(bx % NB, "int32"),
+                        T.cast(tx, "int32"),
+                        source_code=src,
+                    )
+
+    return add_norm_router

@@ -1,0 +1,179 @@
+"""Greedy decoding on the device: ``Engine.decode_greedy`` and its callers (CPU, tiny models).
+
+The device arg-max (the model's ``greedy_tokens``) must pick exactly ``decode(...).argmax(-1)``
+for one and several sequences, leave the KV cache as ``decode`` does, ride in the decode step's
+CUDA graph (here a recording stand-in for :class:`DecodeGraphs`), and fall back to the host for
+builds without it. Greedy generation goes through it (and through logits when a repetition
+penalty needs them); generation against HF is ``test_e2e_hf.py``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import PROMPT
+
+from dsv2_mlc.runtime.device import to_numpy
+from dsv2_mlc.runtime.sampling import SamplingParams
+
+
+def _prefilled(eng, prompts: list[list[int]]) -> tuple[list[int], np.ndarray]:
+    seqs = [eng.add_sequence() for _ in prompts]
+    logits = np.stack(eng.prefill(seqs, prompts))
+    return seqs, logits.argmax(-1)
+
+
+def _prompts(n: int) -> list[list[int]]:
+    return [PROMPT[i:] + PROMPT[:i] for i in range(n)]
+
+
+@pytest.mark.parametrize("name", ["A", "B"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_decode_greedy_equals_host_argmax_of_decode(name, batch, engines):
+    eng = engines[name]
+    assert eng.has_device_greedy
+    a, tok_a = _prefilled(eng, _prompts(batch))
+    b, tok_b = _prefilled(eng, _prompts(batch))
+    try:
+        for _ in range(6):
+            logits = eng.decode(a, tok_a.tolist())
+            tokens = eng.decode_greedy(b, tok_b.tolist())
+            assert tokens.dtype == np.int64 and tokens.shape == (batch,)
+            np.testing.assert_array_equal(tokens, logits.argmax(-1))
+            tok_a, tok_b = logits.argmax(-1), tokens
+        # both paths appended the same tokens: the caches agree
+        assert [eng.sequence_length(s) for s in a] == [eng.sequence_length(s) for s in b]
+        np.testing.assert_array_equal(eng.decode(a, tok_a.tolist()), eng.decode(b, tok_b.tolist()))
+    finally:
+        for s in a + b:
+            eng.remove_sequence(s)
+
+
+def test_decode_greedy_splits_large_batches_like_decode(compiled):
+    from dsv2_mlc.runtime.engine import MAX_DECODE_GROUP, Engine
+
+    n = MAX_DECODE_GROUP + 2
+    eng = Engine(compiled["A"], context_window=32, max_batch_size=n)
+    seqs, tokens = _prefilled(eng, [PROMPT[: 1 + i % 5] for i in range(n)])
+    ref = eng.decode(seqs, tokens.tolist()).argmax(-1)
+    for s in seqs:
+        eng.popn(s, 1)
+    np.testing.assert_array_equal(eng.decode_greedy(seqs, tokens.tolist()), ref)
+
+
+def test_greedy_tokens_is_np_argmax_on_given_logits(engines):
+    from dsv2_mlc.runtime.device import to_device
+
+    eng = engines["A"]
+    vocab = eng.config.vocab_size
+    x = np.random.default_rng(0).standard_normal((4, 1, vocab)).astype(np.float32)
+    x[1, 0, [3, 9, 400]] = 50.0  # a tie: the lowest id
+    x[2, 0, [7, 11]] = np.nan  # a NaN wins, the first one
+    out = to_numpy(eng._greedy(to_device(x, "cpu")))
+    np.testing.assert_array_equal(out, x[:, 0].argmax(-1))
+
+
+class _RecordingGraphs:
+    """Stands in for :class:`DecodeGraphs` (which needs a GPU): runs ``call`` eagerly, records
+    the keys and the outputs, and checks them with ``same`` as a first replay would."""
+
+    def __init__(self) -> None:
+        self.keys: list[tuple] = []
+        self.outs: list = []
+        self.stats: dict[str, float] = {}
+
+    def run(self, key, ids, call, to_device, write, same=None):
+        ids_t = to_device(ids)
+        write(ids_t, ids)
+        out = call(ids_t)
+        assert same is not None and same(out, out)
+        self.keys.append(key)
+        self.outs.append(out)
+        return out
+
+
+def test_greedy_step_runs_in_one_graph_call_with_its_own_key(compiled):
+    from dsv2_mlc.runtime.engine import Engine
+
+    eng = Engine(compiled["B"], context_window=64, max_batch_size=2)
+    graphs = eng._graphs = _RecordingGraphs()
+    seqs, tokens = _prefilled(eng, _prompts(2))
+    logits = eng.decode(seqs, tokens.tolist())
+    for s in seqs:
+        eng.popn(s, 1)
+    picked = eng.decode_greedy(seqs, tokens.tolist())
+    plain, greedy = graphs.keys
+    assert greedy == (*plain, "greedy")  # a greedy graph never replays a logits-only one
+    out = graphs.outs[1]
+    assert len(out) == 2  # logits first (the replay check), then the tokens
+    np.testing.assert_array_equal(to_numpy(out[0]).reshape(2, -1), logits)
+    np.testing.assert_array_equal(to_numpy(out[1]), picked)
+    np.testing.assert_array_equal(picked, logits.argmax(-1))
+
+
+def test_builds_without_the_kernel_fall_back_to_the_host(compiled, monkeypatch):
+    from dsv2_mlc.runtime.engine import Engine
+
+    eng = Engine(compiled["A"], context_window=64)
+    ref = eng.generate(PROMPT, 6, stop_token_ids=[]).token_ids
+    monkeypatch.setattr(eng, "_greedy", None)  # as a build compiled before greedy_tokens
+    assert not eng.has_device_greedy
+    seqs, tokens = _prefilled(eng, _prompts(2))
+    logits = eng.decode(seqs, tokens.tolist())
+    for s in seqs:
+        eng.popn(s, 1)
+    np.testing.assert_array_equal(eng.decode_greedy(seqs, tokens.tolist()), logits.argmax(-1))
+    assert eng.generate(PROMPT, 6, stop_token_ids=[]).token_ids == ref
+
+
+def _spy(eng, monkeypatch) -> dict[str, int]:
+    calls = {"decode": 0, "decode_greedy": 0}
+    for name in calls:
+        real = getattr(eng, name)
+
+        def counted(*args, _real=real, _name=name, **kwargs):
+            calls[_name] += 1
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(eng, name, counted)
+    return calls
+
+
+def test_greedy_generation_picks_on_the_device_with_the_same_tokens(compiled, monkeypatch):
+    from dsv2_mlc.runtime.engine import Engine
+
+    eng = Engine(compiled["A"], context_window=64)
+    seq, tokens = _prefilled(eng, [PROMPT])
+    host = [int(tokens[0])]
+    for _ in range(7):
+        host.append(int(eng.decode(seq, [host[-1]])[0].argmax()))
+    eng.remove_sequence(seq[0])
+    calls = _spy(eng, monkeypatch)
+    assert eng.generate(PROMPT, 8, stop_token_ids=[]).token_ids == host
+    assert calls == {"decode": 0, "decode_greedy": 7}
+
+
+@pytest.mark.parametrize(
+    "params",
+    [SamplingParams(repetition_penalty=1.3), SamplingParams(temperature=0.7, seed=1)],
+    ids=["penalty", "sampled"],
+)
+def test_generation_that_needs_logits_keeps_the_logits_path(params, compiled, monkeypatch):
+    from dsv2_mlc.runtime.engine import Engine
+
+    eng = Engine(compiled["A"], context_window=64)
+    calls = _spy(eng, monkeypatch)
+    eng.generate(PROMPT, 5, stop_token_ids=[], sampling=params)
+    assert calls == {"decode": 4, "decode_greedy": 0}
+
+
+def test_only_plain_greedy_goes_without_logits():
+    from dsv2_mlc.runtime.sampling import Sampler
+
+    def needs(**kw) -> bool:
+        return Sampler(SamplingParams(**kw), 16).needs_logits
+
+    assert not needs() and not needs(top_k=5, top_p=0.5)  # temperature 0: top-k/p change nothing
+    assert needs(repetition_penalty=1.1) and needs(temperature=0.5)
+    sampler = Sampler(SamplingParams(repetition_penalty=2.0), 16)
+    assert sampler.accept(np.int64(3)) == 3 and sampler._seen[3]  # the penalty will see it
