@@ -196,6 +196,9 @@ __device__ __forceinline__ void dsv2_route_{tag}(const float* __restrict__ lg,
     p[i] = p[i] / s;
     if (lane + 32 * i < {E}) sp[lane + 32 * i] = p[i];
   }}
+  // slots no rank fills (NaN scores break the order) keep expert 0 with weight 0, as the CPU
+  // router would pick expert 0: never an uninitialised id
+  if (lane < {K}) {{ ids[lane] = 0; w[lane] = 0.f; }}
   __syncwarp();{group_limit}
   int rank[{npl}];
 #pragma unroll
@@ -242,7 +245,8 @@ def route_warp_source(
     if TG < G and G > 32:
         raise ValueError(f"the warp router ranks at most 32 groups, not {G}")
     renorm = norm_topk_prob and top_k > 1
-    scale_tag = f"{routed_scaling_factor:.6g}".replace(".", "p").replace("-", "m")
+    scale_tag = repr(float(routed_scaling_factor)).replace(".", "p").replace("-", "m")
+    scale_tag = scale_tag.replace("+", "")  # the exact constant: kernels differ by their name
     tag = f"e{num_experts}_k{top_k}_g{G}_t{TG}_{'n' if renorm else 's' + scale_tag}"
     src = _route_warp_source(tag, num_experts, top_k, G, TG, renorm, float(routed_scaling_factor))
     return f"dsv2_route_{tag}", src

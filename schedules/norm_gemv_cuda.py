@@ -58,7 +58,7 @@ def add_norm_unsupported(hidden: int, group: int | None = None) -> str | None:
 
 
 def _eps_tag(eps: float) -> str:
-    return "e" + f"{eps:.4g}".replace(".", "p").replace("-", "m").replace("+", "")
+    return "e" + repr(float(eps)).replace(".", "p").replace("-", "m").replace("+", "")
 
 
 def _norm_source(tag: str, H: int, eps: float) -> str:

@@ -1,15 +1,15 @@
 """The pipelined MLA split block (``mla_cuda_helpers.pipe_source``) run on the CPU, no GPU.
 
-The device function is compiled as C++20 with g++ (``half`` = ``_Float16``), one ``std::thread``
-per CUDA thread, with CPU emulations of its seven PTX primitives swapped in:
-``mma.sync.m16n8k16`` (the PTX fragment layouts), ``ldmatrix`` (x4, x4.trans, x2.trans),
-``cp.async`` (16-byte copies, zero-fill) with commit/wait groups, plus ``__syncthreads`` and
-``__shfl_xor_sync`` as barriers. ``cp.async`` copies land either at issue ("early") or only at
-the ``wait_group`` that must cover them ("late"), the two ends of what the hardware may do, so a
-wrong ring-buffer index or wait count shows up as a wrong result. Every block of a few rows
-(empty, one key, page edges, several splits) is run, the partial states are merged as the merge
-kernel does, and out/lse are checked against a float64 softmax. Shared memory starts as NaN and
-the page rows past the visible length are NaN, so reads of unwritten data show.
+The device function is compiled as C++20 with g++ (``half`` = ``_Float16``, the types of
+``tests/cuda_emulation.py``), one ``std::thread`` per CUDA thread, with CPU emulations of its
+seven PTX primitives swapped in: ``mma.sync.m16n8k16`` (the PTX fragment layouts), ``ldmatrix``
+(x4, x4.trans, x2.trans), ``cp.async`` (16-byte copies, zero-fill) with commit/wait groups, plus
+``__syncthreads`` and ``__shfl_xor_sync`` as barriers. ``cp.async`` copies land either at issue
+("early") or only at the ``wait_group`` that must cover them ("late"), the two ends of what the
+hardware may do, so a wrong ring-buffer index or wait count shows up as a wrong result. Every
+block of a few rows (empty, one key, page edges, several splits) is run, the partial states are
+merged as the merge kernel does, and out/lse are checked against a float64 softmax. Shared memory
+starts as NaN and the page rows past the visible length are NaN, so reads of unwritten data show.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -24,28 +25,13 @@ import pytest
 
 from dsv2_mlc.schedules.mla_cuda_helpers import P, pipe_shared_halves, pipe_source
 
+sys.path.insert(0, str(Path(__file__).parent))
+from cuda_emulation import TYPES, compile_cpp  # noqa: E402
+
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ (C++20)")
 H = 16  # heads per block (the pipelined path's only shape)
 
 _PRELUDE = r"""
-#include <barrier>
-#include <cmath>
-#include <cstdint>
-#include <cstdio>
-#include <cstdlib>
-#include <cstring>
-#include <string>
-#include <thread>
-#include <vector>
-#define __device__
-#define __forceinline__ inline
-typedef _Float16 half;
-struct __half2 { half x, y; };
-struct float2 { float x, y; };
-static inline float2 make_float2(float a, float b) { return {a, b}; }
-static inline half __float2half_rn(float f) { return (half)f; }
-static inline __half2 __floats2half2_rn(float a, float b) { return {(half)a, (half)b}; }
-
 struct Block {
   std::barrier<>* bar;
   std::barrier<>* wbar[8];
@@ -218,21 +204,15 @@ def _build(tmp: Path, d: int, dl: int, stages: int) -> Path:
 
     tag = "emu"
     src = (
-        _PRELUDE
+        TYPES
+        + _PRELUDE
         + Template(_PRIMS).substitute(tag=tag, wait=stages - 2)
         + pipe_source(tag, d, dl, stages, prims=False)
         + Template(_MAIN).substitute(
             tag=tag, d=d, dl=dl, smem_halves=pipe_shared_halves(d, stages), scale=f"{SCALE}f"
         )
     )
-    (tmp / "emu.cpp").write_text(src)
-    exe = tmp / "emu"
-    subprocess.run(
-        ["g++", "-std=c++20", "-O1", "-pthread", "-fno-strict-aliasing", "-w", "-o", exe,
-         tmp / "emu.cpp"],
-        check=True,
-    )  # fmt: skip
-    return exe
+    return compile_cpp(src, tmp / "emu")
 
 
 def _plan(n_vis: list[int], min_pps: int, smax: int) -> tuple[list, list, int]:

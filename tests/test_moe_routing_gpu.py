@@ -2,7 +2,8 @@
 
 Its numerics are checked on the H200 end to end (scripts/gpu_numerics.py: config A is greedy,
 config B group-limited, 32 greedy tokens against HF float32; docs/gpu-numerics.md); the CPU
-router, the same steps serially, is checked against HF and NumPy in the CPU tests.
+router, the same steps serially, is checked against HF and NumPy in the CPU tests, and this
+kernel's CUDA source on the CPU against NumPy in ``tests/test_moe_decode_emulation.py``.
 """
 
 from __future__ import annotations

@@ -1,0 +1,379 @@
+"""CUDA kernels run on the CPU, for tests without a GPU (imported by the ``*_emulation`` tests).
+
+CUDA C++ (TVM's generated source, or a hand device function) is compiled as C++20 by g++:
+``half`` is ``_Float16``, a thread block is one ``std::thread`` per CUDA thread, blocks run one
+after another. :data:`TYPES` holds the thread-free part (CUDA's vector types, the fp16 / half2
+intrinsics used by our kernels, each rounded once to fp16 as the hardware does: computed exactly
+in double, then converted), :data:`THREADS` the rest: ``__syncthreads`` is a ``std::barrier`` of
+the block, every warp collective (``__syncwarp``, ``__shfl_sync``, ``__shfl_xor_sync``,
+``__shfl_down_sync``, ``__ballot_sync``; full-warp masks only) a barrier of the warp's 32
+threads around an exchange of the lanes' values; ``__nanosleep`` sleeps 1 ms (and is counted),
+``__threadfence_block`` is a sequentially consistent fence. ``__shared__`` variables become
+function statics, filled with 0xff bytes (NaN halves and floats, -1 integers) before every block,
+so a read of shared memory the block has not written shows. The threads are kept from one block to
+the next (a barrier between blocks).
+
+:func:`emulate` builds a TVM PrimFunc for CUDA, takes the generated source (nvcc checks it too),
+compiles it with AddressSanitizer into an executable that runs the grid, and returns a launcher:
+the arrays go through files, so an out-of-bounds access (ASan) or a deadlock (the timeout) fails
+the test instead of taking pytest down. Emulation limits: one-dimensional blocks and grids, no
+inline PTX, no dynamic shared memory, warp collectives over the whole warp only, and the threads
+of a warp are not in lockstep (code that relies on implicit warp synchronisation, without
+``__syncwarp``, is not modelled); the OS scheduler, not the GPU's, decides the interleaving
+(``slow_warp``: that warp sleeps 5 ms at its first collective in every block, so that the
+others run ahead of it).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:  # (tvm is imported when a kernel is built: after the CUDA codegen setup)
+    import tvm
+
+TYPES = r"""
+#include <algorithm>
+#include <atomic>
+#include <barrier>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <type_traits>
+#include <vector>
+#define __device__
+#define __host__
+#define __global__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+#define __align__(n) alignas(n)
+typedef _Float16 half;
+typedef _Float16 __half;
+typedef unsigned int uint;
+struct alignas(4) __half2 { half x, y; };
+struct alignas(8) float2 { float x, y; };
+struct alignas(16) float4 { float x, y, z, w; };
+struct alignas(8) uint2 { unsigned x, y; };
+struct alignas(16) uint4 { unsigned x, y, z, w; };
+static inline float2 make_float2(float a, float b) { return {a, b}; }
+static inline half __float2half(float f) { return (half)f; }
+static inline half __float2half_rn(float f) { return (half)f; }
+static inline float __half2float(half h) { return (float)h; }
+static inline __half2 __floats2half2_rn(float a, float b) { return {(half)a, (half)b}; }
+static inline float2 __half22float2(__half2 h) { return {(float)h.x, (float)h.y}; }
+// one rounding to fp16 of the exact result (double holds fp16 sums and products exactly)
+static inline half emu_h(double v) { return (half)v; }
+static inline __half2 __hadd2(__half2 a, __half2 b) {
+  return {emu_h((double)a.x + b.x), emu_h((double)a.y + b.y)};
+}
+static inline __half2 __hsub2(__half2 a, __half2 b) {
+  return {emu_h((double)a.x - b.x), emu_h((double)a.y - b.y)};
+}
+static inline __half2 __hmul2(__half2 a, __half2 b) {
+  return {emu_h((double)a.x * b.x), emu_h((double)a.y * b.y)};
+}
+static inline __half2 __hfma2(__half2 a, __half2 b, __half2 c) {
+  return {emu_h((double)a.x * b.x + c.x), emu_h((double)a.y * b.y + c.y)};
+}
+static inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
+  const uint64_t v = ((uint64_t)y << 32) | x;
+  unsigned r = 0;
+  for (int i = 0; i < 4; ++i) r |= (unsigned)((v >> (8 * ((s >> (4 * i)) & 7))) & 0xff) << (8 * i);
+  return r;
+}
+static inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
+static inline float emu_expf(float x) { return std::exp(x); }
+#define __expf(x) emu_expf(x)  // (glibc declares an __expf of its own)
+static inline float __fdividef(float a, float b) { return a / b; }
+template <class T> static inline T __ldg(const T* p) { return *p; }
+template <class A, class B> static inline std::common_type_t<A, B> min(A a, B b) {
+  return a < b ? a : b;
+}
+template <class A, class B> static inline std::common_type_t<A, B> max(A a, B b) {
+  return a < b ? b : a;
+}
+"""
+
+THREADS = r"""
+struct dim3_ { unsigned x = 0, y = 0, z = 0; };
+thread_local dim3_ threadIdx, blockIdx;
+thread_local bool t_first_collective;
+static dim3_ blockDim, gridDim;
+static std::barrier<>* g_block_bar;
+static std::barrier<>* g_warp_bar[32];
+static uint64_t g_lane_val[1024];
+static int g_slow_warp = -1;
+static std::atomic<long long> g_naps{0};
+struct EmuRegion { void* p; size_t n; };
+static std::vector<EmuRegion> g_shared;
+static void emu_fail(const char* what) { fprintf(stderr, "emulation: %s\n", what); std::abort(); }
+// a __shared__ variable's first use: fill it (once; later blocks are filled by emu_run_grid)
+static bool emu_shared(void* p, size_t n) {
+  memset(p, 0xff, n);
+  g_shared.push_back({p, n});
+  return true;
+}
+static inline void __syncthreads() { g_block_bar->arrive_and_wait(); }
+static inline void __threadfence_block() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+static inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+// 1 ms whatever the argument: a spinning thread must leave the CPU to the threads it waits for
+static inline void __nanosleep(unsigned) {
+  ++g_naps;
+  std::this_thread::sleep_for(std::chrono::microseconds(1000));
+}
+static inline void __syncwarp(unsigned mask = 0xffffffffu) {
+  if (mask != 0xffffffffu) emu_fail("partial-warp mask");
+  if (t_first_collective && (int)(threadIdx.x >> 5) == g_slow_warp)
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  t_first_collective = false;
+  g_warp_bar[threadIdx.x >> 5]->arrive_and_wait();
+}
+template <class T> static inline T emu_shfl(unsigned mask, T v, int src) {
+  static_assert(sizeof(T) <= 8);
+  const unsigned t = threadIdx.x;
+  memcpy(&g_lane_val[t], &v, sizeof(T));
+  __syncwarp(mask);
+  T r;
+  memcpy(&r, &g_lane_val[(t & ~31u) | (src & 31)], sizeof(T));
+  __syncwarp(mask);
+  return r;
+}
+template <class T> static inline T __shfl_sync(unsigned mask, T v, int src, int width = 32) {
+  if (width != 32) emu_fail("shfl width");
+  return emu_shfl(mask, v, src);
+}
+template <class T> static inline T __shfl_xor_sync(unsigned mask, T v, int o, int width = 32) {
+  if (width != 32) emu_fail("shfl width");
+  return emu_shfl(mask, v, (int)(threadIdx.x & 31) ^ o);
+}
+template <class T> static inline T __shfl_down_sync(unsigned mask, T v, unsigned d, int w = 32) {
+  if (w != 32) emu_fail("shfl width");
+  const int lane = threadIdx.x & 31;
+  return emu_shfl(mask, v, lane + (int)d < 32 ? lane + (int)d : lane);
+}
+static inline unsigned __ballot_sync(unsigned mask, int pred) {
+  const unsigned t = threadIdx.x;
+  g_lane_val[t] = pred != 0;
+  __syncwarp(mask);
+  unsigned r = 0;
+  for (unsigned l = 0; l < 32 && (t & ~31u) + l < blockDim.x; ++l)
+    r |= (unsigned)g_lane_val[(t & ~31u) + l] << l;
+  __syncwarp(mask);
+  return r;
+}
+// the grid, block after block, on one std::thread per thread of a block (kept across blocks)
+template <class F> static void emu_run_grid(long long grid, int threads, F call) {
+  std::barrier<> bar(threads);
+  std::vector<std::barrier<>*> warps;
+  for (int w = 0; w * 32 < threads; ++w)
+    warps.push_back(g_warp_bar[w] = new std::barrier<>(std::min(32, threads - 32 * w)));
+  g_block_bar = &bar;
+  auto refill = []() noexcept { for (const EmuRegion& r : g_shared) memset(r.p, 0xff, r.n); };
+  std::barrier<decltype(refill)> next(threads, refill);
+  std::vector<std::thread> ts;
+  for (int t = 0; t < threads; ++t)
+    ts.emplace_back([&, t]() {
+      threadIdx.x = t;
+      for (long long b = 0; b < grid; ++b) {
+        blockIdx.x = b;
+        t_first_collective = true;
+        call();
+        next.arrive_and_wait();
+      }
+    });
+  for (auto& th : ts) th.join();
+  for (auto* w : warps) delete w;
+}
+"""
+
+_MAIN = r"""
+// argv: dir grid slow_warp scalars...; buffer i is the file dir/a<i>, read and written back
+int main(int argc, char** argv) {
+  if (argc != 4 + $n_scalars) emu_fail("arguments");
+  const std::string dir = argv[1];
+  const long long grid = atoll(argv[2]);
+  g_slow_warp = atoi(argv[3]);
+  long long s[$n_scalars + 1];
+  for (int i = 0; i < $n_scalars; ++i) s[i] = atoll(argv[4 + i]);
+  void* a[$n_buffers + 1];
+  size_t bytes[$n_buffers + 1];
+  for (int i = 0; i < $n_buffers; ++i) {
+    const std::string path = dir + "/a" + std::to_string(i);
+    FILE* f = fopen(path.c_str(), "rb");
+    if (!f) emu_fail("open buffer");
+    fseek(f, 0, SEEK_END);
+    bytes[i] = ftell(f);
+    fseek(f, 0, SEEK_SET);
+    if (posix_memalign(&a[i], 64, bytes[i] ? bytes[i] : 1)) emu_fail("alloc");
+    if (fread(a[i], 1, bytes[i], f) != bytes[i]) emu_fail("read buffer");
+    fclose(f);
+  }
+  blockDim.x = $threads;
+  gridDim.x = grid;
+  emu_run_grid(grid, $threads, [&]() { $call; });
+  for (int i = 0; i < $n_buffers; ++i) {
+    FILE* f = fopen((dir + "/a" + std::to_string(i)).c_str(), "wb");
+    fwrite(a[i], 1, bytes[i], f);
+    fclose(f);
+    free(a[i]);
+  }
+  printf("emu: nanosleep %lld\n", g_naps.load());
+  return 0;
+}
+"""
+
+
+def compile_cpp(source: str, out: Path, *, shared: bool = False, sanitize: bool = False) -> Path:
+    """Compile C++20 ``source`` with g++ into ``out`` (an executable, or a shared library)."""
+    out.with_suffix(".cpp").write_text(source)
+    flags = ["-std=c++20", "-O1", "-pthread", "-fno-strict-aliasing", "-w"]
+    if shared:
+        flags += ["-shared", "-fPIC"]
+    if sanitize:
+        flags += ["-fsanitize=address", "-fno-omit-frame-pointer"]
+    cmd = ["g++", *flags, "-o", str(out), str(out.with_suffix(".cpp"))]
+    run = subprocess.run(cmd, capture_output=True, text=True)
+    if run.returncode:
+        raise AssertionError(f"g++ failed on {out.with_suffix('.cpp')}:\n{run.stderr[-4000:]}")
+    return out
+
+
+def cuda_source(func: tvm.tirx.PrimFunc) -> str:
+    """TVM's CUDA source of ``func`` built for sm_90 (the project's CUDA codegen, nvcc)."""
+    import tvm
+
+    from dsv2_mlc.compiler.cuda import cuda_codegen, make_cuda_target
+
+    target = make_cuda_target("sm_90")
+    with cuda_codegen(), target:
+        exe = tvm.compile(tvm.IRModule({"p": func.with_attr("global_symbol", "p")}), target)
+    return exe.mod.imports_[0].inspect_source("cuda")
+
+
+_HEADER_END = "#define ushort unsigned short\n#endif\n"  # the last lines of TVM's CUDA header
+_KERNEL = re.compile(r'extern "C" __global__ void __launch_bounds__\((\d+)\) (\w+)\(([^)]*)\) \{')
+_SHARED = re.compile(r"__shared__\s+((?:alignas|__align__)\(\d+\)\s+)?([^;=]+?)\s*;")
+
+
+def _statics(body: str) -> str:
+    """``__shared__`` declarations as function statics registered for the 0xff fill."""
+
+    def one(m: re.Match) -> str:
+        decl = m.group(2)
+        name = re.fullmatch(r"[\w:<>, ]+?\s*\b(\w+)\s*(\[[^;]*\])?", decl)
+        assert name, f"unexpected __shared__ declaration: {m.group(0)}"
+        var = name.group(1)
+        return (
+            f"{m.group(1) or ''}static {decl}; static const bool emu_shared_{var}_{m.start()} = "
+            f"emu_shared(&{var}, sizeof {var});"
+        )
+
+    return _SHARED.sub(one, body)
+
+
+@dataclass
+class Emulated:
+    """A CUDA kernel compiled for the CPU: ``threads`` per block, its pointer parameters
+    (``buffers``, TVM's names without ``_ptr``) and scalar ones (``scalars``)."""
+
+    exe: Path
+    threads: int
+    buffers: list[str]
+    scalars: list[str]
+
+    def __call__(
+        self,
+        grid: int,
+        arrays: dict[str, np.ndarray],
+        *scalars: int,
+        slow_warp: int = -1,
+        timeout: float = 300,
+    ) -> dict[str, int]:
+        """Run ``grid`` blocks on ``arrays`` (by buffer name; contiguous, updated in place) and
+        the scalar arguments; returns counters (``nanosleep``: ``__nanosleep`` calls)."""
+        assert len(scalars) == len(self.scalars), f"scalars {self.scalars}"
+        work = self.exe.parent / f"{self.exe.name}.io"
+        work.mkdir(exist_ok=True)
+        for i, name in enumerate(self.buffers):
+            assert arrays[name].flags.c_contiguous, name
+            arrays[name].tofile(work / f"a{i}")
+        env = {**os.environ, "ASAN_OPTIONS": "detect_leaks=0"}
+        args = [str(self.exe), str(work), str(grid), str(slow_warp), *map(str, scalars)]
+        run = subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=env)
+        assert run.returncode == 0, f"emulated kernel failed ({run.returncode}):\n{run.stderr}"
+        for i, name in enumerate(self.buffers):
+            arr = arrays[name]
+            arr[...] = np.fromfile(work / f"a{i}", arr.dtype).reshape(arr.shape)
+        stats = [line.split()[1:] for line in run.stdout.splitlines() if line.startswith("emu: ")]
+        return {k: int(v) for k, v in stats}
+
+
+def emulate(
+    func: tvm.tirx.PrimFunc, tmp_path: Path, name: str = "kernel", *, sanitize: bool = True
+) -> Emulated:
+    """Build ``func`` (one CUDA kernel) with TVM and compile its source for the CPU, as
+    ``tmp_path / name`` (with AddressSanitizer unless ``sanitize`` is False)."""
+    from string import Template
+
+    src = cuda_source(func)
+    assert _HEADER_END in src, "TVM's CUDA header changed: update cuda_emulation._HEADER_END"
+    body = src[src.index(_HEADER_END) + len(_HEADER_END) :]
+    kernels = list(_KERNEL.finditer(body))
+    assert len(kernels) == 1, f"expected one kernel, found {len(kernels)}"
+    assert not re.search(r"\basm\b|extern __shared__", body), "inline PTX / dynamic shared memory"
+    head = kernels[0]
+    params = [p.strip() for p in head.group(3).split(",")]
+    buffers, scalars, args = [], [], []
+    for p in params:
+        pname = p.split()[-1]
+        if "*" in p:
+            args.append(f"({p.split('*')[0].strip()}*)a[{len(buffers)}]")
+            buffers.append(pname.removesuffix("_ptr"))
+        else:
+            args.append(f"({p.rsplit(maxsplit=1)[0]})s[{len(scalars)}]")
+            scalars.append(pname)
+    threads = int(head.group(1))
+    main = Template(_MAIN).substitute(
+        n_scalars=len(scalars),
+        n_buffers=len(buffers),
+        threads=threads,
+        call=f"{head.group(2)}({', '.join(args)})",
+    )
+    exe = compile_cpp(TYPES + THREADS + _statics(body) + main, tmp_path / name, sanitize=sanitize)
+    return Emulated(exe, threads, buffers, scalars)
+
+
+def random_int4(
+    rng: np.random.Generator, rows: tuple[int, ...], k: int, group: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A random INT4 group weight ``[*rows, k]`` as ``passes/quantize_int4.py`` stores it:
+    (packed ``[*rows, k / 8]`` uint32, nibble ``i`` of word ``j`` element ``8 j + i``; fp16
+    scales ``[*rows, k / group]``; the float64 values ``(q - 8) * scale[k // group]``). The
+    scales vary by a factor 3 between groups and are sized for dot products of order 1 with
+    standard normal activations."""
+    q = rng.integers(0, 16, (*rows, k), dtype=np.uint32)
+    scale = (rng.uniform(0.5, 1.5, (*rows, k // group)) / (4.6 * np.sqrt(k))).astype(np.float16)
+    packed = np.zeros((*rows, k // 8), np.uint32)
+    for i in range(8):
+        packed |= q[..., i::8] << np.uint32(4 * i)
+    values = (q.astype(np.float64) - 8) * np.repeat(scale.astype(np.float64), group, axis=-1)
+    return packed, scale, values
+
+
+def rel_l2(got: np.ndarray, ref: np.ndarray) -> float:
+    """``|got - ref| / |ref|`` (L2, float64); NaN anywhere in ``got`` gives infinity."""
+    got = np.asarray(got, np.float64)
+    if np.isnan(got).any():
+        return float("inf")
+    return float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
