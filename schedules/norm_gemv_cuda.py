@@ -2,17 +2,19 @@
 
 At batch 1 every decoder layer ran ``s = residual + delta; y = RMSNorm(s)`` as its own kernel
 twice (``fused_add_rms_norm_rows``, 2.1 us each on the H200, a launch each) right before a GEMV
-that reads ``y``. A whole row of ``H`` fp16 values is what one warp's lanes hold anyway when they
-reduce a GEMV row (lane ``l`` owns the 32-element chunks ``l, l + 32, ...``), so every warp can
-form ``s``, its sum of squares (a warp reduction) and ``y`` in registers from 2-3 reads of
-``4 H`` bytes that L2 serves, with no block barrier. Two kernels do this:
+that reads ``y``. The norm of one row is cheap to form again wherever it is read:
 
 * :func:`add_norm_gemv_q4`: ``y = RMSNorm(r + d) @ W^T`` for an INT4 group weight ``W [N, H]``
-  (the attention's fused ``qkv_a_proj``), a persistent grid of warps each taking every
-  ``blocks * warps``-th output row, two rows in flight (as ``moe_decode_cuda``'s gate/up kernel);
-  also writes ``s`` (the next residual).
+  (the attention's fused ``qkv_a_proj``). Each block forms ``s`` and its norm once into shared
+  memory (the first two rows' weights already loading), then a persistent grid of warps takes
+  every ``blocks * warps``-th output row, two rows in flight (as ``moe_decode_cuda``'s gate/up
+  kernel); block 0 also writes ``s`` (the next residual). A first version formed the norm in
+  every warp's registers: 2112 warps x 12 KB of L2 reads made it 6.1 us, no faster than the two
+  kernels it replaced.
 * :func:`add_norm_router`: the MoE router's float32 logits ``RMSNorm(r + d) @ G^T`` (``G [E,
-  H]`` float32), a warp per expert; also writes ``s`` and the normalised row (the experts' input).
+  H]`` float32), a warp per expert, each forming the norm in its registers (lane ``l`` holds the
+  32-element chunks ``l, l + 32, ...`` of the row, so a warp reduction gives the sum of squares;
+  64 warps at V2-Lite); also writes ``s`` and the normalised row (the experts' input).
 
 Numerics as the fused add + RMSNorm they replace (``passes/fuse_add_rms_norm.py``): ``s`` is the
 fp16 sum, the sum of squares float32, ``y = w * fp16(s * rsqrt(mean(s^2) + eps))`` in fp16; the
@@ -122,8 +124,9 @@ __device__ __forceinline__ void dsv2_add_norm_{tag}(const half* __restrict__ r,
 """
 
 
-def _gemv_source(tag: str, H: int, N: int, G: int, tiles: NormGemvTiles) -> str:
-    """CUDA: ``dsv2_norm_gemv_<tag>(...)``: the norm prologue, then the persistent INT4 GEMV."""
+def _gemv_source(tag: str, H: int, N: int, G: int, eps: float, tiles: NormGemvTiles) -> str:
+    """CUDA: ``dsv2_norm_gemv_<tag>(...)``: the block's add + RMSNorm into shared memory, then
+    the persistent INT4 GEMV."""
     nch = H // _CHUNK
     cpl = -(-nch // 32)
     W, NB = tiles.warps, tiles.blocks
@@ -166,17 +169,65 @@ __device__ __forceinline__ void dsv2_norm_gemv_{tag}(const half* __restrict__ r,
     const half* __restrict__ d, const half* __restrict__ nw, const unsigned* __restrict__ qw,
     const half* __restrict__ qs, half* __restrict__ y, half* __restrict__ s_out, long long t,
     int blk, int tid) {{
+  // the block forms s = r + d and its norm once, in shared memory (16-byte piece p of chunk c
+  // at 4 c + (p ^ ((c >> 1) & 3)), so that lanes reading consecutive chunks miss no bank)
+  __shared__ __align__(16) uint4 xs[{H // 8}];
+  __shared__ float red[{W}];
   const int warp = tid >> 5, lane = tid & 31;
   half* yrow = y + t * {N};
   dsv2_ng_buf_{tag} a, b;
-  // the first two rows' weights are in flight while the warp forms the norm
+  // the first two rows' weights are in flight while the block forms the norm
   int o = blk * {W} + warp;
   if (o < {N}) dsv2_ng_load_{tag}(a, o, lane, qw, qs);
   if (o + {stride} < {N}) dsv2_ng_load_{tag}(b, o + {stride}, lane, qw, qs);
+  const uint4* rrow = reinterpret_cast<const uint4*>(r + t * {H});
+  const uint4* drow = reinterpret_cast<const uint4*>(d + t * {H});
+  float ss = 0.f;
+  for (int v = tid; v < {H // 8}; v += {W * 32}) {{
+    uint4 sv = rrow[v];
+    const uint4 dv = drow[v];
+    __half2* sh = reinterpret_cast<__half2*>(&sv);
+    const __half2* dh = reinterpret_cast<const __half2*>(&dv);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {{
+      sh[k] = __hadd2(sh[k], dh[k]);
+      const float2 f = __half22float2(sh[k]);
+      ss += f.x * f.x + f.y * f.y;
+    }}
+    if (blk == 0) reinterpret_cast<uint4*>(s_out + t * {H})[v] = sv;
+    xs[4 * (v >> 2) + ((v & 3) ^ ((v >> 3) & 3))] = sv;
+  }}
+#pragma unroll
+  for (int k = 16; k > 0; k >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, k);
+  if (lane == 0) red[warp] = ss;
+  __syncthreads();
+  float total = 0.f;
+#pragma unroll
+  for (int k = 0; k < {W}; ++k) total += red[k];
+  const float inv = rsqrtf(total / {float(H)!r}f + {float(eps)!r}f);
+  for (int v = tid; v < {H // 8}; v += {W * 32}) {{
+    const int at = 4 * (v >> 2) + ((v & 3) ^ ((v >> 3) & 3));
+    uint4 xv4 = xs[at];
+    const uint4 wv = reinterpret_cast<const uint4*>(nw)[v];
+    __half2* xh = reinterpret_cast<__half2*>(&xv4);
+    const __half2* wh = reinterpret_cast<const __half2*>(&wv);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {{
+      const float2 f = __half22float2(xh[k]);
+      xh[k] = __hmul2(wh[k], __floats2half2_rn(f.x * inv, f.y * inv));
+    }}
+    xs[at] = xv4;
+  }}
+  __syncthreads();
   uint4 xv[{cpl}][4];
-  const bool writer = blk == 0 && warp == 0;
-  dsv2_add_norm_{tag}(r + t * {H}, d + t * {H}, nw, xv, writer ? s_out + t * {H} : nullptr,
-                      lane);
+#pragma unroll
+  for (int j = 0; j < {cpl}; ++j) {{
+    const int c = lane + 32 * j;
+    if (c < {nch}) {{
+#pragma unroll
+      for (int p = 0; p < 4; ++p) xv[j][p] = xs[4 * c + (p ^ ((c >> 1) & 3))];
+    }}
+  }}
   while (o < {N}) {{
     const int o1 = o + {stride};
     dsv2_ng_store_{tag}(a, o, lane, xv, yrow);
@@ -204,7 +255,7 @@ def add_norm_gemv_q4(
     H, N, G = hidden, out_dim, group
     NB, THREADS = tiles.blocks, tiles.warps * 32
     tag = f"h{H}_n{N}_g{G}_{tiles.name}_{_eps_tag(eps)}"
-    src = dot32_source(tiles.run) + _norm_source(tag, H, eps) + _gemv_source(tag, H, N, G, tiles)
+    src = dot32_source(tiles.run) + _gemv_source(tag, H, N, G, eps, tiles)
 
     @T.prim_func(private=True, s_tir=True)
     def add_norm_gemv(var_r: T.handle, var_d: T.handle, nw: T.Buffer((H,), "float16"),
