@@ -240,27 +240,16 @@ __device__ __forceinline__ void {name}(const half* __restrict__ x,
   __shared__ int s_ids[{K}];
   __shared__ float s_p[{E}];
   __shared__ int s_ready;
-  // x of the token, staged once per block (16-byte piece p of chunk c at 4 c + (p ^ ((c >> 1)
-  // & 3)): the warps read their chunks from shared memory, not each 4 H bytes from L2
-  __shared__ __align__(16) uint4 xs[{H // 8}];
   const int warp = tid >> 5, lane = tid & 31;
+  if (tid == 0) s_ready = 0;
+  __syncthreads();
   half* hrow = hout + t * {items};
   volatile int* ready = &s_ready;
   // items blk * W + warp + k * {stride}, two in flight: load the next before reducing this one;
   // the first (a shared expert's row for all but the last warps) loads while warp 0 routes
   dsv2_gu_buf_{tag} a, b;
   int i = blk * {W} + warp;
-  if (tid == 0) s_ready = 0;
-  __syncthreads();
-  // (only a shared expert's row: a routed one would wait for warp 0, which waits at the barrier)
-  const bool early = warp != 0 && i < {IS} && i < {items};
-  if (early) dsv2_gu_load_{tag}(a, i, lane, w, s, sw, ss, s_ids, ready);
-  const uint4* xrow = reinterpret_cast<const uint4*>(x + t * {H});
-  for (int v = tid; v < {H // 8}; v += {W * 32}) {{
-    const int c = v >> 2, p = v & 3;
-    xs[4 * c + (p ^ ((c >> 1) & 3))] = xrow[v];
-  }}
-  __syncthreads();
+  if (warp != 0 && i < {items}) dsv2_gu_load_{tag}(a, i, lane, w, s, sw, ss, s_ids, ready);
   if (warp == 0) {{
     {route_name}(logits + t * {E}, s_w, s_ids, lane, s_p);
     if (blk == 0 && lane < {K}) {{
@@ -270,15 +259,15 @@ __device__ __forceinline__ void {name}(const half* __restrict__ x,
     __threadfence_block();
     __syncwarp();
     if (lane == 0) *((volatile int*)&s_ready) = 1;
+    if (i < {items}) dsv2_gu_load_{tag}(a, i, lane, w, s, sw, ss, s_ids, ready);
   }}
-  if (!early && i < {items}) dsv2_gu_load_{tag}(a, i, lane, w, s, sw, ss, s_ids, ready);
   uint4 xv[{cpl}][4];
 #pragma unroll
   for (int j = 0; j < {cpl}; ++j) {{
     const int c = lane + 32 * j;
     if ({exact} || c < {nch}) {{
-#pragma unroll
-      for (int p = 0; p < 4; ++p) xv[j][p] = xs[4 * c + (p ^ ((c >> 1) & 3))];
+      const uint4* p = reinterpret_cast<const uint4*>(x + t * {H} + c * {_CHUNK});
+      xv[j][0] = p[0]; xv[j][1] = p[1]; xv[j][2] = p[2]; xv[j][3] = p[3];
     }}
   }}
   while (i < {items}) {{
