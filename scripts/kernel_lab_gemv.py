@@ -255,28 +255,6 @@ def _time(torch, calls: list, budget_s: float) -> float:
     return lab_common.event_median(torch, run_loop, reps, loops)
 
 
-def _kernel_time(torch, calls: list) -> float | None:
-    """Mean GPU duration of the kernels of one call (CUPTI, through torch.profiler), cold
-    rotation: launch gaps excluded, as the CUPTI numbers measured in the decode step."""
-    try:
-        from torch.autograd import DeviceType
-        from torch.profiler import ProfilerActivity, profile
-
-        seq = calls * max(1, 64 // len(calls))
-        for f in seq[:8]:
-            f()
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for f in seq:
-                f()
-            torch.cuda.synchronize()
-        us = [e.time_range.elapsed_us() for e in prof.events() if e.device_type == DeviceType.CUDA]
-        return sum(us) / 1e6 / len(seq) if us else None
-    except Exception as err:  # noqa: BLE001
-        print(f"  (profiler failed: {str(err)[:100]})")
-        return None
-
-
 def run(args: argparse.Namespace) -> int:
     """Check and time every (kernel, variant); print tables; write JSON to --out."""
     import torch
@@ -320,7 +298,8 @@ def run(args: argparse.Namespace) -> int:
             graph_s = None if args.no_graph else lab_common.graph_seconds(torch, tvm_ffi, calls)
             cell["graph_s"] = graph_s
             with tvm_ffi.use_torch_stream():
-                cell["kernel_s"] = None if args.no_profile else _kernel_time(torch, calls)
+                kernel_s = None if args.no_profile else lab_common.cupti_seconds(torch, calls)
+                cell["kernel_s"] = kernel_s
             row["variants"][vname] = cell
         results["kernels"][kname] = row
         del data, ref

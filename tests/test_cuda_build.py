@@ -7,7 +7,6 @@ real GPU are checked by scripts/gpu_numerics.py (docs/gpu-numerics.md).
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -15,14 +14,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from cuda_builds import needs_nvcc  # noqa: E402
 
 from dsv2_mlc.compiler.cuda import CudaBuildError, build_driver_stub, check_fatbin, make_cuda_target
 from dsv2_mlc.runtime.layout import BUILD_CONFIG, LIBRARY
-
-needs_nvcc = pytest.mark.skipif(
-    shutil.which("nvcc") is None or shutil.which("gcc") is None,
-    reason="CUDA builds need nvcc (and gcc for the driver stub)",
-)
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ from __future__ import annotations
 import inspect
 import json
 import re
-import shutil
 import sys
 from pathlib import Path
 
@@ -27,12 +26,8 @@ from dsv2_mlc.schedules.decode_gemv_cuda import VARIANTS, GemvConfig, schedule_d
 from dsv2_mlc.schedules.rms_norm_cuda import schedule_add_rms_norm
 
 sys.path.insert(0, str(Path(__file__).parent))
+from cuda_builds import needs_nvcc  # noqa: E402
 from hf_reference import CONFIG_A  # noqa: E402
-
-needs_nvcc = pytest.mark.skipif(
-    shutil.which("nvcc") is None or shutil.which("gcc") is None,
-    reason="CUDA builds need nvcc (and gcc for the driver stub)",
-)
 
 N = tirx.Var("n", "int64")
 

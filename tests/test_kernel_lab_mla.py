@@ -11,19 +11,15 @@ from __future__ import annotations
 
 import importlib.util
 import re
-import shutil
 from pathlib import Path
 
 import pytest
 import tvm
+from cuda_builds import needs_nvcc  # noqa: E402
 from mla_cache_module import create_script
 
 from dsv2_mlc.schedules.mla_attention_cuda import mla_attention_cuda, mla_attention_cuda_supports
 
-needs_nvcc = pytest.mark.skipif(
-    shutil.which("nvcc") is None or shutil.which("gcc") is None,
-    reason="CUDA builds need nvcc (and gcc for the driver stub)",
-)
 SPLIT_KV = "batch_mla_paged_attention_split_kv"  # its global symbol
 TVM_MLA = "batch_prefill_paged_kv_mla"
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
-import shutil
 import sys
 from pathlib import Path
 
@@ -20,12 +19,8 @@ import tvm
 from dsv2_mlc.schedules.mla_prologue_cuda import mla_prologue_cuda
 
 sys.path.insert(0, str(Path(__file__).parent))
+from cuda_builds import needs_nvcc  # noqa: E402
 from hf_reference import CONFIG_A, CONFIG_B  # noqa: E402
-
-needs_nvcc = pytest.mark.skipif(
-    shutil.which("nvcc") is None or shutil.which("gcc") is None,
-    reason="CUDA builds need nvcc (and gcc for the driver stub)",
-)
 
 
 def _compiles(func, tmp_path: Path) -> None:

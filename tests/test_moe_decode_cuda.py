@@ -6,7 +6,6 @@ numerics: ``tests/test_moe_decode_emulation.py`` runs them on the CPU against Nu
 
 from __future__ import annotations
 
-import json
 import re
 import shutil
 import sys
@@ -15,7 +14,7 @@ from pathlib import Path
 import pytest
 import tvm
 
-from dsv2_mlc.compiler.compile import compile_random_model, make_target
+from dsv2_mlc.compiler.compile import make_target
 from dsv2_mlc.compiler.cuda import cuda_codegen
 from dsv2_mlc.schedules.moe_decode_cuda import (
     DecodeTiles,
@@ -28,12 +27,8 @@ from dsv2_mlc.schedules.moe_decode_cuda import (
 )
 
 sys.path.insert(0, str(Path(__file__).parent))
+from cuda_builds import entry_ir, needs_nvcc  # noqa: E402
 from hf_reference import CONFIG_A, CONFIG_B  # noqa: E402
-
-needs_nvcc = pytest.mark.skipif(
-    shutil.which("nvcc") is None or shutil.which("gcc") is None,
-    reason="CUDA builds need nvcc (and gcc for the driver stub)",
-)
 
 LITE = MoeDecodeShape(2048, 1408, 2816, 64, 6, 128)
 V2 = MoeDecodeShape(5120, 1536, 3072, 160, 6, 128, 8, 3, False, 16.0)
@@ -99,26 +94,9 @@ def test_kernels_compile_for_sm90(shape: MoeDecodeShape):
         assert re.search(rf"__global__ void __launch_bounds__\(\d+\) dn{i}_kernel", src)
 
 
-def _decode_ir(tmp_path: Path, cfg: dict, quantization: str, device: str) -> tuple[str, str]:
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps(cfg))
-    dump = tmp_path / "ir"
-    arch = {"arch": "sm_90"} if device == "cuda" else {}
-    compile_random_model(
-        path, tmp_path / "out", device=device, quantization=quantization, dump_ir=dump, **arch
-    )
-    ir = (dump / "02-cleanup.py").read_text()
-
-    def entry(name: str) -> str:
-        body = ir[ir.index(f"def {name}(") :]
-        return body[: body.find("\n    @R.function")]
-
-    return entry("batch_decode"), entry("batch_prefill")
-
-
 @needs_nvcc
 def test_int4_cuda_decode_uses_the_fused_kernels_and_prefill_does_not(tmp_path: Path):
-    decode, prefill = _decode_ir(tmp_path, CONFIG_B, "q4f16_g32", "cuda")
+    decode, prefill = entry_ir(tmp_path, CONFIG_B, "q4f16_g32", "cuda")
     moe_layers = CONFIG_B["num_hidden_layers"] - CONFIG_B["first_k_dense_replace"]
     for fused in ("moe_decode_gate_up", "moe_decode_down"):
         assert decode.count(f"cls.{fused},") == moe_layers, fused
@@ -133,6 +111,6 @@ def test_int4_cuda_decode_uses_the_fused_kernels_and_prefill_does_not(tmp_path: 
 def test_other_builds_keep_the_gather_kernels(tmp_path: Path, quantization: str, device: str):
     if device == "cuda" and (shutil.which("nvcc") is None or shutil.which("gcc") is None):
         pytest.skip("CUDA builds need nvcc")
-    decode, _ = _decode_ir(tmp_path, CONFIG_A, quantization, device)
+    decode, _ = entry_ir(tmp_path, CONFIG_A, quantization, device)
     assert "moe_decode_gate_up" not in decode and "moe_decode_down" not in decode
     assert "cls.moe_route," in decode

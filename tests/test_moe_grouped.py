@@ -5,7 +5,6 @@ and the wiring (prefill / extend on CUDA only). GPU numerics and speed: scripts/
 
 from __future__ import annotations
 
-import shutil
 import sys
 from pathlib import Path
 
@@ -20,12 +19,9 @@ from dsv2_mlc.quantization import get_quantization, quantize_int4
 from dsv2_mlc.schedules import moe_grouped_cuda as grouped
 
 sys.path.insert(0, str(Path(__file__).parent))
+from cuda_builds import needs_nvcc  # noqa: E402
 from hf_reference import CONFIG_A  # noqa: E402
 
-needs_nvcc = pytest.mark.skipif(
-    shutil.which("nvcc") is None or shutil.which("gcc") is None,
-    reason="CUDA builds need nvcc (and gcc for the driver stub)",
-)
 DEV = tvm.cpu()
 
 

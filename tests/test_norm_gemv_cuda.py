@@ -5,7 +5,6 @@ against NumPy) and, on the H200, scripts/gpu_numerics.py (tiny models vs HF)."""
 
 from __future__ import annotations
 
-import json
 import shutil
 import sys
 from pathlib import Path
@@ -13,7 +12,7 @@ from pathlib import Path
 import pytest
 import tvm
 
-from dsv2_mlc.compiler.compile import compile_random_model, make_target
+from dsv2_mlc.compiler.compile import make_target
 from dsv2_mlc.compiler.cuda import cuda_codegen
 from dsv2_mlc.schedules.norm_gemv_cuda import (
     NormGemvTiles,
@@ -23,12 +22,8 @@ from dsv2_mlc.schedules.norm_gemv_cuda import (
 )
 
 sys.path.insert(0, str(Path(__file__).parent))
+from cuda_builds import entry_ir, needs_nvcc  # noqa: E402
 from hf_reference import CONFIG_A, CONFIG_B  # noqa: E402
-
-needs_nvcc = pytest.mark.skipif(
-    shutil.which("nvcc") is None or shutil.which("gcc") is None,
-    reason="CUDA builds need nvcc (and gcc for the driver stub)",
-)
 
 
 def test_unsupported_shapes_say_why():
@@ -63,23 +58,10 @@ def test_kernels_compile_for_sm90():
     assert "1e-05f" in src and "1e-06f" in src
 
 
-def _decode_ir(tmp_path: Path, cfg: dict, quantization: str, device: str) -> str:
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps(cfg))
-    dump = tmp_path / "ir"
-    arch = {"arch": "sm_90"} if device == "cuda" else {}
-    compile_random_model(
-        path, tmp_path / "out", device=device, quantization=quantization, dump_ir=dump, **arch
-    )
-    ir = (dump / "02-cleanup.py").read_text()
-    body = ir[ir.index("def batch_decode(") :]
-    return body[: body.find("\n    @R.function")]
-
-
 @needs_nvcc
 @pytest.mark.parametrize("cfg", [CONFIG_A, CONFIG_B], ids=["A", "B"])
 def test_cuda_decode_folds_the_norms_into_the_kernels(tmp_path: Path, cfg: dict):
-    decode = _decode_ir(tmp_path, cfg, "q4f16_g32", "cuda")
+    (decode,) = entry_ir(tmp_path, cfg, "q4f16_g32", "cuda", ("batch_decode",))
     layers, dense = cfg["num_hidden_layers"], cfg["first_k_dense_replace"]
     # every layer after the first: qkv_a with its input norm; every MoE layer: the router with
     # the post-attention norm; what is left: the dense layer's post-attention norm, the final one
@@ -93,7 +75,7 @@ def test_cuda_decode_folds_the_norms_into_the_kernels(tmp_path: Path, cfg: dict)
 def test_other_builds(tmp_path: Path, quantization: str, device: str):
     if device == "cuda" and (shutil.which("nvcc") is None or shutil.which("gcc") is None):
         pytest.skip("CUDA builds need nvcc")
-    decode = _decode_ir(tmp_path, CONFIG_A, quantization, device)
+    (decode,) = entry_ir(tmp_path, CONFIG_A, quantization, device, ("batch_decode",))
     # q0f16 on CUDA: the router keeps its norm folded in (fp32 gate), qkv_a is not INT4
     assert "add_norm_qkv_a" not in decode
     assert ("cls.add_norm_router," in decode) == (device == "cuda")

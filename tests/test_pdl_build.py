@@ -5,7 +5,6 @@ GPU); the decode graphs with programmatic edges run in scripts/gpu_pdl_check.py.
 from __future__ import annotations
 
 import json
-import shutil
 import sys
 from pathlib import Path
 
@@ -28,12 +27,8 @@ from dsv2_mlc.passes.pipeline import tir_pipeline
 from dsv2_mlc.runtime.layout import BUILD_CONFIG, BuildConfig
 
 sys.path.insert(0, str(Path(__file__).parent))
+from cuda_builds import needs_nvcc  # noqa: E402
 from hf_reference import CONFIG_A  # noqa: E402
-
-needs_nvcc = pytest.mark.skipif(
-    shutil.which("nvcc") is None or shutil.which("gcc") is None,
-    reason="CUDA builds need nvcc (and gcc for the driver stub)",
-)
 
 
 def _module() -> tvm.IRModule:

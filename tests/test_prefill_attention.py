@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import sys
 from pathlib import Path
 
@@ -24,13 +23,10 @@ from dsv2_mlc.schedules.prefill_attention_cuda import (
 )
 
 sys.path.insert(0, str(Path(__file__).parent))
+from cuda_builds import needs_nvcc  # noqa: E402
 from hf_reference import CONFIG_A  # noqa: E402
 from mla_cache_module import create_script  # noqa: E402
 
-needs_nvcc = pytest.mark.skipif(
-    shutil.which("nvcc") is None or shutil.which("gcc") is None,
-    reason="CUDA builds need nvcc (and gcc for the driver stub)",
-)
 OURS = "batch_prefill_ragged_kv_mma"  # its global symbol
 TVM_RAGGED = "batch_prefill_ragged_kv"
 CUDA = {"kind": "cuda", "arch": "sm_90"}

@@ -11,9 +11,7 @@ from dsv2_mlc.artifacts.pull import pull
 
 INDEX = Path(__file__).resolve().parent.parent / "dist" / "index.json"
 CPU_ARTIFACTS = [
-    a["name"]
-    for a in json.loads(INDEX.read_text())["artifacts"]
-    if a["target"]["device"] == "cpu"
+    a["name"] for a in json.loads(INDEX.read_text())["artifacts"] if a["target"]["device"] == "cpu"
 ]
 
 
