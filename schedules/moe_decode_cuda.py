@@ -38,8 +38,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tvm import tirx
-from tvm.script import tirx as T
 
+from .cuda_call import TOKENS, token_grid_call
 from .decode_gemv_cuda import dot32_source
 from .moe_routing import route_warp_source
 
@@ -406,43 +406,24 @@ def moe_gate_up_decode(s: MoeDecodeShape, tiles: GateUpTiles = GATE_UP_TILES) ->
     NB, THREADS = tiles.blocks, tiles.warps * 32
     fname, src = gate_up_source(s, tiles)
 
-    @T.prim_func(private=True, s_tir=True)
-    def moe_gate_up(var_x: T.handle, var_logits: T.handle,
-                    w: T.Buffer((E, 2 * NI, H // 8), "uint32"),
-                    sc: T.Buffer((E, 2 * NI, H // G), "float16"),
-                    sw: T.Buffer((2 * IS, H // 8), "uint32"),
-                    ss: T.Buffer((2 * IS, H // G), "float16"),
-                    var_h: T.handle, var_w: T.handle, var_ids: T.handle):  # fmt: skip
-        T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
-        n = T.int64()
-        x = T.match_buffer(var_x, (n, H), "float16")
-        logits = T.match_buffer(var_logits, (n, E), "float32")
-        hout = T.match_buffer(var_h, (n, K * NI + IS), "float16")
-        wout = T.match_buffer(var_w, (n, K), "float32")
-        iout = T.match_buffer(var_ids, (n, K), "int32")
-        for bx in T.thread_binding(n * NB, thread="blockIdx.x"):
-            for tx in T.thread_binding(THREADS, thread="threadIdx.x"):
-                with T.sblock("moe_gate_up"):
-                    T.reads()
-                    T.writes()
-                    T.cuda.func_call(
-                        fname,
-                        T.address_of(x[0, 0]),
-                        T.address_of(logits[0, 0]),
-                        T.address_of(w[0, 0, 0]),
-                        T.address_of(sc[0, 0, 0]),
-                        T.address_of(sw[0, 0]),
-                        T.address_of(ss[0, 0]),
-                        T.address_of(hout[0, 0]),
-                        T.address_of(wout[0, 0]),
-                        T.address_of(iout[0, 0]),
-                        bx // NB,
-                        T.cast(bx % NB, "int32"),
-                        T.cast(tx, "int32"),
-                        source_code=src,
-                    )
-
-    return moe_gate_up
+    return token_grid_call(
+        "moe_gate_up",
+        fname,
+        src,
+        [
+            ("x", (TOKENS, H), "float16"),
+            ("logits", (TOKENS, E), "float32"),
+            ("w", (E, 2 * NI, H // 8), "uint32"),
+            ("sc", (E, 2 * NI, H // G), "float16"),
+            ("sw", (2 * IS, H // 8), "uint32"),
+            ("ss", (2 * IS, H // G), "float16"),
+            ("hout", (TOKENS, K * NI + IS), "float16"),
+            ("wout", (TOKENS, K), "float32"),
+            ("iout", (TOKENS, K), "int32"),
+        ],
+        NB,
+        THREADS,
+    )
 
 
 def moe_down_decode(s: MoeDecodeShape, tiles: DecodeTiles = DOWN_TILES) -> tirx.PrimFunc:
@@ -456,38 +437,20 @@ def moe_down_decode(s: MoeDecodeShape, tiles: DecodeTiles = DOWN_TILES) -> tirx.
     NB, THREADS = _blocks(H, tiles), tiles.warps * 32
     fname, src = down_source(s, tiles)
 
-    @T.prim_func(private=True, s_tir=True)
-    def moe_down(var_h: T.handle, var_w: T.handle, var_ids: T.handle,
-                 w: T.Buffer((E, H, NI // 8), "uint32"),
-                 sc: T.Buffer((E, H, NI // G), "float16"),
-                 sw: T.Buffer((H, IS // 8), "uint32"),
-                 ss: T.Buffer((H, IS // G), "float16"),
-                 var_out: T.handle):  # fmt: skip
-        T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
-        n = T.int64()
-        h = T.match_buffer(var_h, (n, K * NI + IS), "float16")
-        wts = T.match_buffer(var_w, (n, K), "float32")
-        ids = T.match_buffer(var_ids, (n, K), "int32")
-        out = T.match_buffer(var_out, (n, H), "float16")
-        for bx in T.thread_binding(n * NB, thread="blockIdx.x"):
-            for tx in T.thread_binding(THREADS, thread="threadIdx.x"):
-                with T.sblock("moe_down"):
-                    T.reads()
-                    T.writes()
-                    T.cuda.func_call(
-                        fname,
-                        T.address_of(h[0, 0]),
-                        T.address_of(wts[0, 0]),
-                        T.address_of(ids[0, 0]),
-                        T.address_of(w[0, 0, 0]),
-                        T.address_of(sc[0, 0, 0]),
-                        T.address_of(sw[0, 0]),
-                        T.address_of(ss[0, 0]),
-                        T.address_of(out[0, 0]),
-                        bx // NB,
-                        T.cast(bx % NB, "int32"),
-                        T.cast(tx, "int32"),
-                        source_code=src,
-                    )
-
-    return moe_down
+    return token_grid_call(
+        "moe_down",
+        fname,
+        src,
+        [
+            ("h", (TOKENS, K * NI + IS), "float16"),
+            ("wts", (TOKENS, K), "float32"),
+            ("ids", (TOKENS, K), "int32"),
+            ("w", (E, H, NI // 8), "uint32"),
+            ("sc", (E, H, NI // G), "float16"),
+            ("sw", (H, IS // 8), "uint32"),
+            ("ss", (H, IS // G), "float16"),
+            ("out", (TOKENS, H), "float16"),
+        ],
+        NB,
+        THREADS,
+    )

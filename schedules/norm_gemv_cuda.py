@@ -27,8 +27,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tvm import tirx
-from tvm.script import tirx as T
 
+from .cuda_call import TOKENS, token_grid_call
 from .decode_gemv_cuda import dot32_source
 
 __all__ = ["NormGemvTiles", "add_norm_gemv_q4", "add_norm_router", "add_norm_unsupported"]
@@ -257,37 +257,16 @@ def add_norm_gemv_q4(
     tag = f"h{H}_n{N}_g{G}_{tiles.name}_{_eps_tag(eps)}"
     src = dot32_source(tiles.run) + _gemv_source(tag, H, N, G, eps, tiles)
 
-    @T.prim_func(private=True, s_tir=True)
-    def add_norm_gemv(var_r: T.handle, var_d: T.handle, nw: T.Buffer((H,), "float16"),
-                      qw: T.Buffer((N, H // 8), "uint32"), qs: T.Buffer((N, H // G), "float16"),
-                      var_y: T.handle, var_s: T.handle):  # fmt: skip
-        T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
-        n = T.int64()
-        r = T.match_buffer(var_r, (n, H), "float16")
-        d = T.match_buffer(var_d, (n, H), "float16")
-        y = T.match_buffer(var_y, (n, N), "float16")
-        s = T.match_buffer(var_s, (n, H), "float16")
-        for bx in T.thread_binding(n * NB, thread="blockIdx.x"):
-            for tx in T.thread_binding(THREADS, thread="threadIdx.x"):
-                with T.sblock("add_norm_gemv"):
-                    T.reads()
-                    T.writes()
-                    T.cuda.func_call(
-                        f"dsv2_norm_gemv_{tag}",
-                        T.address_of(r[0, 0]),
-                        T.address_of(d[0, 0]),
-                        T.address_of(nw[0]),
-                        T.address_of(qw[0, 0]),
-                        T.address_of(qs[0, 0]),
-                        T.address_of(y[0, 0]),
-                        T.address_of(s[0, 0]),
-                        bx // NB,
-                        T.cast(bx % NB, "int32"),
-                        T.cast(tx, "int32"),
-                        source_code=src,
-                    )
-
-    return add_norm_gemv
+    params = [
+        ("r", (TOKENS, H), "float16"),
+        ("d", (TOKENS, H), "float16"),
+        ("nw", (H,), "float16"),
+        ("qw", (N, H // 8), "uint32"),
+        ("qs", (N, H // G), "float16"),
+        ("y", (TOKENS, N), "float16"),
+        ("s", (TOKENS, H), "float16"),
+    ]
+    return token_grid_call("add_norm_gemv", f"dsv2_norm_gemv_{tag}", src, params, NB, THREADS)
 
 
 def _router_source(tag: str, H: int, E: int, W: int) -> str:
@@ -363,35 +342,13 @@ def add_norm_router(hidden: int, experts: int, eps: float, warps: int = 4) -> ti
     tag = f"h{H}_r{E}_w{W}_{_eps_tag(eps)}"
     src = _norm_source(tag, H, eps) + _router_source(tag, H, E, W)
 
-    @T.prim_func(private=True, s_tir=True)
-    def add_norm_router(var_r: T.handle, var_d: T.handle, nw: T.Buffer((H,), "float16"),
-                        gw: T.Buffer((E, H), "float32"), var_logits: T.handle, var_xn: T.handle,
-                        var_s: T.handle):  # fmt: skip
-        T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
-        n = T.int64()
-        r = T.match_buffer(var_r, (n, H), "float16")
-        d = T.match_buffer(var_d, (n, H), "float16")
-        logits = T.match_buffer(var_logits, (n, E), "float32")
-        xn = T.match_buffer(var_xn, (n, H), "float16")
-        s = T.match_buffer(var_s, (n, H), "float16")
-        for bx in T.thread_binding(n * NB, thread="blockIdx.x"):
-            for tx in T.thread_binding(THREADS, thread="threadIdx.x"):
-                with T.sblock("add_norm_router"):
-                    T.reads()
-                    T.writes()
-                    T.cuda.func_call(
-                        f"dsv2_norm_router_{tag}",
-                        T.address_of(r[0, 0]),
-                        T.address_of(d[0, 0]),
-                        T.address_of(nw[0]),
-                        T.address_of(gw[0, 0]),
-                        T.address_of(logits[0, 0]),
-                        T.address_of(xn[0, 0]),
-                        T.address_of(s[0, 0]),
-                        bx // NB,
-                        T.cast(bx % NB, "int32"),
-                        T.cast(tx, "int32"),
-                        source_code=src,
-                    )
-
-    return add_norm_router
+    params = [
+        ("r", (TOKENS, H), "float16"),
+        ("d", (TOKENS, H), "float16"),
+        ("nw", (H,), "float16"),
+        ("gw", (E, H), "float32"),
+        ("logits", (TOKENS, E), "float32"),
+        ("xn", (TOKENS, H), "float16"),
+        ("s", (TOKENS, H), "float16"),
+    ]
+    return token_grid_call("add_norm_router", f"dsv2_norm_router_{tag}", src, params, NB, THREADS)
