@@ -8,7 +8,6 @@ Hugging Face by test_e2e_hf.py."""
 from __future__ import annotations
 
 import importlib.util
-import json
 import re
 import sys
 from pathlib import Path
@@ -19,7 +18,7 @@ import tvm
 from dsv2_mlc.schedules.mla_prologue_cuda import mla_prologue_cuda
 
 sys.path.insert(0, str(Path(__file__).parent))
-from cuda_builds import needs_nvcc  # noqa: E402
+from cuda_builds import entry_ir, needs_nvcc  # noqa: E402
 from hf_reference import CONFIG_A, CONFIG_B  # noqa: E402
 
 
@@ -97,11 +96,6 @@ def test_rejects_unsupported_shapes() -> None:
         mla_prologue_cuda(8, 16, 8, 32, "float16", **{**ok, "kv_width": 200})
 
 
-def _entry(ir: str, name: str) -> str:
-    body = ir[ir.index(f"def {name}(") :]
-    return body[: body.find("\n    @R.function")]
-
-
 def _kernels(body: str) -> list[str]:
     return re.findall(r"R\.call_tir\(cls\.(\w+),", body)
 
@@ -109,19 +103,12 @@ def _kernels(body: str) -> list[str]:
 @needs_nvcc
 @pytest.mark.parametrize("name", ["A", "B"])
 def test_tiny_cuda_build_runs_one_projection_and_the_prologue(tmp_path: Path, name: str):
-    from dsv2_mlc.compiler.compile import compile_random_model
-
     cfg_dict = {"A": CONFIG_A, "B": CONFIG_B}[name]
-    cfg = tmp_path / "config.json"
-    cfg.write_text(json.dumps(cfg_dict))
-    dump = tmp_path / "ir"
-    compile_random_model(
-        cfg, tmp_path / "out", device="cuda", quantization="q4f16_g32", arch="sm_90",
-        dump_ir=dump,
-    )  # fmt: skip
-    ir = (dump / "04-schedule.py").read_text()
+    entries = tuple(f"batch_{f}" for f in ("decode", "extend", "prefill"))
+    decode, extend, prefill = entry_ir(
+        tmp_path, cfg_dict, "q4f16_g32", "cuda", entries, "04-schedule.py"
+    )
     layers = cfg_dict["num_hidden_layers"]
-    decode, extend, prefill = (_entry(ir, f"batch_{f}") for f in ("decode", "extend", "prefill"))
     for body in (decode, extend):
         kernels = _kernels(body)
         assert kernels.count("mla_prologue") == layers
