@@ -1,4 +1,5 @@
-"""InsertGridDependencyControl: every CUDA kernel starts with ``griddepcontrol.wait`` (PDL)."""
+"""InsertGridDependencyControl: every CUDA kernel waits with ``griddepcontrol.wait`` (PDL) before
+it reads what earlier kernels wrote: first thing, unless it places the wait itself."""
 
 from __future__ import annotations
 
@@ -8,18 +9,26 @@ import tvm
 from tvm import tirx
 from tvm.backend.cuda.op import cuda_func_call
 
-WAIT = "dsv2_griddepcontrol_wait"
+from ..schedules.cuda_call import GRID_WAIT, grid_wait_source
+
+WAIT = GRID_WAIT
 LAUNCH_DEPENDENTS = "dsv2_griddepcontrol_launch_dependents"
-_SOURCE = (
-    "__forceinline__ __device__ void {name}() "
-    '{{ asm volatile("griddepcontrol.{action};" ::: "memory"); }}\n'
+_LAUNCH_SOURCE = (
+    f"__forceinline__ __device__ void {LAUNCH_DEPENDENTS}() "
+    '{ asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }\n'
 )
 _KERNEL_LAUNCH = 2  # CallingConv::kDeviceKernelLaunch: a __global__ function after SplitHostDevice
 
 
-def _call(name: str, action: str) -> tirx.Stmt:
-    source = _SOURCE.format(name=name, action=action)
+def _call(name: str, source: str) -> tirx.Stmt:
     return tirx.Evaluate(cuda_func_call(name, source_code=source))
+
+
+def waits_itself(func: tirx.PrimFunc) -> bool:
+    """Whether ``func``'s body calls a hand CUDA device function whose source calls the wait
+    (:func:`dsv2_mlc.schedules.cuda_call.grid_wait_source`) itself, after its weight loads (the
+    source is a string argument of the ``T.cuda.func_call``: it shows in the printed body)."""
+    return f"{WAIT}();" in func.script()
 
 
 def is_cuda_kernel(func: tirx.PrimFunc) -> bool:
@@ -31,7 +40,8 @@ def is_cuda_kernel(func: tirx.PrimFunc) -> bool:
 
 
 def InsertGridDependencyControl(launch_dependents: bool = False) -> tvm.transform.Pass:
-    """Prepend ``griddepcontrol.wait`` (sm_90+) to every CUDA kernel of a device module.
+    """Prepend ``griddepcontrol.wait`` (sm_90+) to every CUDA kernel of a device module that
+    does not call it itself (:func:`waits_itself`: a hand kernel that loads its weights first).
 
     Run it on device modules after ``SplitHostDevice`` (e.g. in the TIR pipeline's device
     finalisation), where the kernels are separate functions. The wait blocks until the grids this
@@ -47,9 +57,11 @@ def InsertGridDependencyControl(launch_dependents: bool = False) -> tvm.transfor
     def insert(func: tirx.PrimFunc, _mod: tvm.IRModule, _ctx) -> tirx.PrimFunc:  # noqa: ANN001
         if not is_cuda_kernel(func):
             return func
-        prologue = [_call(WAIT, "wait")]
+        prologue = [] if waits_itself(func) else [_call(WAIT, grid_wait_source())]
         if launch_dependents:
-            prologue.append(_call(LAUNCH_DEPENDENTS, "launch_dependents"))
+            prologue.append(_call(LAUNCH_DEPENDENTS, _LAUNCH_SOURCE))
+        if not prologue:
+            return func
         return func.with_body(tirx.SeqStmt([*prologue, func.body]))
 
     return insert
@@ -60,12 +72,36 @@ _KERNEL_DEF = re.compile(
 )
 
 
+_DEVICE_DEF = re.compile(r"__device__\s+(?:__forceinline__\s+)?void\s+(\w+)\([^;{]*\)\s*\{")
+
+
+def _waiting_device_functions(cuda_source: str) -> set[str]:
+    """Names of the ``__device__`` functions of ``cuda_source`` whose body calls the wait (a
+    body runs to the next function definition)."""
+    starts = sorted(
+        [(m.start(), m.end(), m.group(1)) for m in _DEVICE_DEF.finditer(cuda_source)]
+        + [(m.start(), m.end(), None) for m in _KERNEL_DEF.finditer(cuda_source)]
+    )
+    names = set()
+    for i, (_, end, name) in enumerate(starts):
+        stop = starts[i + 1][0] if i + 1 < len(starts) else len(cuda_source)
+        if name not in (None, WAIT) and f"{WAIT}();" in cuda_source[end:stop]:
+            names.add(name)
+    return names
+
+
 def kernels_without_wait(cuda_source: str) -> tuple[list[str], list[str]]:
-    """(every ``__global__`` function defined in ``cuda_source``, those whose first statement is
-    not the ``griddepcontrol.wait`` call this pass inserts)."""
+    """(every ``__global__`` function defined in ``cuda_source``, those that neither start with
+    the ``griddepcontrol.wait`` call this pass inserts nor call a device function that waits
+    itself: a hand kernel that issues its weight loads first)."""
+    waiting = _waiting_device_functions(cuda_source)
+    calls = re.compile(r"\b(" + "|".join(sorted(waiting)) + r")\(") if waiting else None
+    defs = list(_KERNEL_DEF.finditer(cuda_source))
     kernels, missing = [], []
-    for match in _KERNEL_DEF.finditer(cuda_source):
+    for i, match in enumerate(defs):
         kernels.append(match.group(1))
-        if not cuda_source[match.end() :].lstrip().startswith(f"{WAIT}();"):
-            missing.append(match.group(1))
+        body = cuda_source[match.end() : defs[i + 1].start() if i + 1 < len(defs) else None]
+        if body.lstrip().startswith(f"{WAIT}();") or (calls and calls.search(body)):
+            continue
+        missing.append(match.group(1))
     return kernels, missing

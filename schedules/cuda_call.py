@@ -16,9 +16,32 @@ from tvm.script import tirx as T
 from tvm.script.ir_builder import IRBuilder
 from tvm.script.ir_builder import tirx as Tb
 
-__all__ = ["TOKENS", "token_grid_call"]
+__all__ = ["GRID_WAIT", "TOKENS", "grid_wait_source", "token_grid_call"]
 
 TOKENS = None  # in a buffer shape: the dynamic number of tokens ``n``
+
+GRID_WAIT = "dsv2_griddepcontrol_wait"  # the device function a kernel calls to wait (PDL)
+
+
+def grid_wait_source() -> str:
+    """CUDA: ``dsv2_griddepcontrol_wait()``, Programmatic Dependent Launch's ``griddepcontrol
+    .wait`` (sm_90+; a no-op when compiled for older GPUs, which have no programmatic launches).
+
+    It blocks the calling thread until the grids this one programmatically depends on have
+    completed and their writes are visible, and returns at once without such a dependency (an
+    ordinary launch or graph edge). ``passes/grid_dependency_control.py`` puts it first in every
+    kernel of a ``--pdl`` build; a hand kernel may call it itself, after issuing the loads of
+    what no earlier kernel writes (its weights), so that those overlap the previous kernel: the
+    pass then leaves that kernel alone. Before its wait a kernel must neither read what a
+    predecessor writes nor write anything."""
+    return (
+        f"#ifndef DSV2_GRID_WAIT\n#define DSV2_GRID_WAIT\n"
+        f"__forceinline__ __device__ void {GRID_WAIT}() {{\n"
+        "#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900\n"
+        '  asm volatile("griddepcontrol.wait;" ::: "memory");\n'
+        "#endif\n}\n#endif\n"
+    )
+
 
 Param = tuple[str, Sequence[int | None], str]  # (name, shape with TOKENS for n, dtype)
 
@@ -30,10 +53,13 @@ def token_grid_call(
     params: Sequence[Param],
     blocks_per_token: int,
     threads: int,
+    per_token: bool = True,
 ) -> tirx.PrimFunc:
     """``f(*params)``: ``n * blocks_per_token`` blocks of ``threads`` threads, each calling
     ``fname(&params[0][0...], ..., token, block_of_token, thread)`` from ``source`` (module
-    docstring). A buffer whose shape holds ``TOKENS`` takes ``n`` there."""
+    docstring). A buffer whose shape holds ``TOKENS`` takes ``n`` there. With ``per_token``
+    False the grid is ``blocks_per_token`` blocks whatever ``n``, and the call is ``fname(...,
+    n, block, thread)``: the kernel loops over the tokens itself (reading its weights once)."""
     with IRBuilder() as ib:
         with Tb.prim_func(private=True, s_tir=True):
             Tb.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
@@ -44,7 +70,8 @@ def token_grid_call(
                 dims = [n if d is TOKENS else d for d in shape]
                 bufs.append(Tb.match_buffer(handle, dims, dtype))
                 IRBuilder.name(name, bufs[-1])
-            with Tb.thread_binding(n * blocks_per_token, thread="blockIdx.x") as bx:
+            grid = n * blocks_per_token if per_token else blocks_per_token
+            with Tb.thread_binding(grid, thread="blockIdx.x") as bx:
                 IRBuilder.name("bx", bx)
                 with Tb.thread_binding(threads, thread="threadIdx.x") as tx:
                     IRBuilder.name("tx", tx)
@@ -56,8 +83,8 @@ def token_grid_call(
                             T.cuda.func_call(
                                 fname,
                                 *pointers,
-                                bx // blocks_per_token,
-                                T.cast(bx % blocks_per_token, "int32"),
+                                bx // blocks_per_token if per_token else n,
+                                T.cast(bx % blocks_per_token if per_token else bx, "int32"),
                                 T.cast(tx, "int32"),
                                 source_code=source,
                             )

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from tvm import tirx
 
-from .cuda_call import TOKENS, token_grid_call
+from .cuda_call import GRID_WAIT, TOKENS, grid_wait_source, token_grid_call
 from .decode_gemv_cuda import dot32_source
 
 __all__ = ["NormGemvTiles", "add_norm_gemv_q4", "add_norm_router", "add_norm_unsupported"]
@@ -180,6 +180,7 @@ __device__ __forceinline__ void dsv2_norm_gemv_{tag}(const half* __restrict__ r,
   int o = blk * {W} + warp;
   if (o < {N}) dsv2_ng_load_{tag}(a, o, lane, qw, qs);
   if (o + {stride} < {N}) dsv2_ng_load_{tag}(b, o + {stride}, lane, qw, qs);
+  {GRID_WAIT}();  // (PDL) the weights above overlap the previous kernel; r and d are its
   const uint4* rrow = reinterpret_cast<const uint4*>(r + t * {H});
   const uint4* drow = reinterpret_cast<const uint4*>(d + t * {H});
   float ss = 0.f;
@@ -255,7 +256,7 @@ def add_norm_gemv_q4(
     H, N, G = hidden, out_dim, group
     NB, THREADS = tiles.blocks, tiles.warps * 32
     tag = f"h{H}_n{N}_g{G}_{tiles.name}_{_eps_tag(eps)}"
-    src = dot32_source(tiles.run) + _gemv_source(tag, H, N, G, eps, tiles)
+    src = grid_wait_source() + dot32_source(tiles.run) + _gemv_source(tag, H, N, G, eps, tiles)
 
     params = [
         ("r", (TOKENS, H), "float16"),
@@ -292,6 +293,7 @@ __device__ __forceinline__ void dsv2_norm_router_{tag}(const half* __restrict__ 
       for (int k = 0; k < 8; ++k) g[j][k] = reinterpret_cast<const float4*>(row + c * {_CHUNK})[k];
     }}
   }}
+  {GRID_WAIT}();  // (PDL) the gate row above overlaps the previous kernel
   uint4 xv[{cpl}][4];
   const bool writer = blk == 0 && warp == 0;
   dsv2_add_norm_{tag}(r + t * {H}, d + t * {H}, nw, xv, writer ? s_out + t * {H} : nullptr,
@@ -340,7 +342,7 @@ def add_norm_router(hidden: int, experts: int, eps: float, warps: int = 4) -> ti
     H, E, W = hidden, experts, warps
     NB, THREADS = -(-E // W), W * 32
     tag = f"h{H}_r{E}_w{W}_{_eps_tag(eps)}"
-    src = _norm_source(tag, H, eps) + _router_source(tag, H, E, W)
+    src = grid_wait_source() + _norm_source(tag, H, eps) + _router_source(tag, H, E, W)
 
     params = [
         ("r", (TOKENS, H), "float16"),

@@ -11,12 +11,15 @@ teacher-forced with the eager engine's arg-max:
 3. a fork of sequence 1 decoded with its parent (shared pages: the engine must fall back to
    eager steps);
 4. greedy on the device: two sequences, 100 steps of ``decode_greedy`` on the graph engine (the
-   arg-max kernel captured in the step's graph) against the host arg-max of the eager engine's
-   logits.
+   arg-max kernel captured in the step's graph, the ids copied in and the tokens copied out
+   through pinned host memory) against the host arg-max of the eager engine's logits;
+5. the same for one sequence (prompt 180: keys change every 64 tokens), 150 steps, then
+   ``popn(30)`` and 40 more steps (back to earlier greedy graphs).
 
 Per case: the largest |logit difference| between the two engines (the kernels are the same and
-deterministic, so 0 is expected), or for 4 the steps whose tokens differ (0 expected), and the
-graph counters. Writes ``graph_check.json``.
+deterministic, so 0 is expected), or for 4 and 5 the steps whose tokens differ (0 expected; the
+greedy graphs must have been replayed, ``greedy_replays``, without a failed first-replay check),
+and the graph counters. Writes ``graph_check.json``.
 """
 
 from __future__ import annotations
@@ -114,21 +117,41 @@ def main(argv: list[str] | None = None) -> int:
     graph.reset()
     eager.reset()
 
+    def greedy_steps(seqs: dict[str, list[int]], toks: list[int], n: int) -> dict:
+        """``n`` greedy steps on the graph engine (pinned-memory replays) against the host
+        arg-max of the eager engine's logits, each engine fed its own tokens."""
+        ours, times, bad = list(toks), [], 0
+        for _ in range(n):
+            t = time.perf_counter()
+            got = graph.decode_greedy(seqs["graph"], ours)
+            times.append(time.perf_counter() - t)
+            assert got.dtype == np.int64 and got.shape == (len(toks),), (got.dtype, got.shape)
+            ref = eager.decode(seqs["eager"], toks).argmax(-1).tolist()
+            bad += got.tolist() != ref
+            ours, toks = got.tolist(), ref
+        return {"steps": n, "token_mismatches": bad, "on_device": graph.has_device_greedy,
+                "graph_step_ms_p50": 1e3 * np.median(times), "tokens": toks}  # fmt: skip
+
     def greedy2() -> dict:
         pair, toks, _ = start([rng.integers(0, vocab, 200).tolist(),
                                rng.integers(0, vocab, 61).tolist()])  # fmt: skip
-        ours, times, bad = list(toks), [], 0
-        for _ in range(100):
-            t = time.perf_counter()
-            got = graph.decode_greedy(pair["graph"], ours).tolist()
-            times.append(time.perf_counter() - t)
-            ref = eager.decode(pair["eager"], toks).argmax(-1).tolist()
-            bad += got != ref
-            ours, toks = got, ref
-        return {"steps": 100, "token_mismatches": bad, "on_device": graph.has_device_greedy,
-                "graph_step_ms_p50": 1e3 * np.median(times)}  # fmt: skip
+        return greedy_steps(pair, toks, 100)
 
     case("greedy_batch2", greedy2)
+    graph.reset()
+    eager.reset()
+
+    def greedy1_popn() -> dict:
+        one, toks, _ = start([rng.integers(0, vocab, 180).tolist()])
+        res = greedy_steps(one, toks, 150)
+        graph.popn(one["graph"][0], 30)
+        eager.popn(one["eager"][0], 30)
+        more = greedy_steps(one, [int(rng.integers(0, vocab))], 40)
+        res["steps"] += more["steps"]
+        res["token_mismatches"] += more["token_mismatches"]
+        return res
+
+    case("greedy_single_popn", greedy1_popn)
     report["graph_totals"] = graph.cuda_graph_stats
     report["last_error"] = graph._graphs.last_error if graph._graphs else None
     out = Path(args.out)
@@ -139,6 +162,10 @@ def main(argv: list[str] | None = None) -> int:
         for c in report["cases"].values()
     )
     ok = ok and (report["graph_totals"] or {}).get("replays", 0) > 0
+    for name, c in report["cases"].items():  # greedy steps went through the pinned-memory graphs
+        if name.startswith("greedy"):
+            ok = ok and c["graphs"].get("greedy_replays", 0) > 0
+            ok = ok and c["graphs"].get("mismatches", 0) == 0
     print("OK" if ok else "MISMATCH", json.dumps(report["graph_totals"]))
     return 0 if ok else 1
 

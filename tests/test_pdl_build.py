@@ -125,6 +125,37 @@ def test_kernels_without_wait_reads_cuda_source():
     assert kernels_without_wait(src) == (["a_kernel", "b_kernel"], ["b_kernel"])
 
 
+def test_hand_kernels_that_wait_themselves_are_left_alone():
+    """A hand kernel that loads its weights and then calls the wait (``schedules/cuda_call.py:
+    grid_wait_source``) gets no second wait in front; the source check accepts it, but not a
+    kernel that calls a device function without the wait."""
+    from dsv2_mlc.schedules.cuda_call import grid_wait_source, token_grid_call
+
+    body = "  float w = wt[tid];\n  {wait}\n  y[t] = w * x[t];\n"
+    fn = "__device__ __forceinline__ void {name}(const float* wt, const float* x, float* y, "
+    fn += "long long t, int blk, int tid) {{\n{body}}}\n"
+    params = [("wt", (32,), "float32"), ("x", (None,), "float32"), ("y", (None,), "float32")]
+    cuda = tvm.target.Target({"kind": "cuda"})
+
+    def kernel(name: str, wait: str) -> tirx.PrimFunc:
+        src = grid_wait_source() + fn.format(name=name, body=body.format(wait=wait))
+        shell = token_grid_call("k", name, src, params, 1, 32)
+        return shell.with_attr({"calling_conv": 2, "target": cuda})
+
+    mod = tvm.IRModule({"hand": kernel("hand_fn", f"{WAIT}();"), "plain": kernel("plain_fn", "")})
+    out = InsertGridDependencyControl()(mod)
+    assert out["hand"].same_as(mod["hand"])  # its own wait, after the weight load
+    assert not out["plain"].same_as(mod["plain"])
+    src = (
+        grid_wait_source()
+        + fn.format(name="hand_fn", body=body.format(wait=f"{WAIT}();"))
+        + fn.format(name="plain_fn", body=body.format(wait=""))
+        + 'extern "C" __global__ void hand_kernel(float* a) {\n  hand_fn(a, a, a, 0, 0, 0);\n}\n'
+        + 'extern "C" __global__ void plain_kernel(float* a) {\n  plain_fn(a, a, a, 0, 0, 0);\n}\n'
+    )
+    assert kernels_without_wait(src) == (["hand_kernel", "plain_kernel"], ["plain_kernel"])
+
+
 @needs_nvcc
 def test_pdl_build_waits_in_tvm_kernels_too_and_records_the_option(tmp_path: Path, monkeypatch):
     """A whole model: our kernels and TVM's (KV cache append, attention merge, page copies) all

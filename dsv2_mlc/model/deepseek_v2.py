@@ -35,6 +35,7 @@ from tvm.target import Target
 from ..passes._rewrite import ENTRY_KIND_ATTR
 from ..schedules.argmax import greedy_argmax
 from ..schedules.norm_gemv_cuda import add_norm_gemv_q4, add_norm_router, add_norm_unsupported
+from ..schedules.prefetch_gemv_cuda import gemv_q4_decode, gemv_q4_unsupported
 from .config import DeepseekV2Config
 from .kv_cache import MLAPagedKVCache
 from .mla_ops import (
@@ -186,7 +187,19 @@ class DeepseekV2Attention(nn.Module):
                 out = o_cross
             else:
                 out, _ = cache.merge_attn_output_inplace(out, lse, o_cross, lse_lat)
-        return self.o_proj(op.reshape(out, (n, heads * v_dim))), cache
+        out = op.reshape(out, (n, heads * v_dim))
+        o_proj, h_out = self.o_proj, cfg.hidden_size
+        group = _int4_linear(o_proj) if mode == "decode" and fused else None
+        if group is None or gemv_q4_unsupported(h_out, heads * v_dim, group):
+            return o_proj(out), cache
+        # CUDA decode: the INT4 GEMV whose weights load before it waits (prefetch_gemv_cuda)
+        proj = op.tensor_ir_op(
+            gemv_q4_decode(h_out, heads * v_dim, group),
+            "o_proj_decode",
+            args=[out, o_proj.q_weight, o_proj.q_scale],
+            out=Tensor.placeholder((n, h_out), out.dtype),
+        )
+        return proj, cache
 
 
 class DeepseekV2DecoderLayer(nn.Module):

@@ -12,7 +12,8 @@ Each replaces a chain of Relax ops (and launches) that decode runs 27 times per 
   in one hand kernel (:mod:`dsv2_mlc.schedules.mla_prologue_cuda`), for decode and extend;
 * :func:`absorb_value`: the attention output over latents ``[n, H, L]`` -> ``o @ W_UV^T``
   ``[n, H * V]`` as one GEMV-shaped reduction tagged for the decode GEMV schedule (was transpose,
-  batched matmul, transpose).
+  batched matmul, transpose); on CUDA at decode a hand kernel whose weights load before it
+  waits for its input (:mod:`dsv2_mlc.schedules.prefetch_gemv_cuda`).
 
 All accumulate in float32 and round once, as the compositions they replace do.
 """
@@ -27,6 +28,7 @@ from tvm.target import Target
 
 from ..schedules.decode_gemv_cuda import DECODE_GEMV
 from ..schedules.mla_prologue_cuda import mla_prologue_cuda
+from ..schedules.prefetch_gemv_cuda import absorb_v_decode, absorb_v_unsupported
 from .config import DeepseekV2Config
 from .rope import apply_rope, rotate_pair
 
@@ -142,6 +144,17 @@ def absorb_value(o_lat: Tensor, w_uv: Tensor, decode: bool) -> Tensor:
     """``o_lat [n, H, L]`` x ``W_UV [H, V, L]`` -> ``[n, H * V]`` (``out[t, h*V + v] =
     sum_c o_lat[t, h, c] * W_UV[h, v, c]``). ``decode``: one GEMV-shaped kernel for the decode
     schedule; otherwise (extend: many rows) the batched matmul, which dlight tiles."""
+    heads, v_dim, lora = (int(d) for d in w_uv.shape)
+    cuda = has_prologue_kernel(Target.current(allow_none=True))
+    if decode and cuda and o_lat.dtype == "float16" and w_uv.dtype == "float16":
+        if absorb_v_unsupported(heads, v_dim, lora) is None:
+            # weights loaded before the kernel waits for o_lat (prefetch_gemv_cuda)
+            return op.tensor_ir_op(
+                absorb_v_decode(heads, v_dim, lora),
+                "absorb_v_decode",
+                args=[o_lat, w_uv],
+                out=Tensor.placeholder((o_lat.shape[0], heads * v_dim), o_lat.dtype),
+            )
     if not decode:
         n, heads, _ = o_lat.shape
         out = op.matmul(op.permute_dims(o_lat, [1, 0, 2]), op.permute_dims(w_uv, [0, 2, 1]))

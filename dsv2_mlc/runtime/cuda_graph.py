@@ -9,7 +9,8 @@ the whole call replays the same launches with one ``cudaGraphLaunch``.
 device pointers, shapes and scalars. A decode step's kernels read
 
 * the token ids, from an input tensor the graph owns (:class:`DecodeGraphs` copies the new ids
-  into it before a replay);
+  into it before a replay; a greedy graph copies them in itself, from pinned host memory, see
+  below);
 * the weights and the KV pages (allocated once), and intermediate tensors from the VM's pooled
   allocator (same sizes every call, so the same blocks; nothing allocated from the pool after a
   capture is kept alive across a replay);
@@ -35,12 +36,37 @@ programmatic one before instantiating it (:mod:`dsv2_mlc.runtime.pdl`), so each 
 launched while its predecessor drains. If the CUDA runtime or driver cannot (older than 12.3, or
 the instantiation refuses the edges), the plain graph is used and PDL stays off for later
 captures (``stats["pdl_failures"]``, ``last_error``).
+
+**Greedy steps: ids and tokens through pinned host memory.** A greedy step
+(:meth:`DecodeGraphs.run_greedy`: the call returns ``(logits, tokens)``, the tokens being the
+int32 ``[b]`` arg-max picked on the device) moves 4 bytes per sequence each way, yet the
+runtime's synchronous copies cost more than the graph launch (18 us for the ids on the H200, and
+a device->host copy that then waits for the graph). So a greedy graph owns two page-locked host
+buffers (``cudaHostAlloc``) and captures on its stream a host->device copy of the ids from the
+first into its input tensor, then the call, then a device->host copy of the tokens into the
+second. A replay writes the ids into the first buffer (a NumPy view of it), launches the graph,
+synchronizes the stream and copies the tokens out of the second: no other host<->device copy.
+
+* The host writes the input buffer only while no replay is in flight (a replay may read it at
+  any time until it completes): ``run_greedy`` synchronizes the stream before it returns. A step
+  that returned earlier, to overlap the host with the device, would need a buffer per replay in
+  flight.
+* The buffers are freed only after synchronizing the stream, when their graph is dropped (LRU
+  eviction, a failed first-replay check, :meth:`DecodeGraphs.clear` / ``close``, garbage
+  collection) or its capture failed.
+* The copies are memcpy nodes: programmatic (PDL) edges never touch them (only kernel->kernel
+  edges are converted), so the first kernel starts after the ids have landed and the tokens are
+  copied after the arg-max kernel has completed.
+* The first-replay check also compares the tokens read from the pinned buffer with the eager
+  step's, so it covers the two copies as well.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -49,8 +75,8 @@ from typing import Any
 import numpy as np
 import tvm_ffi
 
-from .cudart import CudaRuntime
-from .device import device_of
+from .cudart import MEMCPY_DEVICE_TO_HOST, MEMCPY_HOST_TO_DEVICE, CudaRuntime
+from .device import device_of, to_numpy
 from .pdl import BrokenGraphError, make_programmatic, restore_default
 
 __all__ = ["DecodeGraphs", "decode_graph_key"]
@@ -68,12 +94,79 @@ def decode_graph_key(page_size: int, lengths_after: list[int]) -> tuple[int, int
     return len(lengths_after), -(-pages // PAGE_ALIGN)
 
 
+def _layout(tensor: tvm_ffi.Tensor) -> tuple[tuple[int, ...], np.dtype]:
+    return tuple(int(s) for s in tensor.shape), np.dtype(str(tensor.dtype))
+
+
+def _tokens(out: Any) -> np.ndarray:
+    """The host copy of a greedy call's tokens (``out[1]``), as they are (int32)."""
+    return to_numpy(out[1])
+
+
+class _Pinned:
+    """The page-locked host buffers of one greedy graph: the ids its first node copies to the
+    device and the tokens its last node copies back, each with a NumPy view over it.
+
+    Only :func:`_drop` and a failed capture free them, after synchronizing the graph's stream:
+    a launched replay may read ``ids`` and write ``tokens`` until it completes."""
+
+    def __init__(self, cuda: Any, ids: tuple, tokens: tuple) -> None:
+        """``ids`` and ``tokens``: (shape, dtype) of the two buffers."""
+        self.ptrs: list[int] = []
+        views = []
+        try:
+            for shape, dtype in (ids, tokens):
+                nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+                self.ptrs.append(cuda.host_alloc(nbytes))
+                raw = (ctypes.c_char * nbytes).from_address(self.ptrs[-1])
+                views.append(np.frombuffer(raw, dtype=dtype).reshape(shape))
+        except Exception:
+            for ptr in self.ptrs:
+                cuda.free_host(ptr)  # nothing was captured: no copy can use them
+            raise
+        self.ids: np.ndarray = views[0]
+        self.tokens: np.ndarray = views[1]
+
+    def free(self, cuda: Any, stream: int) -> None:
+        """Free both buffers once no replay can use them any more (a leak, logged, where the
+        stream cannot be synchronized: better than memory a running graph may touch)."""
+        if not self.ptrs:
+            return
+        try:
+            cuda.synchronize(stream)
+        except Exception as err:  # noqa: BLE001 (an unusable device: keep the memory)
+            log.warning("pinned decode graph buffers not freed: %s", err)
+            return
+        del self.ids, self.tokens  # no view may outlive the memory
+        ptrs, self.ptrs = self.ptrs, []
+        for ptr in ptrs:
+            cuda.free_host(ptr)
+
+
 @dataclass
 class _Graph:
     exe: int
     ids: tvm_ffi.Tensor  # the input the graph reads [b, 1] int32
     out: Any  # what the captured call returned (its tensors are the graph's outputs)
     verified: bool = False  # a replay has matched an eager run of the same step
+    pinned: _Pinned | None = None  # greedy graphs: the ids in and tokens out, on the host
+
+
+def _drop(cuda: Any, stream: int, graph: _Graph) -> None:
+    """Destroy ``graph``'s executable, then free its pinned buffers (after a synchronize)."""
+    cuda.destroy(graph.exe)
+    if graph.pinned is not None:
+        graph.pinned.free(cuda, stream)
+
+
+def _drop_all(cuda: Any, stream: int, graphs: OrderedDict) -> None:
+    """Every graph of ``graphs`` dropped (errors logged: also runs at garbage collection)."""
+    while graphs:
+        _, graph = graphs.popitem(last=False)
+        try:
+            _drop(cuda, stream, graph)
+        except Exception as err:  # noqa: BLE001 (free what can be freed)
+            log.warning("decode graph not released: %s", err)
 
 
 class DecodeGraphs:
@@ -84,7 +177,10 @@ class DecodeGraphs:
     1 for a 102K vocabulary), so a small LRU is enough and bounds that memory.
 
     ``pdl_port`` (a :mod:`~dsv2_mlc.runtime.pdl` port; only for ``--pdl`` builds, whose kernels
-    all wait for their predecessors): captured kernel->kernel edges become programmatic."""
+    all wait for their predecessors): captured kernel->kernel edges become programmatic.
+
+    Graphs (and the pinned buffers of greedy graphs) are released by :meth:`clear`,
+    :meth:`close` or garbage collection."""
 
     def __init__(
         self,
@@ -101,11 +197,25 @@ class DecodeGraphs:
         self._failed: set[tuple] = set()
         self.pdl_port = pdl_port
         self.stats: dict[str, float] = dict(
-            captures=0, replays=0, failures=0, mismatches=0, capture_s=0.0
+            captures=0, replays=0, greedy_replays=0, failures=0, mismatches=0, capture_s=0.0
         )
         if pdl_port is not None:
             self.stats.update(pdl_edges=0, pdl_failures=0)
         self.last_error: str | None = None
+        # garbage collection (or exit) releases the graphs; the finalizer holds what it needs,
+        # never self (which it would keep alive)
+        self._finalizer = weakref.finalize(self, _drop_all, self.cuda, self.stream, self._graphs)
+
+    def _cached(self, key: tuple, greedy: bool) -> _Graph | None:
+        """The graph of ``key`` (now the most recently used), if one is cached."""
+        graph = self._graphs.get(key)
+        if graph is None:
+            return None
+        if (graph.pinned is not None) != greedy:
+            kind = "greedy" if graph.pinned is not None else "logits"
+            raise ValueError(f"decode graph key {key} holds a {kind} graph; give each its own key")
+        self._graphs.move_to_end(key)
+        return graph
 
     def run(
         self,
@@ -124,56 +234,121 @@ class DecodeGraphs:
         graph, returns the eager result and keeps that key eager. This guards the key (which
         follows the KV cache's internal layout, see the module docstring) at the cost of one
         eager step per key."""
-        graph = self._graphs.get(key)
+        graph = self._cached(key, greedy=False)
         if graph is not None:
-            self._graphs.move_to_end(key)
             write(graph.ids, ids)
             self.cuda.launch(graph.exe, self.stream)
             self.stats["replays"] += 1
             if same is None or graph.verified:
                 return graph.out
             ref = call(graph.ids)
-            if same(graph.out, ref):
-                graph.verified = True
-                return graph.out
-            self._graphs.pop(key)
-            self.cuda.destroy(graph.exe)
-            self._failed.add(key)
-            self.stats["mismatches"] += 1
-            self.last_error = f"graph replay for key {key} differs from the eager step"
-            return ref
+            return graph.out if self._check(key, graph, same(graph.out, ref)) else ref
         ids_t = to_device(ids)
         out = call(ids_t)  # this step's result; also loads kernels and warms the pools
         if key not in self._failed:
             self._capture(key, ids_t, call)
         return out
 
-    def _capture(self, key: tuple, ids_t: tvm_ffi.Tensor, call: Callable) -> None:
-        cuda = self.cuda
+    def run_greedy(
+        self,
+        key: tuple,
+        ids: np.ndarray,
+        call: Callable[[tvm_ffi.Tensor], Any],
+        to_device: Callable[[np.ndarray], tvm_ffi.Tensor],
+        same: Callable[[Any, Any], bool] | None = None,
+    ) -> np.ndarray:
+        """:meth:`run` for a greedy step, whose ``call`` returns ``(logits, tokens)`` (device
+        tensors; tokens int32 ``[b]``): the tokens, as a new int64 host array.
+
+        Its graph copies the ids in from, and the tokens out to, pinned host memory (module
+        docstring); a replay returns once the graph has completed. ``same`` compares two
+        ``(logits, tokens)`` outputs; the first replay's host tokens are also compared with the
+        eager step's. ``key`` must differ from every key given to :meth:`run`."""
+        graph = self._cached(key, greedy=True)
+        if graph is not None:
+            pinned = graph.pinned
+            assert pinned is not None
+            if ids.shape != pinned.ids.shape:
+                raise ValueError(f"ids of shape {ids.shape} for a graph of {pinned.ids.shape}")
+            np.copyto(pinned.ids, ids, casting="same_kind")  # no replay in flight reads it
+            self.cuda.launch(graph.exe, self.stream)
+            self.cuda.synchronize(self.stream)  # the tokens are on the host, the ids free again
+            tokens = pinned.tokens.astype(np.int64)  # a copy: the buffer is the next step's
+            self.stats["replays"] += 1
+            self.stats["greedy_replays"] += 1
+            if same is None or graph.verified:
+                return tokens
+            ref = call(graph.ids)  # the ids the graph copied in
+            ref_tokens = _tokens(ref)
+            ok = same(graph.out, ref) and np.array_equal(tokens, ref_tokens)
+            return tokens if self._check(key, graph, ok) else ref_tokens.astype(np.int64)
+        ids_t = to_device(ids)
+        out = call(ids_t)
+        tokens = _tokens(out)
+        if key not in self._failed:
+            self._capture(key, ids_t, call, tokens)
+        return tokens.astype(np.int64)
+
+    def _check(self, key: tuple, graph: _Graph, same: bool) -> bool:
+        """Record the first replay check of ``graph``: verified, or dropped for good."""
+        if same:
+            graph.verified = True
+            return True
+        self._graphs.pop(key)
+        _drop(self.cuda, self.stream, graph)
+        self._failed.add(key)
+        self.stats["mismatches"] += 1
+        self.last_error = f"graph replay for key {key} differs from the eager step"
+        return False
+
+    def _capture(
+        self,
+        key: tuple,
+        ids_t: tvm_ffi.Tensor,
+        call: Callable,
+        tokens: np.ndarray | None = None,
+    ) -> None:
+        """Capture ``call(ids_t)`` for ``key``; with ``tokens`` (the eager step's, on the host)
+        a greedy graph, with its pinned copies around the call."""
+        cuda, stream = self.cuda, self.stream
         start = time.perf_counter()
+        pinned = None
         try:
-            with tvm_ffi.use_raw_stream(self.device, self.stream):
-                cuda.begin_capture(self.stream)
+            if tokens is not None:
+                pinned = _Pinned(cuda, _layout(ids_t), (tokens.shape, tokens.dtype))
+            with tvm_ffi.use_raw_stream(self.device, stream):
+                cuda.begin_capture(stream)
                 try:
+                    if pinned is not None:
+                        src, n = pinned.ids.ctypes.data, pinned.ids.nbytes
+                        cuda.memcpy_async(ids_t.data_ptr(), src, n, MEMCPY_HOST_TO_DEVICE, stream)
                     out = call(ids_t)
+                    if pinned is not None:
+                        dev = out[1]
+                        if _layout(dev) != (pinned.tokens.shape, pinned.tokens.dtype):
+                            raise RuntimeError(f"captured tokens {_layout(dev)} != eager tokens")
+                        dst, n = pinned.tokens.ctypes.data, pinned.tokens.nbytes
+                        cuda.memcpy_async(dst, dev.data_ptr(), n, MEMCPY_DEVICE_TO_HOST, stream)
                 finally:
-                    graph = cuda.end_capture(self.stream)
+                    graph = cuda.end_capture(stream)
             try:
                 exe = self._instantiate(graph)
             finally:
                 cuda.destroy_graph(graph)
         except Exception as err:  # noqa: BLE001 (fall back to eager steps for this key)
             cuda.clear_error()
+            if pinned is not None:
+                pinned.free(cuda, stream)
             self._failed.add(key)
             self.stats["failures"] += 1
             self.last_error = str(err)
             return
-        self._graphs[key] = _Graph(exe, ids_t, out)
+        self._graphs[key] = _Graph(exe, ids_t, out, pinned=pinned)
         self.stats["captures"] += 1
         self.stats["capture_s"] += time.perf_counter() - start
         while len(self._graphs) > self.capacity:
             _, old = self._graphs.popitem(last=False)
-            cuda.destroy(old.exe)
+            _drop(cuda, stream, old)
 
     def _instantiate(self, graph: int) -> int:
         """``graph`` instantiated, with programmatic kernel edges where PDL is on and works."""
@@ -206,8 +381,11 @@ class DecodeGraphs:
         self.last_error = why
 
     def clear(self) -> None:
-        """Drop every graph (after the cache's page layout was reset)."""
-        for graph in self._graphs.values():
-            self.cuda.destroy(graph.exe)
-        self._graphs.clear()
+        """Drop every graph and free its pinned buffers (after the cache's page layout was
+        reset); later steps capture again."""
+        _drop_all(self.cuda, self.stream, self._graphs)
         self._failed.clear()
+
+    def close(self) -> None:
+        """Release every graph now (:meth:`clear`); garbage collection does the same."""
+        self.clear()

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import ctypes
 
-__all__ = ["CudaRuntime", "EdgeData"]
+__all__ = ["MEMCPY_DEVICE_TO_HOST", "MEMCPY_HOST_TO_DEVICE", "CudaRuntime", "EdgeData"]
 
 _CAPTURE_MODE_RELAXED = 2  # cudaStreamCaptureModeRelaxed
+_HOST_ALLOC_DEFAULT = 0  # cudaHostAllocDefault: page-locked, one device, not mapped
+MEMCPY_HOST_TO_DEVICE = 1  # cudaMemcpyHostToDevice (enum cudaMemcpyKind)
+MEMCPY_DEVICE_TO_HOST = 2  # cudaMemcpyDeviceToHost
 _EDGE_DATA_API = 12030  # cudaGraphEdgeData and the *_v2 graph edge calls: CUDA 12.3
 _EDGE_DATA_DEFAULT_NAMES = 13000  # CUDA 13 dropped the _v2 names: the plain ones take edge data
 
@@ -79,6 +82,36 @@ class CudaRuntime:
         self._check(
             self.lib.cudaStreamSynchronize(ctypes.c_void_p(stream)), "cudaStreamSynchronize"
         )
+
+    # -- pinned host memory and asynchronous copies (greedy decode graphs, cuda_graph.py) ------
+    def host_alloc(self, nbytes: int) -> int:
+        """``nbytes`` of page-locked host memory (``cudaHostAlloc``); :meth:`free_host` frees it.
+
+        A copy captured in a graph is replayed as a DMA transfer from or to fixed physical
+        pages, with no staging by the driver: its host end must be page-locked."""
+        ptr = ctypes.c_void_p()
+        err = self.lib.cudaHostAlloc(
+            ctypes.byref(ptr), ctypes.c_size_t(nbytes), ctypes.c_uint(_HOST_ALLOC_DEFAULT)
+        )
+        self._check(err, "cudaHostAlloc")
+        return int(ptr.value or 0)
+
+    def free_host(self, ptr: int) -> None:
+        """Free memory from :meth:`host_alloc` (``cudaFreeHost``); no copy may still use it."""
+        self._check(self.lib.cudaFreeHost(ctypes.c_void_p(ptr)), "cudaFreeHost")
+
+    def memcpy_async(self, dst: int, src: int, nbytes: int, kind: int, stream: int) -> None:
+        """``cudaMemcpyAsync(dst, src, nbytes, kind, stream)``; ``kind`` is
+        :data:`MEMCPY_HOST_TO_DEVICE` or :data:`MEMCPY_DEVICE_TO_HOST`. Issued on a capturing
+        stream, it becomes a memcpy node of the graph instead of running."""
+        err = self.lib.cudaMemcpyAsync(
+            ctypes.c_void_p(dst),
+            ctypes.c_void_p(src),
+            ctypes.c_size_t(nbytes),
+            ctypes.c_int(kind),
+            ctypes.c_void_p(stream),
+        )
+        self._check(err, "cudaMemcpyAsync")
 
     # -- graph topology (programmatic edges, runtime/pdl.py) ---------------------------------
     def _edge_call(self, name: str):  # -> the ctypes function taking cudaGraphEdgeData

@@ -6,6 +6,7 @@ runs where the compiler is not installed.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -334,6 +335,8 @@ class Engine:
         with ``greedy`` (decode steps, a build with ``greedy_tokens``) each sequence's arg-max
         token, picked on the device."""
         lengths = [len(c) for c in chunks]
+        if greedy and any(n != 1 for n in lengths):
+            raise ValueError("greedy steps take one token per sequence")
         if all(n == 1 for n in lengths) and len(seq_ids) > MAX_DECODE_GROUP:
             parts = range(0, len(seq_ids), MAX_DECODE_GROUP)
             return np.concatenate(
@@ -376,15 +379,17 @@ class Engine:
             self._kv_state["end_forward"](self._cache)
         for seq, n in zip(seq_ids, lengths, strict=True):
             self._seq_len[seq] += n
-        if greedy:  # 4 bytes per sequence to the host
-            return to_numpy(out[1]).astype(np.int64)
+        if greedy:  # the step's tokens, already on the host (4 bytes per sequence came back)
+            return out
         logits = to_numpy(out[0])  # a copy on the host, whatever the device
         return logits.reshape(-1, self.config.vocab_size)
 
     def _decode_call(self, seq_ids: list[int], ids: np.ndarray, greedy: bool = False) -> Any:
         """``batch_decode`` for a begun step: from a CUDA graph where one applies. With
-        ``greedy``, ``(logits, tokens)``: the device arg-max runs right after (in the same graph,
-        whose key is then marked ``"greedy"``)."""
+        ``greedy``, the device arg-max runs right after (in the same graph, whose key is then
+        marked ``"greedy"`` and which copies the ids in and the tokens out through pinned host
+        memory, :meth:`DecodeGraphs.run_greedy`) and the result is the tokens, int64 ``[b]``
+        on the host."""
         greedy_fn = self._greedy if greedy else None
         if greedy and greedy_fn is None:
             raise RuntimeError("this build has no greedy_tokens function")
@@ -397,13 +402,14 @@ class Engine:
 
         graphs = self._graphs
         if graphs is None or self._shared.intersection(seq_ids):
-            return call(to_device(ids, self.device))
+            out = call(to_device(ids, self.device))
+            return to_numpy(out[1]).astype(np.int64) if greedy else out
         key = decode_graph_key(PAGE_SIZE, [self._seq_len[s] + 1 for s in seq_ids])
-        if greedy:
-            key = (*key, "greedy")
         self._query_positions(self._cache)  # page tables to the device now, outside the graph
-        same = _same_greedy if greedy else _same_logits
-        return graphs.run(key, ids, call, lambda a: to_device(a, self.device), copy_into, same)
+        upload = functools.partial(to_device, device=self.device)
+        if greedy:
+            return graphs.run_greedy((*key, "greedy"), ids, call, upload, _same_greedy)
+        return graphs.run(key, ids, call, upload, copy_into, _same_logits)
 
     @property
     def cuda_graph_stats(self) -> dict[str, float] | None:

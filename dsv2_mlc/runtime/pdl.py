@@ -16,10 +16,11 @@ fires from is its upstream port:
   N has started. N+1's blocks may then occupy SM slots while they wait, and so on down the chain.
 
 Only edges between two kernel nodes are converted; edges to or from copies and memsets stay full
-dependencies (those nodes have no wait). The wait blocks until the upstream grid has *completed*
-and its memory is visible, so with every kernel waiting first, each kernel still runs after all
-its predecessors, transitively. A build without ``--pdl`` must never get programmatic edges: its
-kernels would race their predecessors.
+dependencies (those nodes have no wait), e.g. the pinned-memory copies that open and close a
+greedy decode graph (``runtime/cuda_graph.py``). The wait blocks until the upstream grid has
+*completed* and its memory is visible, so with every kernel waiting first, each kernel still runs
+after all its predecessors, transitively. A build without ``--pdl`` must never get programmatic
+edges: its kernels would race their predecessors.
 """
 
 from __future__ import annotations

@@ -1,0 +1,214 @@
+"""Decode GEMVs on CUDA whose weights are in registers before the kernel waits for its input.
+
+At batch 1 a decode step is a chain of short kernels, each reading its weights only once it has
+started, i.e. after the previous kernel finished: a 2 MB GEMV (``o_proj``, the absorbed
+``W_UV``) took 2-3 us on the H200 for 0.4 us of HBM time, most of it that first DRAM round trip
+and the launch. Here the weights do not depend on the previous kernel, so each warp loads its
+rows first and only then calls ``griddepcontrol.wait``
+(:func:`dsv2_mlc.schedules.cuda_call.grid_wait_source`): in a ``--pdl`` build, whose decode
+graphs launch a kernel before its predecessor ends, the weight loads overlap the predecessor.
+
+* :func:`gemv_q4_decode`: ``y[t] = W x[t]`` for an INT4 group weight ``W [N, K]`` (``o_proj``).
+  ``ceil(N / warps)`` blocks (at most ``max_blocks``), a warp per output row (strided over the
+  grid when there are more rows than warps); the block stages ``x[t]`` in shared memory (16-byte
+  pieces XOR-swizzled as in :mod:`~dsv2_mlc.schedules.norm_gemv_cuda`) for each token in turn,
+  so the weights are read once for all ``n`` tokens. The dot product is
+  :func:`~dsv2_mlc.schedules.decode_gemv_cuda.dot32_source`'s (fp16 partial sums of ``run``
+  products, float32 across 32-element chunks), as the TIR GEMV schedule it replaces.
+* :func:`absorb_v_decode`: the absorbed value projection ``y[t, h V + v] = sum_c o[t, h, c] *
+  W_UV[h, v, c]`` (fp16 ``W_UV [H, V, L]``), a warp per row ``(h, v)`` reading its head's
+  ``o[t, h]`` (``L`` values, from L2) itself; float32 products and sums, one rounding, as the TE
+  kernel (``dsv2_mlc.model.mla_ops.absorb_value``) it replaces.
+
+Both write only after the wait and read nothing an earlier kernel writes before it. The
+reference is the Relax / TE composition of the CPU path; ``tests/test_prefetch_gemv_emulation.py``
+runs the generated CUDA on the CPU against NumPy.
+"""
+
+from __future__ import annotations
+
+from tvm import tirx
+
+from .cuda_call import GRID_WAIT, TOKENS, grid_wait_source, token_grid_call
+from .decode_gemv_cuda import dot32_source
+
+__all__ = ["absorb_v_decode", "absorb_v_unsupported", "gemv_q4_decode", "gemv_q4_unsupported"]
+
+_CHUNK = 32  # INT4 values per 16-byte load
+_SHARED_LIMIT = 48 * 1024
+_WARPS = 8
+_MAX_BLOCKS = 1024
+_RUN = 16  # products per fp16 partial sum
+
+
+def gemv_q4_unsupported(out_dim: int, in_dim: int, group: int) -> str | None:
+    """Why :func:`gemv_q4_decode` cannot take this shape (None: it can)."""
+    if in_dim % _CHUNK or group % _CHUNK or in_dim % group:
+        return f"K={in_dim}, group={group}: not whole 32-element chunks and groups"
+    if in_dim * 2 > _SHARED_LIMIT - 1024:
+        return f"K={in_dim}: x does not fit in shared memory"
+    if out_dim < 1:
+        return f"N={out_dim}"
+    return None
+
+
+def _gemv_q4_source(tag: str, N: int, K: int, G: int, W: int, NB: int) -> str:
+    nch = K // _CHUNK
+    cpl = -(-nch // 32)  # chunks per lane
+    stride = NB * W
+    return f"""
+#ifndef DSV2_PF_GEMV_{tag}
+#define DSV2_PF_GEMV_{tag}
+__device__ __forceinline__ void dsv2_pf_gemv_load_{tag}(uint4 (&q)[{cpl}], half (&sc)[{cpl}],
+    int o, int lane, const unsigned* __restrict__ qw, const half* __restrict__ qs) {{
+  const uint4* row = reinterpret_cast<const uint4*>(qw + (long long)o * {K // 8});
+  const half* srow = qs + (long long)o * {K // G};
+#pragma unroll
+  for (int j = 0; j < {cpl}; ++j) {{
+    const int c = lane + 32 * j;
+    if (c < {nch}) {{
+      q[j] = row[c];
+      sc[j] = srow[c * {_CHUNK} / {G}];
+    }}
+  }}
+}}
+__device__ __forceinline__ void dsv2_pf_gemv_{tag}(const half* __restrict__ x,
+    const unsigned* __restrict__ qw, const half* __restrict__ qs, half* __restrict__ y,
+    long long n, int blk, int tid) {{
+  // x[t] of the block: 16-byte piece p of chunk c at 4 c + (p ^ ((c >> 1) & 3))
+  __shared__ __align__(16) uint4 xs[{K // 8}];
+  const int warp = tid >> 5, lane = tid & 31;
+  uint4 q[{cpl}];
+  half sc[{cpl}];
+  if (blk * {W} + warp < {N}) dsv2_pf_gemv_load_{tag}(q, sc, blk * {W} + warp, lane, qw, qs);
+  {GRID_WAIT}();  // (PDL) the first row's weights overlap the previous kernel, which wrote x
+  // rows base + warp; the block's barriers need all its warps in every pass
+  for (int base = blk * {W}; base < {N}; base += {stride}) {{
+    const int o = base + warp;
+    if (base != blk * {W} && o < {N}) dsv2_pf_gemv_load_{tag}(q, sc, o, lane, qw, qs);
+    for (long long t = 0; t < n; ++t) {{
+      const uint4* xrow = reinterpret_cast<const uint4*>(x + t * {K});
+      __syncthreads();  // the previous token's x is read
+      for (int v = tid; v < {K // 8}; v += {W * 32})
+        xs[4 * (v >> 2) + ((v & 3) ^ ((v >> 3) & 3))] = xrow[v];
+      __syncthreads();
+      if (o < {N}) {{
+        float acc = 0.f;
+#pragma unroll
+        for (int j = 0; j < {cpl}; ++j) {{
+          const int c = lane + 32 * j;
+          if (c < {nch}) {{
+            uint4 xv[4];
+#pragma unroll
+            for (int p = 0; p < 4; ++p) xv[p] = xs[4 * c + (p ^ ((c >> 1) & 3))];
+            acc += dsv2_dot32_int4_h{_RUN}(reinterpret_cast<const unsigned*>(&q[j]),
+                                           reinterpret_cast<const half*>(xv), sc[j]);
+          }}
+        }}
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+        if (lane == 0) y[t * {N} + o] = __float2half(acc);
+      }}
+    }}
+  }}
+}}
+#endif
+"""
+
+
+def gemv_q4_decode(out_dim: int, in_dim: int, group: int) -> tirx.PrimFunc:
+    """``f(x [n, K] f16, qw [N, K/8] u32, qs [N, K/g] f16) -> y [n, N] f16``, ``y = x @
+    dequant(W)^T`` (module docstring). Raises ``ValueError`` for shapes it does not take."""
+    why = gemv_q4_unsupported(out_dim, in_dim, group)
+    if why:
+        raise ValueError(f"gemv_q4_decode: {why}")
+    N, K, G, W = out_dim, in_dim, group, _WARPS
+    NB = min(-(-N // W), _MAX_BLOCKS)
+    tag = f"n{N}_k{K}_g{G}_w{W}_b{NB}"
+    src = grid_wait_source() + dot32_source(_RUN) + _gemv_q4_source(tag, N, K, G, W, NB)
+    params = [
+        ("x", (TOKENS, K), "float16"),
+        ("qw", (N, K // 8), "uint32"),
+        ("qs", (N, K // G), "float16"),
+        ("y", (TOKENS, N), "float16"),
+    ]
+    return token_grid_call(
+        "gemv_q4_decode", f"dsv2_pf_gemv_{tag}", src, params, NB, W * 32, per_token=False
+    )
+
+
+def absorb_v_unsupported(heads: int, v_dim: int, lora: int) -> str | None:
+    """Why :func:`absorb_v_decode` cannot take this shape (None: it can)."""
+    if lora % 8 or heads < 1 or v_dim < 1:
+        return f"H={heads}, V={v_dim}, L={lora}: L must be a multiple of 8"
+    return None
+
+
+def _absorb_v_source(tag: str, H: int, V: int, L: int, W: int, NB: int) -> str:
+    nv = L // 8  # 16-byte pieces of a row
+    cpl = -(-nv // 32)
+    N, stride = H * V, NB * W
+    return f"""
+#ifndef DSV2_PF_ABSORB_V_{tag}
+#define DSV2_PF_ABSORB_V_{tag}
+__device__ __forceinline__ void dsv2_pf_absorb_v_{tag}(const half* __restrict__ o_lat,
+    const half* __restrict__ w, half* __restrict__ y, long long n, int blk, int tid) {{
+  const int warp = tid >> 5, lane = tid & 31;
+  int o = blk * {W} + warp;  // row h * V + v of W_UV
+  uint4 wv[{cpl}];
+  const uint4* wrow = reinterpret_cast<const uint4*>(w);
+#pragma unroll
+  for (int j = 0; j < {cpl}; ++j)
+    if (o < {N} && lane + 32 * j < {nv}) wv[j] = wrow[(long long)o * {nv} + lane + 32 * j];
+  {GRID_WAIT}();  // (PDL) the first row's weights overlap the previous kernel, which wrote o
+  for (bool first = true; o < {N}; first = false, o += {stride}) {{
+    if (!first) {{
+#pragma unroll
+      for (int j = 0; j < {cpl}; ++j)
+        if (lane + 32 * j < {nv}) wv[j] = wrow[(long long)o * {nv} + lane + 32 * j];
+    }}
+    const int h = o / {V};
+    for (long long t = 0; t < n; ++t) {{
+      const uint4* xrow = reinterpret_cast<const uint4*>(o_lat + (t * {H} + h) * {L});
+      float acc = 0.f;
+#pragma unroll
+      for (int j = 0; j < {cpl}; ++j) {{
+        if (lane + 32 * j < {nv}) {{
+          const uint4 xv = xrow[lane + 32 * j];
+          const __half2* xh = reinterpret_cast<const __half2*>(&xv);
+          const __half2* wh = reinterpret_cast<const __half2*>(&wv[j]);
+#pragma unroll
+          for (int k = 0; k < 4; ++k) {{
+            const float2 a = __half22float2(xh[k]), b = __half22float2(wh[k]);
+            acc += a.x * b.x + a.y * b.y;
+          }}
+        }}
+      }}
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+      if (lane == 0) y[t * {N} + o] = __float2half(acc);
+    }}
+  }}
+}}
+#endif
+"""
+
+
+def absorb_v_decode(heads: int, v_dim: int, lora: int) -> tirx.PrimFunc:
+    """``f(o [n, H, L] f16, w_uv [H, V, L] f16) -> y [n, H * V] f16`` (module docstring).
+    Raises ``ValueError`` for shapes it does not take."""
+    why = absorb_v_unsupported(heads, v_dim, lora)
+    if why:
+        raise ValueError(f"absorb_v_decode: {why}")
+    H, V, L, W = heads, v_dim, lora, _WARPS
+    NB = min(-(-H * V // W), _MAX_BLOCKS)
+    tag = f"h{H}_v{V}_l{L}_w{W}_b{NB}"
+    src = grid_wait_source() + _absorb_v_source(tag, H, V, L, W, NB)
+    params = [
+        ("o", (TOKENS, H, L), "float16"),
+        ("w", (H, V, L), "float16"),
+        ("y", (TOKENS, H * V), "float16"),
+    ]
+    return token_grid_call(
+        "absorb_v_decode", f"dsv2_pf_absorb_v_{tag}", src, params, NB, W * 32, per_token=False
+    )
