@@ -8,9 +8,9 @@ Here, after the router's logits GEMV:
 
 1. :func:`moe_gate_up_decode` — ``blocks`` blocks per token (one wave on the GPU: 264 = 2 per
    SM of an H100/H200), each warp a strided share of the ``top_k * I + Is`` outputs
-   ``h[o] = silu(gate_o . x) * (up_o . x)``, one output per warp step with the weight loads of
-   the next ``depth - 1`` steps issued before this step's dot products (``depth`` in flight,
-   default 2: deeper rings measured slower, register pressure). The shared experts' rows
+   ``h[o] = silu(gate_o . x) * (up_o . x)``, one output per warp step with the next step's
+   weight loads issued before this step's dot products (two in flight per lane; deeper register
+   rings measured slower: schedules/results/moe_decode.md, round 4). The shared experts' rows
    (``Is = n_shared * I``, the fused ``gate_up_proj`` of the shared MLP) come first: they need
    no routing, so they load (before the PDL wait: overlapping the previous kernel in a ``--pdl``
    build) while warp 0 of each block routes the token (the
@@ -122,18 +122,16 @@ class DecodeTiles:
 @dataclass(frozen=True)
 class GateUpTiles:
     """Work split of the gate/up kernel: ``blocks`` per token of ``warps`` warps; each warp
-    takes every ``blocks * warps``-th output (a warp per output, ``depth`` in flight); ``run``
+    takes every ``blocks * warps``-th output (a warp per output, two in flight); ``run``
     products per fp16 partial sum."""
 
     warps: int
     blocks: int
     run: int = 16
-    depth: int = 2
 
     @property
     def name(self) -> str:
-        deep = "" if self.depth == 2 else f"_d{self.depth}"
-        return f"w{self.warps}_b{self.blocks}_h{self.run}{deep}"
+        return f"w{self.warps}_b{self.blocks}_h{self.run}"
 
 
 # Defaults (the kernel lab's candidates: scripts/kernel_lab_moe_decode.py).
@@ -172,8 +170,6 @@ def gate_up_source(s: MoeDecodeShape, tiles: GateUpTiles) -> tuple[str, str]:
     exact = "true" if nch % 32 == 0 else "false"
     items = s.total  # outputs: the shared experts' first, then the routed slots'
     stride = NB * W
-    D = tiles.depth
-    KMAX = -(-items // stride)  # outputs per warp, at most
     tag = f"h{H}_i{NI}_s{IS}_k{K}_g{G}_{route_name}_{tiles.name}"
     name = f"dsv2_moe_gu_{tag}"
     src = f"""
@@ -251,14 +247,16 @@ __device__ __forceinline__ void {name}(const half* __restrict__ x,
   __syncthreads();
   half* hrow = hout + t * {items};
   volatile int* ready = &s_ready;
-  // outputs i + k * {stride} (k < {KMAX}), {D} in flight: buf[k % {D}] holds output k
-  dsv2_gu_buf_{tag} buf[{D}];
-  const int i = blk * {W} + warp;
+  // items blk * W + warp + k * {stride}, two in flight: load the next before reducing this one
+  dsv2_gu_buf_{tag} a, b;
+  int i = blk * {W} + warp;
   // a first row of a shared expert needs no routing: but for warp 0 (which routes) its weights
   // load before the wait (PDL: overlapping the previous kernel), the logits are read after it
   const bool early = i < {IS} && warp != 0;
-  if (early) dsv2_gu_load_{tag}(buf[0], i, lane, w, s, sw, ss, s_ids, ready);
+  if (early) dsv2_gu_load_{tag}(a, i, lane, w, s, sw, ss, s_ids, ready);
   {GRID_WAIT}();
+  if (warp != 0 && !early && i < {items})
+    dsv2_gu_load_{tag}(a, i, lane, w, s, sw, ss, s_ids, ready);
   if (warp == 0) {{
     {route_name}(logits + t * {E}, s_w, s_ids, lane, s_p);
     if (blk == 0 && lane < {K}) {{
@@ -268,12 +266,8 @@ __device__ __forceinline__ void {name}(const half* __restrict__ x,
     __threadfence_block();
     __syncwarp();
     if (lane == 0) *((volatile int*)&s_ready) = 1;
+    if (i < {items}) dsv2_gu_load_{tag}(a, i, lane, w, s, sw, ss, s_ids, ready);
   }}
-  if (!early && i < {items}) dsv2_gu_load_{tag}(buf[0], i, lane, w, s, sw, ss, s_ids, ready);
-#pragma unroll
-  for (int k = 1; k < {D - 1}; ++k)
-    if (i + k * {stride} < {items})
-      dsv2_gu_load_{tag}(buf[k], i + k * {stride}, lane, w, s, sw, ss, s_ids, ready);
   uint4 xv[{cpl}][4];
 #pragma unroll
   for (int j = 0; j < {cpl}; ++j) {{
@@ -283,15 +277,15 @@ __device__ __forceinline__ void {name}(const half* __restrict__ x,
       xv[j][0] = p[0]; xv[j][1] = p[1]; xv[j][2] = p[2]; xv[j][3] = p[3];
     }}
   }}
-#pragma unroll
-  for (int k = 0; k < {KMAX}; ++k) {{
-    const int ik = i + k * {stride};
-    if (ik < {items}) {{
-      const int in = ik + {(D - 1) * stride};
-      if (in < {items}) dsv2_gu_load_{tag}(buf[(k + {D - 1}) % {D}], in, lane, w, s, sw, ss,
-                                           s_ids, ready);
-      dsv2_gu_store_{tag}(buf[k % {D}], ik, lane, xv, hrow);
-    }}
+  while (i < {items}) {{
+    const int i1 = i + {stride};
+    if (i1 < {items}) dsv2_gu_load_{tag}(b, i1, lane, w, s, sw, ss, s_ids, ready);
+    dsv2_gu_store_{tag}(a, i, lane, xv, hrow);
+    if (i1 >= {items}) break;
+    const int i2 = i1 + {stride};
+    if (i2 < {items}) dsv2_gu_load_{tag}(a, i2, lane, w, s, sw, ss, s_ids, ready);
+    dsv2_gu_store_{tag}(b, i1, lane, xv, hrow);
+    i = i2;
   }}
 }}
 #endif
@@ -415,7 +409,7 @@ def moe_gate_up_decode(s: MoeDecodeShape, tiles: GateUpTiles = GATE_UP_TILES) ->
     if why:
         raise ValueError(f"moe_gate_up_decode: {why}")
     H, NI, IS, E, K, G = s.hidden, s.inter, s.shared_inter, s.experts, s.top_k, s.group
-    if tiles.warps < 1 or tiles.blocks < 1 or tiles.depth < 2:
+    if tiles.warps < 1 or tiles.blocks < 1:
         raise ValueError(f"bad tiles {tiles}")
     NB, THREADS = tiles.blocks, tiles.warps * 32
     fname, src = gate_up_source(s, tiles)

@@ -47,16 +47,15 @@ SHAPES: dict[str, dict] = {
         routed_scaling_factor=16.0,
     ),
 }
-# (warps, blocks, run, depth) of GateUpTiles and (warps, lanes, rows, run) of DecodeTiles; the
-# first of each is the module's default
+# (warps, blocks, run) of GateUpTiles and (warps, lanes, rows, run) of DecodeTiles; the first
+# of each is the module's default
 GATE_UP_VARIANTS = (
-    (8, 264, 16, 2),
-    (8, 264, 16, 3),
-    (8, 264, 16, 4),
-    (8, 264, 16, 6),
-    (4, 264, 16, 4),
-    (8, 132, 16, 4),
-    (16, 132, 16, 3),
+    (8, 264, 16),
+    (8, 132, 16),
+    (4, 264, 16),
+    (8, 396, 16),
+    (16, 132, 16),
+    (8, 264, 8),
 )
 DOWN_VARIANTS = ((8, 32, 2, 8), (4, 32, 2, 8), (8, 32, 1, 8), (4, 32, 4, 8), (8, 32, 2, 16))
 BAD_REL = 5e-3  # relative L2 above this is flagged "!"

@@ -92,10 +92,10 @@ def _silu(v: np.ndarray) -> np.ndarray:
     [
         (GREEDY, GateUpTiles(2, 3, 16), DecodeTiles(2, 8, 2, 8), 3, False),
         # 80 warps for 128 rows: warps 64-79 start on a routed row, so they wait for routing
-        (LIMITED, GateUpTiles(4, 20, 8, depth=4), DecodeTiles(4, 32, 3, 16), 3, True),
+        (LIMITED, GateUpTiles(4, 20, 8), DecodeTiles(4, 32, 3, 16), 3, True),
         (RENORM, GateUpTiles(1, 5, 4), DecodeTiles(1, 2, 1, 4), 3, False),
         (MEDIUM, GateUpTiles(8, 4, 16), DecodeTiles(8, 32, 2, 8), 2, False),
-        (MEDIUM, GateUpTiles(4, 7, 8, depth=3), DecodeTiles(4, 16, 3, 16), 1, False),
+        (MEDIUM, GateUpTiles(4, 7, 8), DecodeTiles(4, 16, 3, 16), 1, False),
         (LONG, GateUpTiles(4, 3, 16), DecodeTiles(2, 4, 4, 8), 2, False),
     ],
     ids=["greedy", "limited", "renorm", "medium", "medium-b", "long"],
