@@ -54,12 +54,16 @@ def token_grid_call(
     blocks_per_token: int,
     threads: int,
     per_token: bool = True,
+    dyn_shared_bytes: int = 0,
 ) -> tirx.PrimFunc:
     """``f(*params)``: ``n * blocks_per_token`` blocks of ``threads`` threads, each calling
     ``fname(&params[0][0...], ..., token, block_of_token, thread)`` from ``source`` (module
     docstring). A buffer whose shape holds ``TOKENS`` takes ``n`` there. With ``per_token``
     False the grid is ``blocks_per_token`` blocks whatever ``n``, and the call is ``fname(...,
-    n, block, thread)``: the kernel loops over the tokens itself (reading its weights once)."""
+    n, block, thread)``: the kernel loops over the tokens itself (reading its weights once).
+    ``dyn_shared_bytes`` > 0 gives the block that much dynamic shared memory (TVM's launcher opts
+    in past 48 KB), passed as an ``unsigned*`` (16-byte aligned) right after the buffers,
+    followed by a pointer to its last word (for TVM, unused)."""
     with IRBuilder() as ib:
         with Tb.prim_func(private=True, s_tir=True):
             Tb.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
@@ -79,6 +83,13 @@ def token_grid_call(
                         Tb.reads()
                         Tb.writes()
                         pointers = [T.address_of(b[tuple(0 for _ in b.shape)]) for b in bufs]
+                        if dyn_shared_bytes:
+                            words = -(-dyn_shared_bytes // 16) * 4
+                            smem = Tb.sblock_alloc_buffer((words,), "uint32", scope="shared.dyn")
+                            IRBuilder.name("smem", smem)
+                            # the last word's address too (unused by the callee): TVM compacts a
+                            # block's buffer to the region its TIR touches
+                            pointers += [T.address_of(smem[0]), T.address_of(smem[words - 1])]
                         Tb.evaluate(
                             T.cuda.func_call(
                                 fname,

@@ -217,20 +217,36 @@ def dot32_source(run: int) -> str:
     of word ``j`` is element ``8 j + i``, low nibble first), ``x`` 32 fp16 values. Word ``q`` gives
     half2 ``(q & 0x000f000f) | 0x64006400 = 1024 + (n0, n4)`` and ``(q & 0x00f000f0) | ... = 1024
     + 16 (n1, n5)`` (then ``(q >> 8)`` for n2, n6, n3, n7): minus 1032, or times 1/16 minus 72,
-    both exact; the activations are paired the same way by PRMT. The half2 products are
-    accumulated by HFMA2 in fp16, ``run`` per half lane, then added in float32."""
+    both exact; the activations are paired the same way by PRMT (``dsv2_pair8``). The half2
+    products are accumulated by HFMA2 in fp16, ``run`` per half lane, then added in float32.
+
+    Also ``dsv2_dot32p_int4_h{run}(const unsigned* w, const uint4* xp, half scale)``: the same
+    sum (bit for bit) on ``x`` already in pair order, ``xp[i] = dsv2_pair8(x[8 i : 8 i + 8])``
+    (the half2s ``(x0, x4), (x1, x5), (x2, x6), (x3, x7)`` of each 16-byte piece): a kernel that
+    reuses one ``x`` for many rows pairs it once instead of 16 PRMTs per dot product (the INT4
+    decode kernels are issue-bound: ~1 eligible warp per scheduler in Nsight Compute)."""
     if run not in HFMA2_RUNS:
         raise ValueError(f"hfma2 run {run} not in {HFMA2_RUNS}")
     words = run // 4  # words per fp16 partial
     return f"""
+#ifndef DSV2_PAIR8
+#define DSV2_PAIR8
+__device__ __forceinline__ uint4 dsv2_pair8(uint4 v) {{
+  uint4 r;
+  r.x = __byte_perm(v.x, v.z, 0x5410);
+  r.y = __byte_perm(v.x, v.z, 0x7632);
+  r.z = __byte_perm(v.y, v.w, 0x5410);
+  r.w = __byte_perm(v.y, v.w, 0x7632);
+  return r;
+}}
+#endif
 #ifndef DSV2_DOT32_INT4_H{run}
 #define DSV2_DOT32_INT4_H{run}
 __device__ __forceinline__ __half2 dsv2_u2h2_h{run}(unsigned v) {{
   return *reinterpret_cast<__half2*>(&v);
 }}
-__device__ __forceinline__ float dsv2_dot32_int4_h{run}(const unsigned* w, const half* x,
-                                                       half scale) {{
-  const unsigned* xw = reinterpret_cast<const unsigned*>(x);
+__device__ __forceinline__ float dsv2_dot32p_int4_h{run}(const unsigned* w, const uint4* xp,
+                                                        half scale) {{
   const __half2 lo_b = dsv2_u2h2_h{run}(0x64086408u);  // 1032 = 1024 + the nibble offset 8
   const __half2 hi_m = dsv2_u2h2_h{run}(0x2c002c00u);  // 1/16
   const __half2 hi_b = dsv2_u2h2_h{run}(0xd480d480u);  // -72 = -(1024 / 16 + 8)
@@ -243,22 +259,34 @@ __device__ __forceinline__ float dsv2_dot32_int4_h{run}(const unsigned* w, const
     const __half2 w1 = __hfma2(dsv2_u2h2_h{run}((q & 0x00f000f0u) | 0x64006400u), hi_m, hi_b);
     const __half2 w2 = __hsub2(dsv2_u2h2_h{run}((q8 & 0x000f000fu) | 0x64006400u), lo_b);
     const __half2 w3 = __hfma2(dsv2_u2h2_h{run}((q8 & 0x00f000f0u) | 0x64006400u), hi_m, hi_b);
-    // w0..w3 hold nibbles (0, 4), (1, 5), (2, 6), (3, 7) of the word: pair x the same way
-    const unsigned x01 = xw[4 * i], x23 = xw[4 * i + 1], x45 = xw[4 * i + 2], x67 = xw[4 * i + 3];
-    const __half2 p0 = dsv2_u2h2_h{run}(__byte_perm(x01, x45, 0x5410));
-    const __half2 p1 = dsv2_u2h2_h{run}(__byte_perm(x01, x45, 0x7632));
-    const __half2 p2 = dsv2_u2h2_h{run}(__byte_perm(x23, x67, 0x5410));
-    const __half2 p3 = dsv2_u2h2_h{run}(__byte_perm(x23, x67, 0x7632));
-    acc = (i % {words} == 0) ? __hmul2(w0, p0) : __hfma2(w0, p0, acc);
-    acc = __hfma2(w1, p1, acc);
-    acc = __hfma2(w2, p2, acc);
-    acc = __hfma2(w3, p3, acc);
+    // w0..w3 hold nibbles (0, 4), (1, 5), (2, 6), (3, 7) of the word: x comes paired the same way
+    const uint4 p = xp[i];
+    acc = (i % {words} == 0) ? __hmul2(w0, dsv2_u2h2_h{run}(p.x))
+                             : __hfma2(w0, dsv2_u2h2_h{run}(p.x), acc);
+    acc = __hfma2(w1, dsv2_u2h2_h{run}(p.y), acc);
+    acc = __hfma2(w2, dsv2_u2h2_h{run}(p.z), acc);
+    acc = __hfma2(w3, dsv2_u2h2_h{run}(p.w), acc);
     if (i % {words} == {words - 1}) {{
       const float2 f = __half22float2(acc);
       total += f.x + f.y;
     }}
   }}
   return total * __half2float(scale);
+}}
+__device__ __forceinline__ float dsv2_dot32_int4_h{run}(const unsigned* w, const half* x,
+                                                       half scale) {{
+  const unsigned* xw = reinterpret_cast<const unsigned*>(x);
+  uint4 xp[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {{
+    uint4 v;
+    v.x = xw[4 * i];
+    v.y = xw[4 * i + 1];
+    v.z = xw[4 * i + 2];
+    v.w = xw[4 * i + 3];
+    xp[i] = dsv2_pair8(v);
+  }}
+  return dsv2_dot32p_int4_h{run}(w, xp, scale);
 }}
 #endif
 """

@@ -224,9 +224,10 @@ __device__ __forceinline__ void dsv2_gu_store_{tag}(const dsv2_gu_buf_{tag}& b, 
   for (int j = 0; j < {cpl}; ++j) {{
     const int c = lane + 32 * j;
     if ({exact} || c < {nch}) {{
-      const half* xh = reinterpret_cast<const half*>(xv[j]);
-      g += dsv2_dot32_int4_h{tiles.run}(reinterpret_cast<const unsigned*>(&b.g[j]), xh, b.sg[j]);
-      u += dsv2_dot32_int4_h{tiles.run}(reinterpret_cast<const unsigned*>(&b.u[j]), xh, b.su[j]);
+      g += dsv2_dot32p_int4_h{tiles.run}(reinterpret_cast<const unsigned*>(&b.g[j]), xv[j],
+                                         b.sg[j]);
+      u += dsv2_dot32p_int4_h{tiles.run}(reinterpret_cast<const unsigned*>(&b.u[j]), xv[j],
+                                         b.su[j]);
     }}
   }}
   {_reduce("g", 32)}
@@ -274,7 +275,8 @@ __device__ __forceinline__ void {name}(const half* __restrict__ x,
     const int c = lane + 32 * j;
     if ({exact} || c < {nch}) {{
       const uint4* p = reinterpret_cast<const uint4*>(x + t * {H} + c * {_CHUNK});
-      xv[j][0] = p[0]; xv[j][1] = p[1]; xv[j][2] = p[2]; xv[j][3] = p[3];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) xv[j][k] = dsv2_pair8(p[k]);  // pair order, once
     }}
   }}
   while (i < {items}) {{
@@ -341,7 +343,7 @@ __device__ __forceinline__ void {name}(const half* __restrict__ h,
   const uint4* hrow = reinterpret_cast<const uint4*>(h + t * {TOT});
   for (int v = tid; v < {TOT // 8}; v += {threads}) {{
     const int c = v >> 2, p = v & 3;
-    hs[4 * c + (p ^ ((c >> 1) & 3))] = hrow[v];
+    hs[4 * c + (p ^ ((c >> 1) & 3))] = dsv2_pair8(hrow[v]);  // pair order, once
   }}
   if (tid < {K}) {{
     s_w[tid] = wts[t * {K} + tid];
@@ -377,11 +379,10 @@ __device__ __forceinline__ void {name}(const half* __restrict__ h,
       const int sw = (q >> 1) & 3;
 #pragma unroll
       for (int p = 0; p < 4; ++p) xq[p] = hs[4 * q + (p ^ sw)];
-      const half* xh = reinterpret_cast<const half*>(xq);
 #pragma unroll
       for (int r = 0; r < {R}; ++r)
-        acc[r] += wt * dsv2_dot32_int4_h{tiles.run}(
-            reinterpret_cast<const unsigned*>(&wq[j][r]), xh, sc[j][r]);
+        acc[r] += wt * dsv2_dot32p_int4_h{tiles.run}(
+            reinterpret_cast<const unsigned*>(&wq[j][r]), xq, sc[j][r]);
     }}
   }}
 #pragma unroll
@@ -408,30 +409,29 @@ def moe_gate_up_decode(s: MoeDecodeShape, tiles: GateUpTiles = GATE_UP_TILES) ->
     why = s.unsupported()
     if why:
         raise ValueError(f"moe_gate_up_decode: {why}")
-    H, NI, IS, E, K, G = s.hidden, s.inter, s.shared_inter, s.experts, s.top_k, s.group
     if tiles.warps < 1 or tiles.blocks < 1:
         raise ValueError(f"bad tiles {tiles}")
     NB, THREADS = tiles.blocks, tiles.warps * 32
     fname, src = gate_up_source(s, tiles)
 
-    return token_grid_call(
-        "moe_gate_up",
-        fname,
-        src,
-        [
-            ("x", (TOKENS, H), "float16"),
-            ("logits", (TOKENS, E), "float32"),
-            ("w", (E, 2 * NI, H // 8), "uint32"),
-            ("sc", (E, 2 * NI, H // G), "float16"),
-            ("sw", (2 * IS, H // 8), "uint32"),
-            ("ss", (2 * IS, H // G), "float16"),
-            ("hout", (TOKENS, K * NI + IS), "float16"),
-            ("wout", (TOKENS, K), "float32"),
-            ("iout", (TOKENS, K), "int32"),
-        ],
-        NB,
-        THREADS,
-    )
+    return token_grid_call("moe_gate_up", fname, src, gate_up_params(s), NB, THREADS)
+
+
+def gate_up_params(s: MoeDecodeShape) -> list[tuple]:
+    """The buffers of a gate/up kernel (``token_grid_call`` parameters), see
+    :func:`moe_gate_up_decode`."""
+    H, NI, IS, E, K, G = s.hidden, s.inter, s.shared_inter, s.experts, s.top_k, s.group
+    return [
+        ("x", (TOKENS, H), "float16"),
+        ("logits", (TOKENS, E), "float32"),
+        ("w", (E, 2 * NI, H // 8), "uint32"),
+        ("sc", (E, 2 * NI, H // G), "float16"),
+        ("sw", (2 * IS, H // 8), "uint32"),
+        ("ss", (2 * IS, H // G), "float16"),
+        ("hout", (TOKENS, K * NI + IS), "float16"),
+        ("wout", (TOKENS, K), "float32"),
+        ("iout", (TOKENS, K), "int32"),
+    ]
 
 
 def moe_down_decode(s: MoeDecodeShape, tiles: DecodeTiles = DOWN_TILES) -> tirx.PrimFunc:

@@ -158,8 +158,8 @@ __device__ __forceinline__ void dsv2_ng_store_{tag}(const dsv2_ng_buf_{tag}& b, 
   for (int j = 0; j < {cpl}; ++j) {{
     const int c = lane + 32 * j;
     if (c < {nch})
-      acc += dsv2_dot32_int4_h{tiles.run}(reinterpret_cast<const unsigned*>(&b.q[j]),
-                                          reinterpret_cast<const half*>(xv[j]), b.s[j]);
+      acc += dsv2_dot32p_int4_h{tiles.run}(reinterpret_cast<const unsigned*>(&b.q[j]), xv[j],
+                                           b.s[j]);
   }}
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
@@ -217,7 +217,7 @@ __device__ __forceinline__ void dsv2_norm_gemv_{tag}(const half* __restrict__ r,
       const float2 f = __half22float2(xh[k]);
       xh[k] = __hmul2(wh[k], __floats2half2_rn(f.x * inv, f.y * inv));
     }}
-    xs[at] = xv4;
+    xs[at] = dsv2_pair8(xv4);  // pair order (dsv2_dot32p), once
   }}
   __syncthreads();
   uint4 xv[{cpl}][4];

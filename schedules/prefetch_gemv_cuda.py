@@ -90,7 +90,7 @@ __device__ __forceinline__ void dsv2_pf_gemv_{tag}(const half* __restrict__ x,
       const uint4* xrow = reinterpret_cast<const uint4*>(x + t * {K});
       __syncthreads();  // the previous token's x is read
       for (int v = tid; v < {K // 8}; v += {W * 32})
-        xs[4 * (v >> 2) + ((v & 3) ^ ((v >> 3) & 3))] = xrow[v];
+        xs[4 * (v >> 2) + ((v & 3) ^ ((v >> 3) & 3))] = dsv2_pair8(xrow[v]);  // pair order
       __syncthreads();
       if (o < {N}) {{
         float acc = 0.f;
@@ -101,8 +101,8 @@ __device__ __forceinline__ void dsv2_pf_gemv_{tag}(const half* __restrict__ x,
             uint4 xv[4];
 #pragma unroll
             for (int p = 0; p < 4; ++p) xv[p] = xs[4 * c + (p ^ ((c >> 1) & 3))];
-            acc += dsv2_dot32_int4_h{_RUN}(reinterpret_cast<const unsigned*>(&q[j]),
-                                           reinterpret_cast<const half*>(xv), sc[j]);
+            acc += dsv2_dot32p_int4_h{_RUN}(reinterpret_cast<const unsigned*>(&q[j]), xv,
+                                            sc[j]);
           }}
         }}
 #pragma unroll

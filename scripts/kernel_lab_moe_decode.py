@@ -1,12 +1,12 @@
 """Kernel lab, the fused MoE decode kernels (:mod:`dsv2_mlc.schedules.moe_decode_cuda`).
 
-``python scripts/kernel_lab_moe_decode.py prepare`` (build box, TVM + nvcc, no GPU): compiles
-one library per kernel into ``build/lab_moe_decode/``: for V2-Lite's MoE shape (hidden 2048,
-expert intermediate 1408, 2 shared experts, 64 experts, top-6 greedy, INT4 group 128) every
-tiling of :data:`GATE_UP_VARIANTS` / :data:`DOWN_VARIANTS` (``gu_lite_<tiles>``,
-``dn_lite_<tiles>``), and the defaults for the full V2's shape (hidden 5120, intermediate 1536,
-160 experts, top-6 of group-limited routing over 8 groups / 3 kept, scale 16: ``gu_v2``,
-``dn_v2``), plus ``manifest.json``.
+``python scripts/kernel_lab_moe_decode.py prepare`` (build box, TVM + nvcc, no GPU): compiles one
+library per kernel into ``build/lab_moe_decode/``: for V2-Lite's MoE shape (hidden 2048, expert
+intermediate 1408, 2 shared experts, 64 experts, top-6 greedy, INT4 group 128) every tiling of
+:data:`GATE_UP_VARIANTS` / :data:`BULK_VARIANTS` (the bulk-copy gate/up kernel) /
+:data:`DOWN_VARIANTS` (``gu_lite_<tiles>``, ``gub_lite_<tiles>``, ``dn_lite_<tiles>``), and the
+defaults for the full V2's shape (hidden 5120, intermediate 1536, 160 experts, top-6 of group-
+limited routing over 8 groups / 3 kept, scale 16: ``gu_v2``, ``dn_v2``), plus ``manifest.json``.
 
 ``python3 scripts/kernel_lab_moe_decode.py run --lib-dir .devcarry/tvm-lib --out DIR`` (GPU
 machine; torch + ``tvm_ffi`` + TVM's runtime libraries, never imports tvm): random INT4 experts,
@@ -57,6 +57,8 @@ GATE_UP_VARIANTS = (
     (16, 132, 16),
     (8, 264, 8),
 )
+# (warps, blocks, stage_rows) of the bulk-copy gate/up kernel (moe_gate_up_bulk_cuda)
+BULK_VARIANTS = ((16, 132, 8), (8, 132, 8), (16, 132, 16), (16, 132, 4), (16, 264, 8), (8, 264, 8))
 DOWN_VARIANTS = ((8, 32, 2, 8), (4, 32, 2, 8), (8, 32, 1, 8), (4, 32, 4, 8), (8, 32, 2, 16))
 BAD_REL = 5e-3  # relative L2 above this is flagged "!"
 NS = (1, 4)
@@ -75,6 +77,12 @@ def _kernels() -> tuple[dict, dict]:
         tiles = m.GateUpTiles(*v)
         funcs[f"gu_lite_{tiles.name}"] = m.moe_gate_up_decode(lite, tiles)
         info[f"gu_lite_{tiles.name}"] = {"shape": "lite", "kind": "gate_up", "tiles": v}
+    from dsv2_mlc.schedules import moe_gate_up_bulk_cuda as b
+
+    for v in BULK_VARIANTS:
+        tiles = b.BulkTiles(*v)
+        funcs[f"gub_lite_{tiles.name}"] = b.moe_gate_up_bulk(lite, tiles)
+        info[f"gub_lite_{tiles.name}"] = {"shape": "lite", "kind": "gate_up", "tiles": v}
     for v in DOWN_VARIANTS:
         tiles = m.DecodeTiles(*v)
         funcs[f"dn_lite_{tiles.name}"] = m.moe_down_decode(lite, tiles)

@@ -17,11 +17,13 @@ the next (a barrier between blocks).
 compiles it with AddressSanitizer into an executable that runs the grid, and returns a launcher:
 the arrays go through files, so an out-of-bounds access (ASan) or a deadlock (the timeout) fails
 the test instead of taking pytest down. Emulation limits: one-dimensional blocks and grids, no
-inline PTX, no dynamic shared memory, warp collectives over the whole warp only, and the threads
-of a warp are not in lockstep (code that relies on implicit warp synchronisation, without
-``__syncwarp``, is not modelled); the OS scheduler, not the GPU's, decides the interleaving
-(``slow_warp``: that warp sleeps 5 ms at its first collective in every block, so that the
-others run ahead of it).
+inline PTX outside ``#if defined(__CUDA_ARCH__)`` blocks (whose ``#else`` branch is compiled
+instead: the bulk-copy and mbarrier helpers call the ``dsv2_emu_*`` functions, where a copy lands at
+issue), dynamic shared memory as one static array, warp collectives over the whole warp only, and
+the threads of a warp are not in lockstep (code that relies on implicit warp synchronisation,
+without ``__syncwarp``, is not modelled); the OS scheduler, not the GPU's, decides the interleaving
+(``slow_warp``: that warp sleeps 5 ms at its first collective in every block, so that the others run
+ahead of it).
 """
 
 from __future__ import annotations
@@ -55,6 +57,8 @@ TYPES = r"""
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <map>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <type_traits>
@@ -138,6 +142,51 @@ static inline void __threadfence() { std::atomic_thread_fence(std::memory_order_
 static inline void __nanosleep(unsigned) {
   ++g_naps;
   std::this_thread::sleep_for(std::chrono::microseconds(1000));
+}
+// Hopper bulk copies and mbarriers (schedules/bulk_copy_cuda.py): a copy lands at issue; a
+// barrier completes its phase when its one arrival and every announced byte are in, and a copy
+// of bytes not announced before it fails the run (the GPU would complete the phase too early)
+struct EmuBar { int pending; long long bytes; unsigned phase; };
+static std::mutex g_bar_mu;
+static std::map<void*, EmuBar> g_bars;
+static void emu_bar_check(EmuBar& b) {
+  if (b.bytes < 0) emu_fail("mbarrier: a bulk copy of bytes not announced first");
+  if (b.pending == 0 && b.bytes == 0) { b.phase += 1; b.pending = 1; }
+}
+static inline void dsv2_emu_mbar_init(unsigned long long* bar) {
+  std::lock_guard<std::mutex> lock(g_bar_mu);
+  g_bars[bar] = EmuBar{1, 0, 0};
+}
+static inline void dsv2_emu_mbar_expect_arrive(unsigned long long* bar, unsigned bytes) {
+  std::lock_guard<std::mutex> lock(g_bar_mu);
+  auto it = g_bars.find(bar);
+  if (it == g_bars.end()) emu_fail("mbarrier: arrive before init");
+  if (it->second.pending != 1) emu_fail("mbarrier: a second arrival in one phase");
+  it->second.bytes += bytes;
+  it->second.pending -= 1;
+  emu_bar_check(it->second);
+}
+static inline void dsv2_emu_bulk_g2s(void* dst, const void* src, unsigned bytes,
+                                     unsigned long long* bar) {
+  if (bytes % 16 || (uintptr_t)dst % 16 || (uintptr_t)src % 16) emu_fail("bulk copy alignment");
+  memcpy(dst, src, bytes);
+  std::lock_guard<std::mutex> lock(g_bar_mu);
+  auto it = g_bars.find(bar);
+  if (it == g_bars.end()) emu_fail("bulk copy on a barrier never initialised");
+  it->second.bytes -= bytes;
+  emu_bar_check(it->second);
+}
+static inline void dsv2_emu_mbar_wait(unsigned long long* bar, unsigned parity) {
+  for (;;) {
+    {
+      std::lock_guard<std::mutex> lock(g_bar_mu);
+      auto it = g_bars.find(bar);
+      if (it == g_bars.end()) emu_fail("mbarrier: wait before init");
+      if ((it->second.phase & 1u) != parity) return;
+    }
+    ++g_naps;
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
 }
 static inline void __syncwarp(unsigned mask = 0xffffffffu) {
   if (mask != 0xffffffffu) emu_fail("partial-warp mask");
@@ -268,6 +317,7 @@ def cuda_source(func: tvm.tirx.PrimFunc) -> str:
     return exe.mod.imports_[0].inspect_source("cuda")
 
 
+DYN_SHARED_BYTES = 232448  # a block's dynamic shared memory in the emulation (sm_90's limit)
 _HEADER_END = "#define ushort unsigned short\n#endif\n"  # the last lines of TVM's CUDA header
 _KERNEL = re.compile(r'extern "C" __global__ void __launch_bounds__\((\d+)\) (\w+)\(([^)]*)\) \{')
 _SHARED = re.compile(r"__shared__\s+((?:alignas|__align__)\(\d+\)\s+)?([^;=]+?)\s*;")
@@ -338,9 +388,23 @@ def emulate(
     body = src[src.index(_HEADER_END) + len(_HEADER_END) :]
     kernels = list(_KERNEL.finditer(body))
     assert len(kernels) == 1, f"expected one kernel, found {len(kernels)}"
-    # code for the GPU architectures only (PDL's griddepcontrol.wait): not compiled here either
-    body = re.sub(r"#if defined\(__CUDA_ARCH__\).*?#endif\n", "", body, flags=re.S)
-    assert not re.search(r"\basm\b|extern __shared__", body), "inline PTX / dynamic shared memory"
+    # code for the GPU only (PDL's wait, bulk copies): its CPU branch (#else), if any, instead
+    body = re.sub(
+        r"#if defined\(__CUDA_ARCH__\)[^\n]*\n(?:(?!#else|#endif).)*?(?:#else\n(.*?))?#endif\n",
+        lambda m: m.group(1) or "",
+        body,
+        flags=re.S,
+    )
+    # dynamic shared memory: a fixed static array (the sm_90 opt-in limit), filled as the others
+    body = re.sub(
+        r"extern __shared__ (__align__\(\d+\) )?(\w+) (\w+)\[\];",
+        lambda m: (
+            f"__shared__ __align__(128) {m.group(2)} {m.group(3)}"
+            f"[{DYN_SHARED_BYTES} / sizeof({m.group(2)})];"
+        ),
+        body,
+    )
+    assert not re.search(r"\basm\b|extern __shared__", body), "inline PTX outside __CUDA_ARCH__"
     head = kernels[0]
     params = [p.strip() for p in head.group(3).split(",")]
     buffers, scalars, args = [], [], []

@@ -26,6 +26,7 @@ from dsv2_mlc.schedules.moe_decode_cuda import (
     moe_down_decode,
     moe_gate_up_decode,
 )
+from dsv2_mlc.schedules.moe_gate_up_bulk_cuda import BulkTiles, bulk_unsupported, moe_gate_up_bulk
 from dsv2_mlc.schedules.moe_routing import GPU_WARPS_PER_BLOCK, moe_route_gpu
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -87,6 +88,34 @@ def _silu(v: np.ndarray) -> np.ndarray:
     return v / (1 + np.exp(-v))
 
 
+def _check_gate_up(
+    s: MoeDecodeShape,
+    x: np.ndarray,
+    logits: np.ndarray,
+    wv: np.ndarray,
+    swv: np.ndarray,
+    h: np.ndarray,
+    weights: np.ndarray,
+    ids: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Assert a gate/up kernel's routing and ``h`` against float64 NumPy; the reference
+    routing (weights, ids)."""
+    NI, IS, K = s.inter, s.shared_inter, s.top_k
+    ref_w, ref_ids = _route(logits, s)
+    np.testing.assert_array_equal(ids, ref_ids)
+    np.testing.assert_allclose(weights, ref_w, rtol=1e-5, atol=0)
+    xf = x.astype(np.float64)
+    ref_h = np.empty((x.shape[0], s.total))
+    for t in range(x.shape[0]):
+        for j, e in enumerate(ref_ids[t]):
+            gate_up = wv[e] @ xf[t]
+            ref_h[t, j * NI : (j + 1) * NI] = _silu(gate_up[:NI]) * gate_up[NI:]
+        gate_up = swv @ xf[t]
+        ref_h[t, K * NI :] = _silu(gate_up[:IS]) * gate_up[IS:]
+    assert rel_l2(h, ref_h) < TOL, f"h: rel L2 {rel_l2(h, ref_h):.2e}"
+    return ref_w, ref_ids
+
+
 @pytest.mark.parametrize(
     ("shape", "gu", "dn", "n", "waits"),
     [
@@ -122,18 +151,7 @@ def test_moe_decode_kernels_match_numpy(
     stats = run(n * gu.blocks, {**arrays, "hout": h, "wout": weights, "iout": ids}, n, slow_warp=0)
     if waits:
         assert stats["nanosleep"] > 0, "no warp waited for the routing flag"
-    ref_w, ref_ids = _route(logits, s)
-    np.testing.assert_array_equal(ids, ref_ids)
-    np.testing.assert_allclose(weights, ref_w, rtol=1e-5, atol=0)
-    xf = x.astype(np.float64)
-    ref_h = np.empty((n, s.total))
-    for t in range(n):
-        for j, e in enumerate(ref_ids[t]):
-            gate_up = wv[e] @ xf[t]
-            ref_h[t, j * NI : (j + 1) * NI] = _silu(gate_up[:NI]) * gate_up[NI:]
-        gate_up = swv @ xf[t]
-        ref_h[t, K * NI :] = _silu(gate_up[:IS]) * gate_up[IS:]
-    assert rel_l2(h, ref_h) < TOL, f"h: rel L2 {rel_l2(h, ref_h):.2e}"
+    ref_w, ref_ids = _check_gate_up(s, x, logits, wv, swv, h, weights, ids)
 
     # kernel 2: down projections + weighted sum, on kernel 1's h and routing
     out = np.full((n, H), np.nan, np.float16)
@@ -197,3 +215,63 @@ def test_gpu_router_gives_valid_experts_for_nan_scores(tmp_path: Path) -> None:
     assert ((ids >= 0) & (ids < e)).all(), ids
     ref_w, ref_ids = route_numpy(logits[2:].astype(np.float64), k, 1, 1, False, 1.0)
     np.testing.assert_array_equal(ids[2:], ref_ids)  # rows without NaN: unchanged
+
+
+# the bulk-copy kernel needs whole 16-byte pieces of scales per row (H / group a multiple of 8)
+BULK = MoeDecodeShape(256, 32, 64, 8, 2, 32)
+BULK_LIMITED = MoeDecodeShape(256, 32, 64, 8, 2, 32, 4, 2, False, 16.0)
+
+
+@pytest.mark.parametrize(
+    ("shape", "tiles", "n"),
+    [
+        # 26 rows a block: blocks start and end inside stages and cross expert boundaries
+        (BULK, BulkTiles(warps=2, blocks=5, stage_rows=8), 3),
+        (BULK_LIMITED, BulkTiles(warps=3, blocks=7, stage_rows=4), 3),
+        (MEDIUM, BulkTiles(warps=4, blocks=3, stage_rows=16), 2),  # 256 rows (139 KB) a block
+    ],
+    ids=["bulk", "bulk-limited", "bulk-medium"],
+)
+def test_gate_up_bulk_matches_numpy(
+    tmp_path: Path, shape: MoeDecodeShape, tiles: BulkTiles, n: int
+) -> None:
+    s = shape
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((n, s.hidden)).astype(np.float16)
+    logits = _logits(rng, n, s.experts)
+    w, sc, wv = random_int4(rng, (s.experts, 2 * s.inter), s.hidden, s.group)
+    sw, ss, swv = random_int4(rng, (2 * s.shared_inter,), s.hidden, s.group)
+    h = np.full((n, s.total), np.nan, np.float16)
+    weights = np.full((n, s.top_k), np.nan, np.float32)
+    ids = np.full((n, s.top_k), -1, np.int32)
+    arrays = {"x": x, "logits": logits, "w": w, "sc": sc, "sw": sw, "ss": ss}
+    run = emulate(moe_gate_up_bulk(s, tiles), tmp_path, "gate_up_bulk")
+    run(n * tiles.blocks, {**arrays, "hout": h, "wout": weights, "iout": ids}, n, slow_warp=0)
+    _check_gate_up(s, x, logits, wv, swv, h, weights, ids)
+
+
+def test_gate_up_bulk_names_what_it_cannot_take() -> None:
+    assert "16-byte" in bulk_unsupported(GREEDY, BulkTiles(stage_rows=8))
+    assert "divide" in bulk_unsupported(BULK, BulkTiles(stage_rows=3))
+    lite = MoeDecodeShape(2048, 1408, 2816, 64, 6, 128)
+    assert bulk_unsupported(lite) is None
+    v2 = MoeDecodeShape(5120, 1536, 3072, 160, 6, 128, 8, 3, False, 16.0)
+    assert "more blocks" in bulk_unsupported(v2)
+    with pytest.raises(ValueError, match="moe_gate_up_bulk"):
+        moe_gate_up_bulk(GREEDY)
+
+
+def test_dynamic_shared_memory_keeps_its_size_through_compaction() -> None:
+    """TVM compacts a block's buffer to the region its TIR touches; the kernel reaches its
+    dynamic shared memory only through pointers, so the shell passes both ends (else the GPU
+    launch gets 4 bytes and the bulk copies write out of bounds; the emulation cannot see it)."""
+    import re
+
+    import tvm
+
+    lite = MoeDecodeShape(2048, 1408, 2816, 64, 6, 128)
+    func = moe_gate_up_bulk(lite, BulkTiles(8, 264, 8))
+    out = tvm.s_tir.transform.CompactBufferAllocation()(tvm.IRModule({"p": func}))
+    (words,) = re.findall(r'T\.sblock_alloc_buffer\(\((\d+),\), "uint32", scope="shared\.dyn"\)',
+                          out["p"].script())  # fmt: skip
+    assert int(words) * 4 >= 43 * (2 * 1024 + 2 * 32)  # 43 rows of gate + up + scales a block
