@@ -236,9 +236,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dump-ir", default=None, help="write the IR after each pipeline phase here")
     p.add_argument(
         "--pdl",
-        action="store_true",
-        help="CUDA sm_90+: Programmatic Dependent Launch (every kernel starts with "
-        "griddepcontrol.wait; decode graphs link kernels with programmatic edges)",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="Programmatic Dependent Launch: kernels wait with griddepcontrol.wait and decode "
+        "graphs link them with programmatic edges (default: on for CUDA sm_90+)",
     )
     p.add_argument(
         "--pdl-launch-dependents",

@@ -203,7 +203,8 @@ def test_old_build_configs_read_as_no_pdl(tmp_path: Path):
     [
         (dict(device="cpu", pdl=True), "cuda only"),
         (dict(device="cuda", arch="sm_80", pdl=True), "sm_90 or newer"),
-        (dict(device="cuda", pdl_launch_dependents=True), "needs --pdl"),
+        (dict(device="cuda", pdl=False, pdl_launch_dependents=True), "needs PDL"),
+        (dict(device="cuda", arch="sm_80", pdl_launch_dependents=True), "needs PDL"),
     ],
 )
 def test_pdl_options_are_checked_before_building(tmp_path: Path, kwargs, message):
@@ -226,7 +227,23 @@ def test_cli_passes_pdl_flags(tmp_path: Path, monkeypatch):
 
     monkeypatch.setattr(compile_mod, "compile_random_model", fake)
     base = ["compile", str(tmp_path), "-o", str(tmp_path / "o"), "--random-weights"]
-    for extra in ([], ["--pdl"], ["--pdl", "--pdl-launch-dependents"]):
+    for extra in ([], ["--pdl"], ["--no-pdl"], ["--pdl", "--pdl-launch-dependents"]):
         main([*base, "--device", "cuda", *extra])
     flags = [(c["pdl"], c["pdl_launch_dependents"]) for c in calls]
-    assert flags == [(False, False), (True, False), (True, True)]
+    assert flags == [(None, False), (True, False), (False, False), (True, True)]
+
+
+@pytest.mark.parametrize(
+    ("device", "arch", "pdl", "expected"),
+    [
+        ("cuda", "sm_90", None, True),  # the default on Hopper
+        ("cuda", "sm_100", None, True),
+        ("cuda", "sm_90", False, False),  # --no-pdl
+        ("cuda", "sm_80", None, False),  # no griddepcontrol before sm_90
+        ("cpu", "sm_90", None, False),
+    ],
+)
+def test_pdl_is_on_by_default_where_the_gpu_has_it(device, arch, pdl, expected):
+    from dsv2_mlc.compiler.compile import _build_options
+
+    assert _build_options(device, arch, pdl, False).pdl is expected
