@@ -220,7 +220,9 @@ def dot32_source(run: int) -> str:
     both exact; the activations are paired the same way by PRMT (``dsv2_pair8``). The half2
     products are accumulated by HFMA2 in fp16, ``run`` per half lane, then added in float32.
 
-    Also ``dsv2_dot32p_int4_h{run}(const unsigned* w, const uint4* xp, half scale)``: the same
+    With it, ``dsv2_pair8`` and ``dsv2_swz(c, p)`` (the slot of piece ``p`` of chunk ``c`` of a
+    row staged in shared memory, XOR-swizzled against bank conflicts), and
+    ``dsv2_dot32p_int4_h{run}(const unsigned* w, const uint4* xp, half scale)``: the same
     sum (bit for bit) on ``x`` already in pair order, ``xp[i] = dsv2_pair8(x[8 i : 8 i + 8])``
     (the half2s ``(x0, x4), (x1, x5), (x2, x6), (x3, x7)`` of each 16-byte piece): a kernel that
     reuses one ``x`` for many rows pairs it once instead of 16 PRMTs per dot product (the INT4
@@ -239,6 +241,9 @@ __device__ __forceinline__ uint4 dsv2_pair8(uint4 v) {{
   r.w = __byte_perm(v.y, v.w, 0x7632);
   return r;
 }}
+// where a row staged in shared memory as 16-byte pieces keeps piece p (of 4) of 32-element chunk
+// c: XOR-swizzled so that lanes reading consecutive chunks do not collide on banks
+__device__ __forceinline__ int dsv2_swz(int c, int p) {{ return 4 * c + (p ^ ((c >> 1) & 3)); }}
 #endif
 #ifndef DSV2_DOT32_INT4_H{run}
 #define DSV2_DOT32_INT4_H{run}

@@ -316,7 +316,7 @@ __device__ __forceinline__ void {name}(const half* __restrict__ h,
     const unsigned* __restrict__ dw, const half* __restrict__ ds,
     const unsigned* __restrict__ sdw, const half* __restrict__ sds, half* __restrict__ out,
     long long t, int blk, int tid) {{
-  // h of the token: 16-byte piece p of chunk c at 4 c + (p ^ ((c >> 1) & 3))
+  // h of the token: 16-byte piece p of chunk c at dsv2_swz(c, p)
   __shared__ __align__(16) uint4 hs[{TOT // 8}];
   __shared__ float s_w[{K}];
   __shared__ int s_ids[{K}];
@@ -343,7 +343,7 @@ __device__ __forceinline__ void {name}(const half* __restrict__ h,
   const uint4* hrow = reinterpret_cast<const uint4*>(h + t * {TOT});
   for (int v = tid; v < {TOT // 8}; v += {threads}) {{
     const int c = v >> 2, p = v & 3;
-    hs[4 * c + (p ^ ((c >> 1) & 3))] = dsv2_pair8(hrow[v]);  // pair order, once
+    hs[dsv2_swz(c, p)] = dsv2_pair8(hrow[v]);  // pair order, once
   }}
   if (tid < {K}) {{
     s_w[tid] = wts[t * {K} + tid];
@@ -376,9 +376,8 @@ __device__ __forceinline__ void {name}(const half* __restrict__ h,
     if ({exact} || q < {nc}) {{
       const float wt = q < {kci} ? s_w[q / {ci}] : 1.f;
       uint4 xq[4];
-      const int sw = (q >> 1) & 3;
 #pragma unroll
-      for (int p = 0; p < 4; ++p) xq[p] = hs[4 * q + (p ^ sw)];
+      for (int p = 0; p < 4; ++p) xq[p] = hs[dsv2_swz(q, p)];
 #pragma unroll
       for (int r = 0; r < {R}; ++r)
         acc[r] += wt * dsv2_dot32p_int4_h{tiles.run}(

@@ -170,7 +170,7 @@ __device__ __forceinline__ void dsv2_norm_gemv_{tag}(const half* __restrict__ r,
     const half* __restrict__ qs, half* __restrict__ y, half* __restrict__ s_out, long long t,
     int blk, int tid) {{
   // the block forms s = r + d and its norm once, in shared memory (16-byte piece p of chunk c
-  // at 4 c + (p ^ ((c >> 1) & 3)), so that lanes reading consecutive chunks miss no bank)
+  // at dsv2_swz(c, p), so that lanes reading consecutive chunks miss no bank)
   __shared__ __align__(16) uint4 xs[{H // 8}];
   __shared__ float red[{W}];
   const int warp = tid >> 5, lane = tid & 31;
@@ -196,7 +196,7 @@ __device__ __forceinline__ void dsv2_norm_gemv_{tag}(const half* __restrict__ r,
       ss += f.x * f.x + f.y * f.y;
     }}
     if (blk == 0) reinterpret_cast<uint4*>(s_out + t * {H})[v] = sv;
-    xs[4 * (v >> 2) + ((v & 3) ^ ((v >> 3) & 3))] = sv;
+    xs[dsv2_swz(v >> 2, v & 3)] = sv;
   }}
 #pragma unroll
   for (int k = 16; k > 0; k >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, k);
@@ -207,7 +207,7 @@ __device__ __forceinline__ void dsv2_norm_gemv_{tag}(const half* __restrict__ r,
   for (int k = 0; k < {W}; ++k) total += red[k];
   const float inv = rsqrtf(total / {float(H)!r}f + {float(eps)!r}f);
   for (int v = tid; v < {H // 8}; v += {W * 32}) {{
-    const int at = 4 * (v >> 2) + ((v & 3) ^ ((v >> 3) & 3));
+    const int at = dsv2_swz(v >> 2, v & 3);
     uint4 xv4 = xs[at];
     const uint4 wv = reinterpret_cast<const uint4*>(nw)[v];
     __half2* xh = reinterpret_cast<__half2*>(&xv4);
@@ -226,7 +226,7 @@ __device__ __forceinline__ void dsv2_norm_gemv_{tag}(const half* __restrict__ r,
     const int c = lane + 32 * j;
     if (c < {nch}) {{
 #pragma unroll
-      for (int p = 0; p < 4; ++p) xv[j][p] = xs[4 * c + (p ^ ((c >> 1) & 3))];
+      for (int p = 0; p < 4; ++p) xv[j][p] = xs[dsv2_swz(c, p)];
     }}
   }}
   while (o < {N}) {{

@@ -75,7 +75,7 @@ __device__ __forceinline__ void dsv2_pf_gemv_load_{tag}(uint4 (&q)[{cpl}], half 
 __device__ __forceinline__ void dsv2_pf_gemv_{tag}(const half* __restrict__ x,
     const unsigned* __restrict__ qw, const half* __restrict__ qs, half* __restrict__ y,
     long long n, int blk, int tid) {{
-  // x[t] of the block: 16-byte piece p of chunk c at 4 c + (p ^ ((c >> 1) & 3))
+  // x[t] of the block: 16-byte piece p of chunk c at dsv2_swz(c, p)
   __shared__ __align__(16) uint4 xs[{K // 8}];
   const int warp = tid >> 5, lane = tid & 31;
   uint4 q[{cpl}];
@@ -90,7 +90,7 @@ __device__ __forceinline__ void dsv2_pf_gemv_{tag}(const half* __restrict__ x,
       const uint4* xrow = reinterpret_cast<const uint4*>(x + t * {K});
       __syncthreads();  // the previous token's x is read
       for (int v = tid; v < {K // 8}; v += {W * 32})
-        xs[4 * (v >> 2) + ((v & 3) ^ ((v >> 3) & 3))] = dsv2_pair8(xrow[v]);  // pair order
+        xs[dsv2_swz(v >> 2, v & 3)] = dsv2_pair8(xrow[v]);  // pair order
       __syncthreads();
       if (o < {N}) {{
         float acc = 0.f;
@@ -100,7 +100,7 @@ __device__ __forceinline__ void dsv2_pf_gemv_{tag}(const half* __restrict__ x,
           if (c < {nch}) {{
             uint4 xv[4];
 #pragma unroll
-            for (int p = 0; p < 4; ++p) xv[p] = xs[4 * c + (p ^ ((c >> 1) & 3))];
+            for (int p = 0; p < 4; ++p) xv[p] = xs[dsv2_swz(c, p)];
             acc += dsv2_dot32p_int4_h{_RUN}(reinterpret_cast<const unsigned*>(&q[j]), xv,
                                             sc[j]);
           }}
