@@ -9,12 +9,13 @@ its kernels are *enqueued*, and the copy of the logits to the host waits for the
   TTFT = prefill call + host arg-max of the first token; prefill tok/s = batch * prompt_len /
   prefill call.
 * **decode**: ``gen_len - 1`` greedy steps of one token per sequence: a step is
-  ``Engine.decode_greedy`` (ids in, the arg-max picked on the device, one int per sequence
-  copied out; ``argmax_on_device``). A build without the device arg-max (compiled before it)
-  copies the float32 logits ``[batch, vocab]`` out and takes the arg-max on the host, timed in
-  the loop (``host_argmax_us_in_loop``, None on the device). ``host_argmax_us``: the host
-  arg-max alone over such logits, what the device arg-max saves. decode tok/s = batch * steps /
-  their total; TPOT p50/p99 over the steps.
+  ``Engine.launch_greedy`` and the wait for its tokens (ids in, the arg-max picked on the
+  device, one int per sequence copied out; ``argmax_on_device``; the KV cache's bookkeeping of
+  the next step runs on the host while a CUDA graph replays this one). A build without the
+  device arg-max (compiled before it) copies the float32 logits ``[batch, vocab]`` out and
+  takes the arg-max on the host, timed in the loop (``host_argmax_us_in_loop``, None on the
+  device). ``host_argmax_us``: the host arg-max alone over such logits, what the device arg-max
+  saves. decode tok/s = batch * steps / their total; TPOT p50/p99 over the steps.
 * **roofline**: bytes a decode step must read (:func:`decode_bytes`: every non-expert weight,
   the expected distinct routed experts of each MoE layer, one embedding row per token, lm_head,
   and the latent KV cache of every sequence at its mean context) over the mean step time gives
@@ -243,10 +244,11 @@ def _one_run(engine: Any, prompts: np.ndarray, gen_len: int) -> dict[str, Any]:
         first_logits = logits[0].copy()
         steps, argmax = [], []
         on_device = engine.has_device_greedy
-        for _ in range(gen_len - 1):
+        for i in range(gen_len - 1):
             s0 = time.perf_counter()
-            if on_device:
-                tokens = engine.decode_greedy(seqs, tokens.tolist())
+            if on_device:  # the next step's host bookkeeping overlaps this one on the device
+                pending = engine.launch_greedy(seqs, tokens.tolist(), next_step=i < gen_len - 2)
+                tokens = pending.result()
                 steps.append(time.perf_counter() - s0)
                 continue
             out = engine.decode(seqs, tokens.tolist())

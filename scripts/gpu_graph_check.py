@@ -14,7 +14,10 @@ teacher-forced with the eager engine's arg-max:
    arg-max kernel captured in the step's graph, the ids copied in and the tokens copied out
    through pinned host memory) against the host arg-max of the eager engine's logits;
 5. the same for one sequence (prompt 180: keys change every 64 tokens), 150 steps, then
-   ``popn(30)`` and 40 more steps (back to earlier greedy graphs).
+   ``popn(30)`` and 40 more steps (back to earlier greedy graphs);
+6. launched greedy steps (``launch_greedy`` with the next step begun ahead, as ``bench`` and
+   greedy generation run them): two sequences (prompts 230 and 90), 130 steps, ``popn(20)`` on
+   both (which undoes the step begun ahead) and 30 more.
 
 Per case: the largest |logit difference| between the two engines (the kernels are the same and
 deterministic, so 0 is expected), or for 4 and 5 the steps whose tokens differ (0 expected; the
@@ -117,13 +120,19 @@ def main(argv: list[str] | None = None) -> int:
     graph.reset()
     eager.reset()
 
-    def greedy_steps(seqs: dict[str, list[int]], toks: list[int], n: int) -> dict:
-        """``n`` greedy steps on the graph engine (pinned-memory replays) against the host
-        arg-max of the eager engine's logits, each engine fed its own tokens."""
+    def greedy_steps(
+        seqs: dict[str, list[int]], toks: list[int], n: int, launched: bool = False
+    ) -> dict:
+        """``n`` greedy steps on the graph engine (pinned-memory replays; ``launched``: through
+        ``launch_greedy``, the next step begun ahead) against the host arg-max of the eager
+        engine's logits, each engine fed its own tokens."""
         ours, times, bad = list(toks), [], 0
         for _ in range(n):
             t = time.perf_counter()
-            got = graph.decode_greedy(seqs["graph"], ours)
+            if launched:
+                got = graph.launch_greedy(seqs["graph"], ours, next_step=True).result()
+            else:
+                got = graph.decode_greedy(seqs["graph"], ours)
             times.append(time.perf_counter() - t)
             assert got.dtype == np.int64 and got.shape == (len(toks),), (got.dtype, got.shape)
             ref = eager.decode(seqs["eager"], toks).argmax(-1).tolist()
@@ -152,6 +161,22 @@ def main(argv: list[str] | None = None) -> int:
         return res
 
     case("greedy_single_popn", greedy1_popn)
+    graph.reset()
+    eager.reset()
+
+    def launched2_popn() -> dict:
+        pair, toks, _ = start([rng.integers(0, vocab, 230).tolist(),
+                               rng.integers(0, vocab, 90).tolist()])  # fmt: skip
+        res = greedy_steps(pair, toks, 130, launched=True)
+        for name in ("graph", "eager"):
+            for seq in pair[name]:
+                (graph if name == "graph" else eager).popn(seq, 20)
+        more = greedy_steps(pair, [int(rng.integers(0, vocab))] * 2, 30, launched=True)
+        res["steps"] += more["steps"]
+        res["token_mismatches"] += more["token_mismatches"]
+        return res
+
+    case("launched_batch2_popn", launched2_popn)
     report["graph_totals"] = graph.cuda_graph_stats
     report["last_error"] = graph._graphs.last_error if graph._graphs else None
     out = Path(args.out)
@@ -163,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     ok = ok and (report["graph_totals"] or {}).get("replays", 0) > 0
     for name, c in report["cases"].items():  # greedy steps went through the pinned-memory graphs
-        if name.startswith("greedy"):
+        if name.startswith(("greedy", "launched")):
             ok = ok and c["graphs"].get("greedy_replays", 0) > 0
             ok = ok and c["graphs"].get("mismatches", 0) == 0
     print("OK" if ok else "MISMATCH", json.dumps(report["graph_totals"]))

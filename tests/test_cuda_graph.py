@@ -541,3 +541,23 @@ def test_cudart_pinned_memory_and_copy_calls():
         cuda.host_alloc(8)
     with pytest.raises(RuntimeError, match="cudaMemcpyAsync failed"):
         cuda.memcpy_async(0xD000, 0x7000, 8, MEMCPY_HOST_TO_DEVICE, 7)
+
+
+def test_a_verified_greedy_graph_is_launched_without_waiting(monkeypatch):
+    step = _Greedy(monkeypatch, same=_same)
+    sim, graphs, key = step.sim, step.graphs, step.key
+    col = np.array([[1], [2]], np.int32)
+    assert graphs.launch_greedy(key, col) is None and not graphs.has_verified(key)  # none yet
+    step(5, 9)
+    assert graphs.launch_greedy(key, col) is None  # captured, not yet checked
+    assert step(1, 2).tolist() == [4, 7] and graphs.has_verified(key)
+    n_log = len(sim.log)
+    graph = graphs.launch_greedy(key, col + 6)
+    assert graph is not None and sim.log[n_log:] == [("launch", graph.exe)]  # no wait
+    assert graph.pinned.tokens.tolist() == [4, 7]  # the device has not written them yet
+    tokens = graphs.wait_greedy(graph)
+    assert tokens.dtype == np.int64 and tokens.tolist() == [22, 25]
+    assert sim.log[-1] == ("sync",) and graphs.stats["greedy_replays"] == 2
+    assert len(step.calls) == 3  # eager, capture, the first replay's check: nothing since
+    with pytest.raises(ValueError, match="ids of shape"):
+        graphs.launch_greedy(key, np.zeros((3, 1), np.int32))

@@ -61,6 +61,93 @@ def test_decode_greedy_splits_large_batches_like_decode(compiled):
     np.testing.assert_array_equal(eng.decode_greedy(seqs, tokens.tolist()), ref)
 
 
+@pytest.mark.parametrize("batch", [1, 2])
+def test_launched_steps_with_the_next_begun_ahead_match_decode_greedy(batch, engines):
+    eng = engines["B"]
+    a, tok_a = _prefilled(eng, _prompts(batch))
+    b, tok_b = _prefilled(eng, _prompts(batch))
+    try:
+        for i in range(7):
+            ref = eng.decode_greedy(a, tok_a.tolist())
+            pending = eng.launch_greedy(b, tok_b.tolist(), next_step=i % 3 != 2)
+            got = pending.result()
+            assert pending.done and got.dtype == np.int64 and got is pending.result()
+            np.testing.assert_array_equal(got, ref)
+            tok_a, tok_b = ref, got
+        # a next step is begun ahead for b; decoding a undoes it, and the caches agree
+        assert eng._ahead == b
+        assert [eng.sequence_length(s) for s in a] == [eng.sequence_length(s) for s in b]
+        np.testing.assert_array_equal(eng.decode(a, tok_a.tolist()), eng.decode(b, tok_b.tolist()))
+        assert eng._ahead is None
+    finally:
+        for s in a + b:
+            eng.remove_sequence(s)
+
+
+@pytest.mark.parametrize("then", ["decode", "popn", "prefill_other", "fork", "generate"])
+def test_a_step_begun_ahead_is_taken_or_undone_by_the_next_call(then, engines):
+    eng = engines["A"]
+    (a,), tok_a = _prefilled(eng, [PROMPT])
+    (b,), tok_b = _prefilled(eng, [PROMPT])
+    extra = []
+    try:
+        ref_tok = eng.decode_greedy([a], tok_a.tolist())
+        got_tok = eng.launch_greedy([b], tok_b.tolist(), next_step=True).result()
+        np.testing.assert_array_equal(got_tok, ref_tok)
+        if then == "popn":
+            for s in (a, b):
+                eng.popn(s, 2)
+            ref_tok = got_tok = np.array([PROMPT[-2]])
+        elif then == "prefill_other":
+            extra = [eng.add_sequence()]
+            eng.prefill(extra, [PROMPT[:5]])
+        elif then == "fork":
+            extra = [eng.fork_sequence(b)]
+        elif then == "generate":
+            eng.generate(PROMPT[:4], 3, stop_token_ids=[])
+        assert eng._ahead is None if then != "decode" else eng._ahead == [b]
+        assert eng.sequence_length(a) == eng.sequence_length(b)
+        got = eng.decode([b], got_tok.tolist())  # "decode": the step begun ahead, taken
+        np.testing.assert_array_equal(got, eng.decode([a], ref_tok.tolist()))
+    finally:
+        for s in [a, b, *extra]:
+            eng.remove_sequence(s)
+
+
+def test_no_step_is_begun_ahead_past_the_context_window(compiled):
+    from dsv2_mlc.runtime.engine import ContextLengthError, Engine
+
+    eng = Engine(compiled["A"], context_window=len(PROMPT) + 2)
+    (seq,), tokens = _prefilled(eng, [PROMPT])
+    for _ in range(2):
+        tokens = eng.launch_greedy([seq], tokens.tolist(), next_step=True).result()
+    assert eng._ahead is None and eng.sequence_length(seq) == len(PROMPT) + 2
+    with pytest.raises(ContextLengthError, match="context window"):
+        eng.launch_greedy([seq], tokens.tolist())
+    eng.popn(seq, 1)  # the cache is as the two steps left it
+    assert eng.sequence_length(seq) == len(PROMPT) + 1
+
+
+def test_greedy_generation_that_stops_undoes_the_step_begun_ahead(compiled):
+    from dsv2_mlc.runtime.engine import Engine
+    from dsv2_mlc.runtime.generation import run_generation
+
+    eng = Engine(compiled["A"], context_window=64)
+    ref = eng.generate(PROMPT, 8, stop_token_ids=[]).token_ids
+    stop = ref[4]
+    seq = eng.add_sequence()
+    params = SamplingParams(max_tokens=8)
+    result = run_generation(eng, seq, PROMPT, 0, params, None, [stop], 8).collect()
+    assert result.token_ids == ref[: ref.index(stop) + 1] and result.finish_reason == "stop"
+    # the prompt and every token but the stop token went through the model, nothing more
+    assert eng._ahead is None and eng.sequence_length(seq) == len(PROMPT) + ref.index(stop)
+    other = eng.add_sequence()  # the same tokens through plain steps
+    eng.prefill([other], [PROMPT])
+    for token in ref[: ref.index(stop)]:
+        eng.decode([other], [token])
+    np.testing.assert_array_equal(eng.decode([seq], [stop]), eng.decode([other], [stop]))
+
+
 def test_greedy_tokens_is_np_argmax_on_given_logits(engines):
     from dsv2_mlc.runtime.device import to_device
 
@@ -90,6 +177,9 @@ class _RecordingGraphs:
         self.keys.append(key)
         self.outs.append(out)
         return out
+
+    def has_verified(self, key) -> bool:
+        return False  # every step through run_greedy, recorded
 
     def run_greedy(self, key, ids, call, to_device, same=None):
         out = self.run(key, ids, call, to_device, lambda t, a: None, same)
@@ -131,7 +221,7 @@ def test_builds_without_the_kernel_fall_back_to_the_host(compiled, monkeypatch):
 
 
 def _spy(eng, monkeypatch) -> dict[str, int]:
-    calls = {"decode": 0, "decode_greedy": 0}
+    calls = {"decode": 0, "decode_greedy": 0, "launch_greedy": 0}
     for name in calls:
         real = getattr(eng, name)
 
@@ -154,7 +244,7 @@ def test_greedy_generation_picks_on_the_device_with_the_same_tokens(compiled, mo
     eng.remove_sequence(seq[0])
     calls = _spy(eng, monkeypatch)
     assert eng.generate(PROMPT, 8, stop_token_ids=[]).token_ids == host
-    assert calls == {"decode": 0, "decode_greedy": 7}
+    assert calls == {"decode": 0, "decode_greedy": 0, "launch_greedy": 7}
 
 
 @pytest.mark.parametrize(
@@ -168,7 +258,7 @@ def test_generation_that_needs_logits_keeps_the_logits_path(params, compiled, mo
     eng = Engine(compiled["A"], context_window=64)
     calls = _spy(eng, monkeypatch)
     eng.generate(PROMPT, 5, stop_token_ids=[], sampling=params)
-    assert calls == {"decode": 4, "decode_greedy": 0}
+    assert calls == {"decode": 4, "decode_greedy": 0, "launch_greedy": 0}
 
 
 def test_only_plain_greedy_goes_without_logits():

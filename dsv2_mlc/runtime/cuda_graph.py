@@ -48,9 +48,13 @@ second. A replay writes the ids into the first buffer (a NumPy view of it), laun
 synchronizes the stream and copies the tokens out of the second: no other host<->device copy.
 
 * The host writes the input buffer only while no replay is in flight (a replay may read it at
-  any time until it completes): ``run_greedy`` synchronizes the stream before it returns. A step
-  that returned earlier, to overlap the host with the device, would need a buffer per replay in
-  flight.
+  any time until it completes): ``run_greedy`` synchronizes the stream before it returns, and
+  :meth:`DecodeGraphs.launch_greedy` (a verified graph launched without waiting, so that the host
+  prepares the next step meanwhile: :mod:`dsv2_mlc.runtime.greedy_steps`) must be followed by
+  :meth:`~DecodeGraphs.wait_greedy` before the next launch. Launching step ``t + 1`` before step
+  ``t`` completes would need a buffer per replay in flight, and more: step ``t + 1``'s token is
+  step ``t``'s output, and the KV cache copies its page tables for a step (on a stream of its
+  own) into the one device buffer that step ``t``'s kernels read.
 * The buffers are freed only after synchronizing the stream, when their graph is dropped (LRU
   eviction, a failed first-replay check, :meth:`DecodeGraphs.clear` / ``close``, garbage
   collection) or its capture failed.
@@ -266,16 +270,8 @@ class DecodeGraphs:
         eager step's. ``key`` must differ from every key given to :meth:`run`."""
         graph = self._cached(key, greedy=True)
         if graph is not None:
-            pinned = graph.pinned
-            assert pinned is not None
-            if ids.shape != pinned.ids.shape:
-                raise ValueError(f"ids of shape {ids.shape} for a graph of {pinned.ids.shape}")
-            np.copyto(pinned.ids, ids, casting="same_kind")  # no replay in flight reads it
-            self.cuda.launch(graph.exe, self.stream)
-            self.cuda.synchronize(self.stream)  # the tokens are on the host, the ids free again
-            tokens = pinned.tokens.astype(np.int64)  # a copy: the buffer is the next step's
-            self.stats["replays"] += 1
-            self.stats["greedy_replays"] += 1
+            self._replay_greedy(graph, ids)
+            tokens = self.wait_greedy(graph)  # on the host now, and the ids buffer free again
             if same is None or graph.verified:
                 return tokens
             ref = call(graph.ids)  # the ids the graph copied in
@@ -288,6 +284,43 @@ class DecodeGraphs:
         if key not in self._failed:
             self._capture(key, ids_t, call, tokens)
         return tokens.astype(np.int64)
+
+    def has_verified(self, key: tuple) -> bool:
+        """Whether ``key`` has a graph whose first replay matched an eager step."""
+        graph = self._graphs.get(key)
+        return graph is not None and graph.verified
+
+    def launch_greedy(self, key: tuple, ids: np.ndarray) -> _Graph | None:
+        """Launch the verified greedy graph of ``key`` on ``ids`` without waiting for it; None
+        (nothing launched) where there is none yet (:meth:`run_greedy` captures and checks it).
+
+        The caller must :meth:`wait_greedy` for it before any other call of these graphs or of
+        the KV cache that touches the device (the next step's ``begin_forward``, host-only, may
+        run meanwhile): the replay reads the ids buffer and the cache's auxiliary arrays until it
+        completes."""
+        graph = self._cached(key, greedy=True)
+        if graph is None or not graph.verified:
+            return None
+        self._replay_greedy(graph, ids)
+        return graph
+
+    def _replay_greedy(self, graph: _Graph, ids: np.ndarray) -> None:
+        """Write ``ids`` into ``graph``'s pinned input and launch it (no replay is in flight)."""
+        pinned = graph.pinned
+        assert pinned is not None
+        if ids.shape != pinned.ids.shape:
+            raise ValueError(f"ids of shape {ids.shape} for a graph of {pinned.ids.shape}")
+        np.copyto(pinned.ids, ids, casting="same_kind")
+        self.cuda.launch(graph.exe, self.stream)
+        self.stats["replays"] += 1
+        self.stats["greedy_replays"] += 1
+
+    def wait_greedy(self, graph: _Graph) -> np.ndarray:
+        """The tokens of a replay begun by :meth:`launch_greedy`, once it has completed (a new
+        int64 host array: the pinned buffer is the next replay's)."""
+        assert graph.pinned is not None
+        self.cuda.synchronize(self.stream)
+        return graph.pinned.tokens.astype(np.int64)
 
     def _check(self, key: tuple, graph: _Graph, same: bool) -> bool:
         """Record the first replay check of ``graph``: verified, or dropped for good."""

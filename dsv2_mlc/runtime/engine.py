@@ -33,6 +33,7 @@ __all__ = [
     "Engine",
     "GenerationResult",
     "GenerationStream",
+    "PendingTokens",
     "PromptError",
     "StreamDelta",
 ]
@@ -52,6 +53,28 @@ class ContextLengthError(ValueError):
 
 class PromptError(ValueError):
     """A prompt that cannot be run (empty, or text for a model without a tokenizer)."""
+
+
+class PendingTokens:
+    """The tokens of a greedy step from :meth:`Engine.launch_greedy`: :meth:`result` waits for
+    the device where the step's graph is still running."""
+
+    def __init__(self, wait: Callable[[], np.ndarray]) -> None:
+        self._wait: Callable[[], np.ndarray] | None = wait
+        self._tokens: np.ndarray | None = None
+
+    @property
+    def done(self) -> bool:
+        """Whether :meth:`result` has been taken (the step has completed)."""
+        return self._wait is None
+
+    def result(self) -> np.ndarray:
+        """The next token ids, int64 ``[len(seq_ids)]`` (the same array on every call)."""
+        if self._wait is not None:
+            wait, self._wait = self._wait, None
+            self._tokens = wait()
+        assert self._tokens is not None
+        return self._tokens
 
 
 def _same_logits(a: Any, b: Any) -> bool:
@@ -170,6 +193,8 @@ class Engine:
         )
         self._seq_len: dict[int, int] = {}
         self._shared: set[int] = set()  # sequences that share pages (forks): no graphs
+        self._inflight: PendingTokens | None = None  # a launched greedy step (launch_greedy)
+        self._ahead: list[int] | None = None  # sequences whose next step was begun ahead
         use_graphs = cuda_graph and self.device == "cuda"
         self._graphs = DecodeGraphs(self.device, pdl_port=port) if use_graphs else None
         self._query_positions = global_func("vm.builtin.attention_kv_cache_get_query_positions")
@@ -276,6 +301,7 @@ class Engine:
     # -- sequences ------------------------------------------------------------------------------
     def add_sequence(self) -> int:
         """Start an empty sequence; returns its id."""
+        self.settle()
         seq = next(self._ids)
         self._kv_state["add_sequence"](self._cache, seq)
         self._seq_len[seq] = 0
@@ -283,12 +309,14 @@ class Engine:
 
     def remove_sequence(self, seq: int) -> None:
         """Drop a sequence and free its pages."""
+        self.settle()
         self._kv_state["remove_sequence"](self._cache, seq)
         del self._seq_len[seq]
         self._shared.discard(seq)
 
     def fork_sequence(self, parent: int, fork_pos: int = -1) -> int:
         """A new sequence sharing ``parent``'s first ``fork_pos`` tokens (-1: all of them)."""
+        self.settle()
         child = next(self._ids)
         self._kv_state["fork_sequence"](self._cache, parent, child, fork_pos)
         self._shared.update((parent, child))
@@ -298,6 +326,7 @@ class Engine:
 
     def popn(self, seq: int, n: int) -> None:
         """Remove the last ``n`` tokens of a sequence."""
+        self.settle()
         if not 0 <= n <= self._seq_len[seq]:
             raise ValueError(f"cannot pop {n} tokens from a sequence of {self._seq_len[seq]}")
         self._kv_state["popn"](self._cache, seq, n)
@@ -309,9 +338,21 @@ class Engine:
 
     def reset(self) -> None:
         """Remove every sequence."""
+        self.settle()
         self._kv_state["clear"](self._cache)
         self._seq_len.clear()
         self._shared.clear()
+
+    def settle(self) -> None:
+        """Wait for a greedy step launched by :meth:`launch_greedy` and undo a next step begun
+        ahead (every other call that touches the cache or the device does this first)."""
+        if self._inflight is not None:
+            pending, self._inflight = self._inflight, None
+            pending.result()
+        if self._ahead is not None:
+            seqs, self._ahead = self._ahead, None
+            for seq in seqs:  # begun, never run: the reserved slot goes back
+                self._kv_state["popn"](self._cache, seq, 1)
 
     # -- forward --------------------------------------------------------------------------------
     def _check_room(self, seq_ids: Sequence[int], lengths: Sequence[int]) -> None:
@@ -350,18 +391,14 @@ class Engine:
                     for i in parts
                 ]
             )
-        ids = np.array([t for c in chunks for t in c], dtype=np.int64)
-        bad = ids[(ids < 0) | (ids >= self.config.vocab_size)]
-        if bad.size:  # the embedding kernel does not bounds-check: never hand it a bad id
-            raise ValueError(
-                f"token id {int(bad[0])} is outside the vocabulary [0, {self.config.vocab_size})"
-            )
-        ids = ids.astype(np.int32)
+        ids = self._checked_ids([t for c in chunks for t in c])
+        if greedy:
+            return self._greedy_step(seq_ids, ids, ahead=False).result()
         fresh = all(self._seq_len[s] == 0 for s in seq_ids)
-        self._kv_state["begin_forward"](self._cache, tvm_ffi.Shape(seq_ids), tvm_ffi.Shape(lengths))
+        self._begin(seq_ids, lengths)
         try:
             if all(n == 1 for n in lengths):
-                out = self._decode_call(seq_ids, ids.reshape(-1, 1), greedy)
+                out = self._decode_call(seq_ids, ids.reshape(-1, 1))
             else:
                 ends = np.cumsum(lengths)
                 if all_logits:
@@ -379,10 +416,77 @@ class Engine:
             self._kv_state["end_forward"](self._cache)
         for seq, n in zip(seq_ids, lengths, strict=True):
             self._seq_len[seq] += n
-        if greedy:  # the step's tokens, already on the host (4 bytes per sequence came back)
-            return out
         logits = to_numpy(out[0])  # a copy on the host, whatever the device
         return logits.reshape(-1, self.config.vocab_size)
+
+    def _checked_ids(self, tokens: list[int]) -> np.ndarray:
+        """``tokens`` as int32, each checked against the vocabulary (the embedding kernel does
+        not bounds-check: never hand it a bad id)."""
+        vocab = self.config.vocab_size
+        ids = np.array(tokens, dtype=np.int64)
+        if len(tokens) <= 8:  # a decode step's few ids: faster without NumPy
+            bad = [t for t in tokens if not 0 <= t < vocab]
+        else:
+            bad = ids[(ids < 0) | (ids >= vocab)].tolist()
+        if bad:
+            raise ValueError(f"token id {int(bad[0])} is outside the vocabulary [0, {vocab})")
+        return ids.astype(np.int32)
+
+    def _begin(self, seq_ids: list[int], lengths: list[int]) -> None:
+        """``begin_forward`` for one chunk per sequence: after :meth:`settle`, or nothing when
+        this very step (one token for each of ``seq_ids``) was begun ahead."""
+        if self._ahead == seq_ids and all(n == 1 for n in lengths):
+            if self._inflight is not None:  # the cache copies its page tables after it
+                pending, self._inflight = self._inflight, None
+                pending.result()
+            self._ahead = None
+            return
+        self.settle()
+        self._kv_state["begin_forward"](self._cache, tvm_ffi.Shape(seq_ids), tvm_ffi.Shape(lengths))
+
+    def _greedy_step(self, seq_ids: list[int], ids: np.ndarray, ahead: bool) -> PendingTokens:
+        """One begun-to-ended greedy decode step (``ids`` int32 ``[b]``, already checked); a
+        replay of a verified graph is left running (:attr:`_inflight`). With ``ahead``, the
+        next step (one more token for each sequence) is begun while it runs, if it fits."""
+        self._begin(seq_ids, [1] * len(seq_ids))
+        try:
+            wait = self._launch_greedy(seq_ids, ids.reshape(-1, 1))
+        finally:
+            self._kv_state["end_forward"](self._cache)  # host-side: the replay may still run
+        for seq in seq_ids:
+            self._seq_len[seq] += 1
+        pending = PendingTokens(wait)
+        self._inflight = pending
+        if ahead and self._fits(seq_ids):
+            # host-only page bookkeeping, overlapping the device; the page tables are copied
+            # to the device only when the step is launched, after this one has completed
+            self._kv_state["begin_forward"](
+                self._cache, tvm_ffi.Shape(seq_ids), tvm_ffi.Shape([1] * len(seq_ids))
+            )
+            self._ahead = list(seq_ids)
+        return pending
+
+    def _fits(self, seq_ids: list[int]) -> bool:
+        """Whether one more token for each of ``seq_ids`` fits (:meth:`_check_room`)."""
+        try:
+            self._check_room(seq_ids, [1] * len(seq_ids))
+        except ContextLengthError:
+            return False
+        return True
+
+    def _launch_greedy(self, seq_ids: list[int], ids: np.ndarray) -> Callable[[], np.ndarray]:
+        """A begun greedy step: the replay of a verified graph launched (the result waits for
+        it), else :meth:`_decode_call` run through (the result returns its tokens)."""
+        graphs = self._graphs
+        if graphs is not None and not self._shared.intersection(seq_ids):
+            key = decode_graph_key(PAGE_SIZE, [self._seq_len[s] + 1 for s in seq_ids])
+            if graphs.has_verified((*key, "greedy")):
+                self._query_positions(self._cache)  # the page tables to the device, in order
+                graph = graphs.launch_greedy((*key, "greedy"), ids)
+                assert graph is not None
+                return functools.partial(graphs.wait_greedy, graph)
+        tokens = self._decode_call(seq_ids, ids, greedy=True)
+        return lambda: tokens
 
     def _decode_call(self, seq_ids: list[int], ids: np.ndarray, greedy: bool = False) -> Any:
         """``batch_decode`` for a begun step: from a CUDA graph where one applies. With
@@ -478,6 +582,25 @@ class Engine:
         seq_ids = list(seq_ids)
         self._check_room(seq_ids, [1] * len(seq_ids))
         return self._forward(seq_ids, [[int(t)] for t in tokens], all_logits=False, greedy=True)
+
+    def launch_greedy(
+        self, seq_ids: Sequence[int], tokens: Sequence[int], next_step: bool = True
+    ) -> PendingTokens:
+        """:meth:`decode_greedy`, returning as soon as the step runs on the device: its
+        :meth:`~PendingTokens.result` waits for the tokens. Meanwhile the host may do its own
+        work; with ``next_step`` (the caller will decode these sequences again, one token each)
+        the KV cache's host bookkeeping of that step is done now too, overlapping the device.
+        Any other call that touches the cache waits for the step first and undoes a next step
+        begun ahead (:meth:`settle`). Only a replay of a verified CUDA graph runs on; other
+        steps (CPU, eager, first replays) complete before this returns."""
+        seq_ids = list(seq_ids)
+        if self._greedy is None or len(seq_ids) > MAX_DECODE_GROUP:
+            tokens_now = self.decode_greedy(seq_ids, tokens)
+            return PendingTokens(lambda: tokens_now)
+        if self._ahead != seq_ids:  # a step begun ahead was checked for room then
+            self._check_room(seq_ids, [1] * len(seq_ids))
+        ids = self._checked_ids([int(t) for t in tokens])
+        return self._greedy_step(seq_ids, ids, ahead=next_step)
 
     # -- convenience ----------------------------------------------------------------------------
     def logits(self, prompt_ids: Sequence[int]) -> np.ndarray:

@@ -183,18 +183,25 @@ def _generate(
                 break
             safe = len(text) - stops.held(text, emitted)
             out, emitted = text[emitted:safe], max(emitted, safe)
-            yield StreamDelta(out, [token])
             if sampler.needs_logits:
+                yield StreamDelta(out, [token])
                 logits = engine.decode([seq], [token])[0]
-            else:  # greedy: the arg-max on the device, only the token comes back
-                picked = int(engine.decode_greedy([seq], [token])[0])
+            else:  # greedy: the arg-max on the device, only the token comes back; the step is
+                # launched first, so the device runs while the text goes out
+                more = len(tokens) + 1 < max_tokens  # another step may follow this one
+                pending = engine.launch_greedy([seq], [token], next_step=more)
+                yield StreamDelta(out, [token])
+                picked = int(pending.result()[0])
             decode_s = time.perf_counter() - t1
     finally:
-        if reason == "abort":  # closed early or failed: keep what was streamed
-            text = text[:emitted]
-        result = GenerationResult(
-            tokens, reason, len(prompt), prefill_s, decode_s, text=text, cached_tokens=cached
-        )
-        if on_finish is not None:
-            on_finish(result)
+        try:  # a launched step completes, a step begun ahead (then a stop token) is undone
+            engine.settle()
+        finally:
+            if reason == "abort":  # closed early or failed: keep what was streamed
+                text = text[:emitted]
+            result = GenerationResult(
+                tokens, reason, len(prompt), prefill_s, decode_s, text=text, cached_tokens=cached
+            )
+            if on_finish is not None:
+                on_finish(result)
     return result
