@@ -4,8 +4,11 @@ The kernel (``passes/fuse_add_rms_norm.py``) has three blocks over rows of ``d``
 ``s = a + b`` (an output, its block tagged ``ADD_RMS_NORM``), the sum of squares of ``s``, the
 normalised row. One thread block per row; every block's row loop is split the same way
 (``j = (jo * TX + tx) * VEC + v``), so each thread reads back only the ``s`` values it wrote
-itself (no barrier needed); the sum of squares is a block-wide reduction (``rfactor`` over the
-``TX`` threads + TVM's cross-thread reduce: warp shuffles, then shared memory).
+itself (no barrier needed); the sum is written with 16-byte vector stores (``a + b`` loaded the
+same way: 59 -> 37 us per call at 4096 rows on the H200; the normalised row stays scalar, as
+TVM's CUDA codegen cannot vectorise its float32 x 8 broadcast); the sum of squares is a
+block-wide reduction (``rfactor`` over the ``TX`` threads + TVM's cross-thread reduce: warp
+shuffles, then shared memory).
 """
 
 from __future__ import annotations
@@ -59,15 +62,20 @@ def _norm(func: tirx.PrimFunc) -> tirx.PrimFunc | None:
     sch.bind(rf_loops[0], "threadIdx.x")
     sch.unroll(rf_loops[-1])
     sch.bind(sch.get_loops(sq)[-1], "threadIdx.x")
-    _row_split(sch, sch.get_loops(norm)[-1], tx_n)
+    _row_split(sch, sch.get_loops(norm)[-1], tx_n, vector=False)
     sch.set_scope(rf, 0, "local")
     sch.set_scope(sq, 0, "local")  # every thread holds the row's sum after the reduce
     return sch.mod["main"].with_attr("tirx.is_scheduled", True)
 
 
-def _row_split(sch: s_tir.Schedule, loop: s_tir.schedule.LoopRV, tx_n: int) -> None:
+def _row_split(
+    sch: s_tir.Schedule, loop: s_tir.schedule.LoopRV, tx_n: int, vector: bool = True
+) -> None:
     """``j = (jo * tx_n + tx) * VEC + v`` with ``tx`` on threadIdx.x (the rf block's split)."""
     jo, tx, v = sch.split(loop, [None, tx_n, VEC])
     sch.reorder(tx, jo, v)
     sch.bind(tx, "threadIdx.x")
-    sch.unroll(v)
+    if vector:
+        sch.vectorize(v)  # 16-byte loads and stores
+    else:
+        sch.unroll(v)
