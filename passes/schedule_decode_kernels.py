@@ -2,9 +2,10 @@
 
 Every entry point gets the row-per-block schedules (``ROW_SCHEDULES``, copies named ``*_rows``):
 dlight's add+RMSNorm took 1.08 ms per call at 4096 rows on the H200 (CUPTI), 57 ms of a 4K
-prefill. The decode entry point also gets the batch-1 GEMV schedules (``DECODE_SCHEDULES``,
-copies named ``*_decode``); prefill and extend keep dlight's tiled schedules for their matmuls,
-which are right for hundreds of rows.
+prefill; the INT4 dequantization of prefill's weights becomes a thread per packed word
+(``schedules/dequantize_cuda.py``). The decode entry point also gets the batch-1 GEMV
+schedules (``DECODE_SCHEDULES``, copies named ``*_decode``); prefill and extend keep dlight's
+tiled schedules for their matmuls, which are right for hundreds of rows.
 """
 
 from __future__ import annotations
@@ -16,12 +17,24 @@ from tvm import relax, tirx
 from tvm.ir import GlobalVar, IRModule
 
 from ..schedules.decode_gemv_cuda import schedule_decode_gemv
+from ..schedules.dequantize_cuda import dequantize_int4_kernel
 from ..schedules.rms_norm_cuda import schedule_add_rms_norm
 from ._rewrite import entry_kind
+from .quantize_int4 import DEQUANTIZE_ATTR
 
 Rule = Callable[[tirx.PrimFunc], tirx.PrimFunc | None]
+
+
+def schedule_dequantize_int4(func: tirx.PrimFunc) -> tirx.PrimFunc | None:
+    """The CUDA kernel of ``schedules/dequantize_cuda.py`` for an INT4 dequantize TE (tagged
+    ``DEQUANTIZE_ATTR`` with its group size) of a 2-D weight; None for anything else."""
+    if func.attrs is None or DEQUANTIZE_ATTR not in func.attrs:
+        return None
+    return dequantize_int4_kernel(func, int(func.attrs[DEQUANTIZE_ATTR]))
+
+
 DECODE_SCHEDULES: tuple[Rule, ...] = (schedule_decode_gemv,)
-ROW_SCHEDULES: tuple[Rule, ...] = (schedule_add_rms_norm,)
+ROW_SCHEDULES: tuple[Rule, ...] = (schedule_add_rms_norm, schedule_dequantize_int4)
 
 
 def _schedule(func: tirx.PrimFunc, rules: tuple[Rule, ...]) -> tirx.PrimFunc | None:

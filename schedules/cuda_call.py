@@ -63,7 +63,11 @@ def token_grid_call(
     n, block, thread)``: the kernel loops over the tokens itself (reading its weights once).
     ``dyn_shared_bytes`` > 0 gives the block that much dynamic shared memory (TVM's launcher opts
     in past 48 KB), passed as an ``unsigned*`` (16-byte aligned) right after the buffers,
-    followed by a pointer to its last word (for TVM, unused)."""
+    followed by a pointer to its last word (for TVM, unused). Without a ``TOKENS`` dimension
+    (fixed shapes; ``per_token`` must be False) the call gets 0 for ``n``."""
+    has_tokens = any(d is TOKENS for _, shape, _ in params for d in shape)
+    if not has_tokens and per_token:
+        raise ValueError("a grid per token needs a buffer with a TOKENS dimension")
     with IRBuilder() as ib:
         with Tb.prim_func(private=True, s_tir=True):
             Tb.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
@@ -94,7 +98,9 @@ def token_grid_call(
                             T.cuda.func_call(
                                 fname,
                                 *pointers,
-                                bx // blocks_per_token if per_token else n,
+                                bx // blocks_per_token
+                                if per_token
+                                else (n if has_tokens else T.int64(0)),
                                 T.cast(bx % blocks_per_token if per_token else bx, "int32"),
                                 T.cast(tx, "int32"),
                                 source_code=source,
