@@ -5,7 +5,6 @@ leave to dlight."""
 
 from __future__ import annotations
 
-import shutil
 import sys
 from pathlib import Path
 
@@ -19,12 +18,7 @@ from dsv2_mlc.passes.schedule_decode_kernels import schedule_dequantize_int4
 from dsv2_mlc.schedules.dequantize_cuda import THREADS, dequantize_int4_rows
 
 sys.path.insert(0, str(Path(__file__).parent))
-from cuda_emulation import emulate  # noqa: E402
-
-needs_cuda_tools = pytest.mark.skipif(
-    shutil.which("nvcc") is None or shutil.which("g++") is None,
-    reason="needs nvcc (TVM's CUDA build here) and g++ (C++20)",
-)
+from cuda_emulation import emulate, needs_toolchain  # noqa: E402
 
 
 def _te(rows: int, k: int, group: int, dtype: str = "float16", lead: tuple = ()) -> tirx.PrimFunc:
@@ -41,7 +35,7 @@ def _te(rows: int, k: int, group: int, dtype: str = "float16", lead: tuple = ())
     return te.create_prim_func([qw, qs, out]).with_attr(DEQUANTIZE_ATTR, group)
 
 
-@needs_cuda_tools
+@needs_toolchain
 @pytest.mark.parametrize(
     ("rows", "k", "group"), [(3, 256, 128), (37, 96, 32), (5, 64, 64), (4, 96, 64)]
 )  # the last: a partial last group, as V2-Lite's dense down_proj (10944 = 85.5 x 128)

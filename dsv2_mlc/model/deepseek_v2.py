@@ -44,9 +44,11 @@ from .mla_ops import (
     has_prologue_kernel,
     latent_norm_rope,
     mla_prologue,
+    prefill_key,
+    prefill_query,
 )
 from .moe import DeepseekV2MLP, DeepseekV2MoE
-from .rope import apply_rope, rope_table
+from .rope import rope_table
 
 Mode = Literal["prefill", "extend", "decode"]
 
@@ -137,7 +139,7 @@ class DeepseekV2Attention(nn.Module):
         computed it (with the norm folded in: ``DeepseekV2DecoderLayer.forward_decode``)."""
         cfg = self.cfg
         n = x.shape[0]
-        heads, nope, rope_dim = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+        heads = cfg.num_attention_heads
         lora, v_dim, scale = cfg.kv_lora_rank, cfg.v_head_dim, cfg.softmax_scale
 
         # [n, q_a_dim + L + R]: the query heads (q-LoRA: q_a), then c_kv and k_pe
@@ -156,22 +158,19 @@ class DeepseekV2Attention(nn.Module):
         else:  # the cached latent [RMSNorm(c_kv), rope(k_pe)], one kernel (mla_ops)
             latent = latent_norm_rope(qkv, cfg.q_a_dim, norm_w, rope, cfg, LORA_NORM_EPS)
         cache = cache.append_mla_kv(self.layer_id, op.reshape(latent, (1, n, 1, cfg.latent_dim)))
-        if mode != "decode" or not fused:  # the query heads alone [n, H * (nope + R)]
+        if mode != "prefill" and not fused:  # the query heads alone [n, H * (nope + R)]
             q = q_src if cfg.q_lora_rank is not None else op.split(qkv, [cfg.q_a_dim], axis=1)[0]
 
         out = None
         if mode != "decode":
             # Non-absorbed (prefill) attention over the new tokens: decompress the latent.
-            c_kv, k_pe = op.split(latent, [lora], axis=1)
-            q_nope, q_pe = op.split(op.reshape(q, (n, heads, cfg.qk_head_dim)), [nope], axis=2)
-            q_pe = apply_rope(q_pe, rope, "rope_q")
+            c_kv = op.split(latent, [lora], axis=1)[0]
             k_nope = op.matmul(c_kv, op.permute_dims(op.reshape(self.kv_b_proj.w_uk, (-1, lora))))
             value = op.matmul(c_kv, op.permute_dims(op.reshape(self.kv_b_proj.w_uv, (-1, lora))))
-            k_nope = op.reshape(k_nope, (n, heads, nope))
             value = op.reshape(value, (1, n, heads, v_dim))
-            k_pe_heads = op.broadcast_to(op.reshape(k_pe, (n, 1, rope_dim)), (n, heads, rope_dim))
-            key = op.reshape(op.concat([k_nope, k_pe_heads], dim=2), (1, n, heads, cfg.qk_head_dim))
-            query = op.reshape(op.concat([q_nope, q_pe], dim=2), (1, n, heads, cfg.qk_head_dim))
+            # [n, H, nope + R] each, read in place (mla_ops; on CUDA one hand kernel each)
+            key = op.reshape(prefill_key(k_nope, latent, cfg), (1, n, heads, cfg.qk_head_dim))
+            query = op.reshape(prefill_query(q_src, rope, cfg), (1, n, heads, cfg.qk_head_dim))
             out, lse = cache.self_attention(self.layer_id, query, key, value, scale)
         if mode != "prefill":
             # Absorbed attention over the cached latent pages.

@@ -10,6 +10,10 @@ Each replaces a chain of Relax ops (and launches) that decode runs 27 times per 
   batched matmul, rope, concatenate);
 * :func:`mla_prologue`: on CUDA, both of the above (the latent-space query and the cached latent)
   in one hand kernel (:mod:`dsv2_mlc.schedules.mla_prologue_cuda`), for decode and extend;
+* :func:`prefill_query` / :func:`prefill_key`: prefill's full-head query (RoPE on each head's
+  last ``R`` values) and key (``k_nope`` + the token's ``k_pe``) read in place from their
+  sources (were split, split + rope + concatenate, broadcast + concatenate); on CUDA each is a
+  vectorised hand kernel (:mod:`dsv2_mlc.schedules.prefill_qk_cuda`);
 * :func:`absorb_value`: the attention output over latents ``[n, H, L]`` -> ``o @ W_UV^T``
   ``[n, H * V]`` as one GEMV-shaped reduction tagged for the decode GEMV schedule (was transpose,
   batched matmul, transpose); on CUDA at decode a hand kernel whose weights load before it
@@ -29,6 +33,7 @@ from tvm.target import Target
 from ..schedules.decode_gemv_cuda import DECODE_GEMV
 from ..schedules.mla_prologue_cuda import mla_prologue_cuda
 from ..schedules.prefetch_gemv_cuda import absorb_v_decode, absorb_v_unsupported
+from ..schedules.prefill_qk_cuda import KEY_ATTR, QUERY_ATTR
 from .config import DeepseekV2Config
 from .rope import apply_rope, rotate_pair
 
@@ -39,6 +44,10 @@ __all__ = [
     "latent_norm_rope",
     "latent_norm_rope_te",
     "mla_prologue",
+    "prefill_key",
+    "prefill_key_te",
+    "prefill_query",
+    "prefill_query_te",
 ]
 
 
@@ -96,6 +105,58 @@ def absorb_query(q: Tensor, w_uk: Tensor, rope: Tensor, cfg: DeepseekV2Config) -
     q_pe = apply_rope(q_pe, rope, "rope_q")
     q_abs = op.permute_dims(op.matmul(op.permute_dims(q_nope, [1, 0, 2]), w_uk), [1, 0, 2])
     return op.concat([q_abs, q_pe], dim=2)
+
+
+def prefill_query_te(x: te.Tensor, tab: te.Tensor, heads: int, nope: int) -> te.Tensor:
+    """The TE of :func:`prefill_query` (``tab``: ``[n, R]`` cos/sin)."""
+    qk, dtype = nope + int(tab.shape[1]), x.dtype
+
+    def f(t: Expr, h: Expr, d: Expr) -> Expr:
+        p = tirx.max(d - nope, 0)  # the index in the roped part
+        pair = p // 2
+        cos, sin = tab[t, pair * 2], tab[t, pair * 2 + 1]
+        even = x[t, h * qk + nope + pair * 2].astype("float32")
+        odd = x[t, h * qk + nope + pair * 2 + 1].astype("float32")
+        rotated = rotate_pair(p, even, odd, cos, sin).astype(dtype)
+        return tirx.Select(d < nope, x[t, h * qk + d], rotated)
+
+    return te.compute((x.shape[0], heads, qk), f, name="prefill_query")
+
+
+def prefill_query(q: Tensor, rope: Tensor, cfg: DeepseekV2Config) -> Tensor:
+    """The query heads at columns ``[0, H * (nope + R))`` of ``q`` -> ``[n, H, nope + R]`` with
+    RoPE on each head's last ``R`` values (``rope``: the tokens' ``rope_table``), as
+    ``apply_rope`` computes it (float32, one rounding)."""
+    heads, nope = cfg.num_attention_heads, cfg.qk_nope_head_dim
+
+    def compute(x: te.Tensor, tab: te.Tensor) -> te.Tensor:
+        return prefill_query_te(x, tab, heads, nope)
+
+    width = int(q.shape[1])
+    return nn.tensor_expr_op(compute, "prefill_query", [q, rope], attrs={QUERY_ATTR: width})
+
+
+def prefill_key_te(kn: te.Tensor, lat: te.Tensor, heads: int, rope_dim: int) -> te.Tensor:
+    """The TE of :func:`prefill_key`."""
+    nope = int(kn.shape[1]) // heads
+    lora = int(lat.shape[1]) - rope_dim
+
+    def f(t: Expr, h: Expr, d: Expr) -> Expr:
+        own = kn[t, h * nope + tirx.min(d, nope - 1)]
+        return tirx.Select(d < nope, own, lat[t, lora + tirx.max(d - nope, 0)])
+
+    return te.compute((kn.shape[0], heads, nope + rope_dim), f, name="prefill_key")
+
+
+def prefill_key(k_nope: Tensor, latent: Tensor, cfg: DeepseekV2Config) -> Tensor:
+    """``k_nope [n, H * nope]`` and the cached latent ``[n, L + R]`` -> the key ``[n, H, nope +
+    R]``: each head's ``k_nope``, then the token's roped ``k_pe`` (``latent[:, L:]``)."""
+    heads, rope_dim = cfg.num_attention_heads, cfg.qk_rope_head_dim
+
+    def compute(kn: te.Tensor, lat: te.Tensor) -> te.Tensor:
+        return prefill_key_te(kn, lat, heads, rope_dim)
+
+    return nn.tensor_expr_op(compute, "prefill_key", [k_nope, latent], attrs={KEY_ATTR: 1})
 
 
 def has_prologue_kernel(target: Target | None) -> bool:
