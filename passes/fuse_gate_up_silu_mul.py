@@ -11,6 +11,7 @@ import tvm
 from tvm import relax, te, tirx
 from tvm.ir import IRModule
 
+from ..schedules.silu_mul_cuda import SILU_MUL_ATTR
 from ._rewrite import bound_call, bound_tuple_item, rewrite_relax_functions
 
 
@@ -57,7 +58,12 @@ class _Rewriter(relax.PyExprMutator):
         data = match_swiglu(self, call)
         if data is None:
             return call
-        return self.builder_.call_te(silu_mul_te, data, primfunc_name_hint="fused_silu_mul")
+        return self.builder_.call_te(
+            silu_mul_te,
+            data,
+            primfunc_name_hint="fused_silu_mul",
+            primfunc_attrs={SILU_MUL_ATTR: 1},  # CUDA: schedules/silu_mul_cuda.py where alone
+        )
 
 
 @tvm.transform.module_pass(opt_level=0, name="FuseGateUpSiluMul")

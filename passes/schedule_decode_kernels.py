@@ -4,7 +4,8 @@ Every entry point gets the row-per-block schedules (``ROW_SCHEDULES``, copies na
 dlight's add+RMSNorm took 1.08 ms per call at 4096 rows on the H200 (CUPTI), 57 ms of a 4K
 prefill; the INT4 dequantization of prefill's weights becomes a thread per packed word
 (``schedules/dequantize_cuda.py``), prefill's query and key rows one vectorised kernel each
-(``schedules/prefill_qk_cuda.py``). The decode entry point also gets the batch-1 GEMV
+(``schedules/prefill_qk_cuda.py``), and so does the SwiGLU of the MLPs
+(``schedules/silu_mul_cuda.py``). The decode entry point also gets the batch-1 GEMV
 schedules (``DECODE_SCHEDULES``, copies named ``*_decode``); prefill and extend keep dlight's
 tiled schedules for their matmuls, which are right for hundreds of rows.
 """
@@ -21,6 +22,7 @@ from ..schedules.decode_gemv_cuda import schedule_decode_gemv
 from ..schedules.dequantize_cuda import dequantize_int4_kernel
 from ..schedules.prefill_qk_cuda import prefill_key_kernel, prefill_query_kernel
 from ..schedules.rms_norm_cuda import schedule_add_rms_norm
+from ..schedules.silu_mul_cuda import silu_mul_kernel
 from ._rewrite import entry_kind
 from .quantize_int4 import DEQUANTIZE_ATTR
 
@@ -41,6 +43,7 @@ ROW_SCHEDULES: tuple[Rule, ...] = (
     schedule_dequantize_int4,
     prefill_query_kernel,
     prefill_key_kernel,
+    silu_mul_kernel,
 )
 
 

@@ -14,6 +14,7 @@ from dsv2_mlc.model.deepseek_v2 import RMS_NORM_ATTR, rms_norm_te
 from dsv2_mlc.passes.fuse_add_rms_norm import FuseAddRMSNorm, add_rms_norm_te
 from dsv2_mlc.passes.fuse_dequantize_matmul import FuseDequantizeMatmul, dequantize_matmul_te
 from dsv2_mlc.passes.fuse_gate_up_silu_mul import FuseGateUpSiluMul, silu_mul_te
+from dsv2_mlc.schedules.silu_mul_cuda import SILU_MUL_ATTR
 
 
 def _tensor(name: str, shape: list, dtype: str = "float32") -> relax.Var:
@@ -164,7 +165,12 @@ def test_fuse_gate_up_silu_mul():
     with bb.function("main", [gate_up]):
         with bb.dataflow():
             y = bb.emit_output(
-                bb.call_te(silu_mul_te, gate_up, primfunc_name_hint="fused_silu_mul")
+                bb.call_te(
+                    silu_mul_te,
+                    gate_up,
+                    primfunc_name_hint="fused_silu_mul",
+                    primfunc_attrs={SILU_MUL_ATTR: 1},
+                )
             )
         bb.emit_func_output(y)
     tvm.ir.assert_structural_equal(FuseGateUpSiluMul(SwiGLUBefore), bb.get())
