@@ -46,7 +46,13 @@ class _Rewriter(relax.PyExprMutator):
             return call
         fused = self.builder_.emit(
             self.builder_.call_te(
-                add_rms_norm_te, a, b, weight, float(eps), primfunc_name_hint="fused_add_rms_norm"
+                add_rms_norm_te,
+                a,
+                b,
+                weight,
+                float(eps),
+                primfunc_name_hint="fused_add_rms_norm",
+                primfunc_attrs={RMS_NORM_ATTR: float(eps)},  # for the CUDA kernel (schedules)
             )
         )
         total = self.builder_.emit(relax.TupleGetItem(fused, 0))

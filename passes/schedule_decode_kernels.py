@@ -4,7 +4,7 @@ Every entry point gets the row-per-block schedules (``ROW_SCHEDULES``, copies na
 dlight's add+RMSNorm took 1.08 ms per call at 4096 rows on the H200 (CUPTI), 57 ms of a 4K
 prefill; the INT4 dequantization of prefill's weights becomes a thread per packed word
 (``schedules/dequantize_cuda.py``), prefill's query and key rows one vectorised kernel each
-(``schedules/prefill_qk_cuda.py``), and so does the SwiGLU of the MLPs
+(``schedules/prefill_qk_cuda.py``), the SwiGLU of the MLPs one too
 (``schedules/silu_mul_cuda.py``). The decode entry point also gets the batch-1 GEMV
 schedules (``DECODE_SCHEDULES``, copies named ``*_decode``); prefill and extend keep dlight's
 tiled schedules for their matmuls, which are right for hundreds of rows.
@@ -12,12 +12,14 @@ tiled schedules for their matmuls, which are right for hundreds of rows.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import tvm
 from tvm import relax, tirx
 from tvm.ir import GlobalVar, IRModule
 
+from ..model.deepseek_v2 import RMS_NORM_ATTR
 from ..schedules.decode_gemv_cuda import schedule_decode_gemv
 from ..schedules.dequantize_cuda import dequantize_int4_kernel
 from ..schedules.prefill_qk_cuda import prefill_key_kernel, prefill_query_kernel
@@ -39,7 +41,7 @@ def schedule_dequantize_int4(func: tirx.PrimFunc) -> tirx.PrimFunc | None:
 
 DECODE_SCHEDULES: tuple[Rule, ...] = (schedule_decode_gemv,)
 ROW_SCHEDULES: tuple[Rule, ...] = (
-    schedule_add_rms_norm,
+    functools.partial(schedule_add_rms_norm, eps_attr=RMS_NORM_ATTR),
     schedule_dequantize_int4,
     prefill_query_kernel,
     prefill_key_kernel,

@@ -130,7 +130,15 @@ def test_fuse_add_rms_norm():
     with bb.function("main", [a, b, w]):
         with bb.dataflow():
             fused = bb.emit(
-                bb.call_te(add_rms_norm_te, a, b, w, 1e-6, primfunc_name_hint="fused_add_rms_norm")
+                bb.call_te(
+                    add_rms_norm_te,
+                    a,
+                    b,
+                    w,
+                    1e-6,
+                    primfunc_name_hint="fused_add_rms_norm",
+                    primfunc_attrs={RMS_NORM_ATTR: 1e-6},
+                )
             )
             total = bb.emit(relax.TupleGetItem(fused, 0))
             y = bb.emit(relax.TupleGetItem(fused, 1))
