@@ -183,6 +183,7 @@ def test_bench_cli_reports_every_field(random_builds, tmp_path, capsys):
     assert 0 < d["tpot_ms_p50"] <= d["tpot_ms_p99"]
     assert d["argmax_on_device"] and d["host_argmax_us_in_loop"] is None  # tokens from the device
     assert d["host_argmax_us"] > 0
+    assert d["first_run"] is None  # no warm-up run
 
     # Bytes per decoded token, recomputed here from the config (INT4 g32, float32 scales).
     h, lora, rope = cfg["hidden_size"], cfg["kv_lora_rank"], cfg["qk_rope_head_dim"]
@@ -223,6 +224,18 @@ def test_bench_cli_reports_every_field(random_builds, tmp_path, capsys):
     assert hf["decode_steps"] == 3 and hf["prefill_tok_s"] > 0 and hf["decode_tok_s"] > 0
     assert hf["ratio_decode_tok_s"] == pytest.approx(d["decode_tok_s"] / hf["decode_tok_s"])
     assert r["model"]["weights"] == "random (seed 0)"
+
+
+def test_bench_reports_the_first_warm_up_run(random_builds):
+    from dsv2_mlc.bench import BenchOptions, format_report, run_bench
+
+    opts = BenchOptions(model=str(random_builds["q4f32_g32"]), prompt_len=8, gen_len=4, warmup=2)
+    r = run_bench(opts, log=lambda _: None)
+    first = r["decode"]["first_run"]
+    assert first["decode_tok_s"] > 0 and first["tpot_ms_max"] > 0
+    assert first["decode_tok_s"] >= 3 / (3 * first["tpot_ms_max"] / 1e3)  # 3 steps, each <= max
+    assert first["cuda_graph"] is None  # CPU: no graphs
+    assert "decode, first run:" in format_report(r)
 
 
 def test_bench_decode_loop_falls_back_to_the_host_argmax(random_builds, monkeypatch):

@@ -561,3 +561,56 @@ def test_a_verified_greedy_graph_is_launched_without_waiting(monkeypatch):
     assert len(step.calls) == 3  # eager, capture, the first replay's check: nothing since
     with pytest.raises(ValueError, match="ids of shape"):
         graphs.launch_greedy(key, np.zeros((3, 1), np.int32))
+
+
+def test_after_two_checked_keys_new_keys_are_captured_without_an_eager_step(monkeypatch):
+    step = _Greedy(monkeypatch, same=_same)
+    graphs = step.graphs
+    for key in [(2, 3, "greedy"), (2, 4, "greedy")]:  # eager, capture, eager check: each
+        step(5, 9, key=key)
+        assert step(1, 2, key=key).tolist() == [4, 7]
+    assert step.calls == ["eager", "capture", "eager"] * 2 and graphs._verified == 2
+    n = len(step.calls)
+    assert step(6, 1, key=(2, 5, "greedy")).tolist() == [19, 4]  # the replay's tokens
+    assert step.calls[n:] == ["capture"]  # no eager run, no check
+    assert step(0, 3, key=(2, 5, "greedy")).tolist() == [1, 10] and len(step.calls) == n + 1
+    assert step(2, 2, key=(3, 5, "greedy")).tolist() == [7, 7]  # ids of another batch: eager
+    assert step.calls[n + 1 :] == ["eager", "capture"]
+
+
+def test_trust_needs_a_clean_record_and_a_capture_that_works(monkeypatch):
+    sim = SimCuda()
+    step = _Greedy(monkeypatch, sim=sim, same=_same)
+    step.graphs.trust_after = 1
+    step(5, 9)
+    step(1, 2)  # verified
+    sim.fail = {"end_capture"}
+    assert step(4, 4, key=(2, 9, "greedy")).tolist() == [13, 13]  # the capture fails: eager
+    assert step.calls[-2:] == ["capture", "eager"] and (2, 9, "greedy") in step.graphs._failed
+    sim.fail = set()
+    step.graphs.stats["mismatches"] = 1  # a key once failed its check: no trust from then on
+    step(4, 4, key=(2, 10, "greedy"))
+    assert step.calls[-2:] == ["eager", "capture"]
+
+
+def test_trusted_logits_graphs_are_captured_and_replayed_in_one_step(monkeypatch):
+    step = _Greedy(monkeypatch, same=_same)
+    graphs, sim = step.graphs, step.sim
+
+    def same(a, b) -> bool:  # the host copy of a replay's logits waits for it (to_numpy)
+        sim.synchronize(STREAM)
+        return _same(a, b)
+
+    def run(key: tuple, *ids: int):
+        col = np.array(ids, np.int32).reshape(-1, 1)
+        out = graphs.run(
+            key, col, step.call, step._upload, lambda t, a: np.copyto(np.from_dlpack(t), a), same
+        )
+        sim.synchronize(STREAM)  # (the caller's copy to the host waits for the replay)
+        return np.from_dlpack(out[0])[:, 0, 0].tolist()
+
+    for key in [(2, 3), (2, 4)]:
+        run(key, 5, 9)
+        assert run(key, 1, 2) == [2.0, 4.0]
+    n = len(step.calls)
+    assert run((2, 5), 6, 1) == [12.0, 2.0] and step.calls[n:] == ["capture"]
