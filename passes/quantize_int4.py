@@ -28,10 +28,10 @@ from ..model.moe import (
     use_grouped_experts,
 )
 from ..quantization import Quantization, packed_shape, quantize_int4
+from ..schedules.dequantize_cuda import DEQUANTIZE_ATTR
 from ..schedules.moe_decode_cuda import MoeDecodeShape, moe_down_decode, moe_gate_up_decode
 
-# PrimFunc attribute by which FuseDequantizeMatmul recognises the dequantize kernels.
-DEQUANTIZE_ATTR = "dsv2_mlc.dequantize_int4_group"
+# (DEQUANTIZE_ATTR, the dequantize kernels' tag, is the kernel lab's: schedules/dequantize_cuda.py)
 
 
 def dequantize_expr(qw: te.Tensor, scale: te.Tensor, lead: tuple, k: Expr, group: int) -> Expr:

@@ -12,37 +12,26 @@ tiled schedules for their matmuls, which are right for hundreds of rows.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 
 import tvm
 from tvm import relax, tirx
 from tvm.ir import GlobalVar, IRModule
 
-from ..model.deepseek_v2 import RMS_NORM_ATTR
 from ..schedules.decode_gemv_cuda import schedule_decode_gemv
 from ..schedules.dequantize_cuda import dequantize_int4_kernel
 from ..schedules.prefill_qk_cuda import prefill_key_kernel, prefill_query_kernel
 from ..schedules.rms_norm_cuda import schedule_add_rms_norm
 from ..schedules.silu_mul_cuda import silu_mul_kernel
 from ._rewrite import entry_kind
-from .quantize_int4 import DEQUANTIZE_ATTR
 
 Rule = Callable[[tirx.PrimFunc], tirx.PrimFunc | None]
 
 
-def schedule_dequantize_int4(func: tirx.PrimFunc) -> tirx.PrimFunc | None:
-    """The CUDA kernel of ``schedules/dequantize_cuda.py`` for an INT4 dequantize TE (tagged
-    ``DEQUANTIZE_ATTR`` with its group size) of a 2-D weight; None for anything else."""
-    if func.attrs is None or DEQUANTIZE_ATTR not in func.attrs:
-        return None
-    return dequantize_int4_kernel(func, int(func.attrs[DEQUANTIZE_ATTR]))
-
-
 DECODE_SCHEDULES: tuple[Rule, ...] = (schedule_decode_gemv,)
 ROW_SCHEDULES: tuple[Rule, ...] = (
-    functools.partial(schedule_add_rms_norm, eps_attr=RMS_NORM_ATTR),
-    schedule_dequantize_int4,
+    schedule_add_rms_norm,
+    dequantize_int4_kernel,
     prefill_query_kernel,
     prefill_key_kernel,
     silu_mul_kernel,

@@ -16,7 +16,7 @@ from tvm.script import tirx as T
 from tvm.script.ir_builder import IRBuilder
 from tvm.script.ir_builder import tirx as Tb
 
-__all__ = ["GRID_WAIT", "TOKENS", "grid_wait_source", "token_grid_call"]
+__all__ = ["GRID_WAIT", "TOKENS", "buffer_dims", "grid_wait_source", "token_grid_call"]
 
 TOKENS = None  # in a buffer shape: the dynamic number of tokens ``n``
 
@@ -44,6 +44,22 @@ def grid_wait_source() -> str:
 
 
 Param = tuple[str, Sequence[int | None], str]  # (name, shape with TOKENS for n, dtype)
+
+
+def buffer_dims(
+    func: tirx.PrimFunc, params: Sequence[tuple[str, int]]
+) -> list[list[int | None]] | None:
+    """The dims of ``func``'s buffer parameters (None for a symbolic one, such as the tokens)
+    if they are, in order, of the dtypes and ranks ``params``; else None. The rules that swap a
+    tagged TE for a hand kernel match its signature with it."""
+    if len(func.params) != len(params):
+        return None
+    dims = []
+    for buf, (dtype, rank) in zip(func.params, params, strict=True):
+        if str(buf.dtype) != dtype or len(buf.shape) != rank:
+            return None
+        dims.append([int(d) if isinstance(d, tirx.IntImm) else None for d in buf.shape])
+    return dims
 
 
 def token_grid_call(

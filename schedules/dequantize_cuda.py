@@ -17,10 +17,13 @@ from __future__ import annotations
 
 from tvm import tirx
 
-from .cuda_call import token_grid_call
+from .cuda_call import buffer_dims, token_grid_call
 
-__all__ = ["THREADS", "dequantize_int4_kernel", "dequantize_int4_rows"]
+__all__ = ["DEQUANTIZE_ATTR", "THREADS", "dequantize_int4_kernel", "dequantize_int4_rows"]
 
+# PrimFunc attribute (value: the group size) of the dequantize TEs (passes/quantize_int4.py), by
+# which FuseDequantizeMatmul recognises them and :func:`dequantize_int4_kernel` replaces them.
+DEQUANTIZE_ATTR = "dsv2_mlc.dequantize_int4_group"
 THREADS = 256
 
 
@@ -62,18 +65,17 @@ __device__ __forceinline__ void dsv2_dequant_{tag}(const unsigned* __restrict__ 
     )
 
 
-def dequantize_int4_kernel(func: tirx.PrimFunc, group: int) -> tirx.PrimFunc | None:
-    """:func:`dequantize_int4_rows` for ``func``, a 2-D INT4 dequantize TE with fp16 output and
-    fixed shapes (``qw, qs, out`` in that order); None for any other (dlight's then)."""
-    if len(func.params) != 3:
+def dequantize_int4_kernel(func: tirx.PrimFunc) -> tirx.PrimFunc | None:
+    """:func:`dequantize_int4_rows` for ``func``, a dequantize TE (tagged ``DEQUANTIZE_ATTR``)
+    of a 2-D weight with fp16 output and fixed shapes (``qw, qs, out`` in that order); None for
+    any other (dlight's then)."""
+    if func.attrs is None or DEQUANTIZE_ATTR not in func.attrs:
         return None
-    qw, qs, out = func.params  # buffer parameters (TVM 0.27: no separate buffer map)
-    if (str(qw.dtype), str(qs.dtype), str(out.dtype)) != ("uint32", "float16", "float16"):
+    group = int(func.attrs[DEQUANTIZE_ATTR])
+    dims = buffer_dims(func, [("uint32", 2), ("float16", 2), ("float16", 2)])
+    if dims is None or None in (d for shape in dims for d in shape):
         return None
-    shapes = [tuple(b.shape) for b in (qw, qs, out)]
-    if any(len(s) != 2 or not all(isinstance(d, tirx.IntImm) for d in s) for s in shapes):
-        return None
-    (rows, kw), (rows_s, ng), (rows_o, k) = ([int(d) for d in s] for s in shapes)
+    (rows, kw), (rows_s, ng), (rows_o, k) = dims
     if rows_s != rows or rows_o != rows or k != 8 * kw or group <= 0 or group % 8:
         return None
     if ng != -(-k // group):

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from tvm import tirx
 
-from .cuda_call import TOKENS, token_grid_call
+from .cuda_call import TOKENS, buffer_dims, token_grid_call
 
 __all__ = [
     "KEY_ATTR",
@@ -113,31 +113,17 @@ def prefill_key_cuda(heads: int, nope: int, rope: int, lora: int) -> tirx.PrimFu
     return token_grid_call("prefill_key", name, src, params, bpt, THREADS)
 
 
-def _fp16_shapes(func: tirx.PrimFunc, dtypes: tuple[str, ...]) -> list[list[int]] | None:
-    """The fixed dims (after the token dim) of ``func``'s buffers if their dtypes are
-    ``dtypes``, else None."""
-    if len(func.params) != len(dtypes):
-        return None
-    if tuple(str(b.dtype) for b in func.params) != dtypes:
-        return None
-    dims = []
-    for b in func.params:
-        rest = list(b.shape)[1:]
-        if not all(isinstance(d, tirx.IntImm) for d in rest):
-            return None
-        dims.append([int(d) for d in rest])
-    return dims
-
-
 def prefill_query_kernel(func: tirx.PrimFunc) -> tirx.PrimFunc | None:
     """:func:`prefill_query_cuda` for a query TE (tagged ``QUERY_ATTR``) whose widths are
     multiples of 8; None otherwise (dlight's schedule then)."""
     if func.attrs is None or QUERY_ATTR not in func.attrs:
         return None
-    dims = _fp16_shapes(func, ("float16", "float32", "float16"))
+    dims = buffer_dims(func, [("float16", 2), ("float32", 2), ("float16", 3)])
     if dims is None:
         return None
-    (width,), (rope,), (heads, qk) = dims
+    (_, width), (_, rope), (_, heads, qk) = dims
+    if None in (width, rope, heads, qk):
+        return None
     nope = qk - rope
     if min(width, rope, nope) <= 0 or any(v % 8 for v in (width, rope, nope)):
         return None
@@ -149,11 +135,11 @@ def prefill_key_kernel(func: tirx.PrimFunc) -> tirx.PrimFunc | None:
     of 8; None otherwise."""
     if func.attrs is None or KEY_ATTR not in func.attrs:
         return None
-    dims = _fp16_shapes(func, ("float16", "float16", "float16"))
+    dims = buffer_dims(func, [("float16", 2), ("float16", 2), ("float16", 3)])
     if dims is None:
         return None
-    (kn_width,), (lat_width,), (heads, qk) = dims
-    if heads <= 0 or kn_width % heads:
+    (_, kn_width), (_, lat_width), (_, heads, qk) = dims
+    if None in (kn_width, lat_width, heads, qk) or heads <= 0 or kn_width % heads:
         return None
     nope = kn_width // heads
     rope = qk - nope

@@ -24,24 +24,27 @@ from __future__ import annotations
 
 from tvm import s_tir, tirx
 
-from .cuda_call import TOKENS, token_grid_call
+from .cuda_call import TOKENS, buffer_dims, token_grid_call
 from .decode_gemv_cuda import DECODE_GEMV, tagged_blocks
 
 ADD_RMS_NORM = (DECODE_GEMV[0], "add_rms_norm")
+# PrimFunc attribute (value: epsilon) the model sets on its RMSNorm kernels (FuseAddRMSNorm finds
+# them by it and carries it over to the fused kernel, which :func:`add_rms_norm_cuda` needs).
+RMS_NORM_ATTR = "dsv2_mlc.rms_norm_eps"
 
 TX = 256  # threads per row at most (one row of 2048 values: 8 per thread)
 VEC = 8
 
 
-def schedule_add_rms_norm(func: tirx.PrimFunc, eps_attr: str | None = None) -> tirx.PrimFunc | None:
+def schedule_add_rms_norm(func: tirx.PrimFunc) -> tirx.PrimFunc | None:
     """For a fused add + RMSNorm kernel: :func:`add_rms_norm_cuda` where ``func`` carries its
-    epsilon (PrimFunc attribute ``eps_attr``) and has its shape, else the TIR schedule of the
-    module docstring; None if ``func`` is not such a kernel."""
+    epsilon (``RMS_NORM_ATTR``) and has its shape, else the TIR schedule of the module
+    docstring; None if ``func`` is not such a kernel."""
     names = tagged_blocks(func, ADD_RMS_NORM[1])
     if len(names) != 1:
         return None
-    if eps_attr is not None and func.attrs is not None and eps_attr in func.attrs:
-        hand = _hand_kernel(func, float(func.attrs[eps_attr]))
+    if func.attrs is not None and RMS_NORM_ATTR in func.attrs:
+        hand = _hand_kernel(func, float(func.attrs[RMS_NORM_ATTR]))
         if hand is not None:
             return hand
     try:
@@ -112,13 +115,12 @@ __device__ __forceinline__ void {name}(const half* __restrict__ a, const half* _
 
 def _hand_kernel(func: tirx.PrimFunc, eps: float) -> tirx.PrimFunc | None:
     """:func:`add_rms_norm_cuda` for ``func`` (2-D fp16 rows of a width it takes), else None."""
-    if len(func.params) != 5 or any(str(b.dtype) != "float16" for b in func.params):
+    rows, vec = ("float16", 2), ("float16", 1)
+    dims = buffer_dims(func, [rows, rows, vec, rows, rows])
+    if dims is None:
         return None
-    a, _, w, _, _ = func.params
-    if len(a.shape) != 2 or len(w.shape) != 1 or not isinstance(a.shape[1], tirx.IntImm):
-        return None
-    d = int(a.shape[1])
-    if d % 256 or d // 8 > 1024:
+    d = dims[0][1]
+    if d is None or d % 256 or d // 8 > 1024:
         return None
     return add_rms_norm_cuda(d, eps)
 

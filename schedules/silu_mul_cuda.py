@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from tvm import tirx
 
-from .cuda_call import TOKENS, token_grid_call
+from .cuda_call import TOKENS, buffer_dims, token_grid_call
 
 __all__ = ["SILU_MUL_ATTR", "THREADS", "silu_mul_cuda", "silu_mul_kernel"]
 
@@ -57,16 +57,12 @@ __device__ __forceinline__ void {name}(const half* __restrict__ gu, half* __rest
 def silu_mul_kernel(func: tirx.PrimFunc) -> tirx.PrimFunc | None:
     """:func:`silu_mul_cuda` for a tagged 2-D fp16 SwiGLU TE whose width is a multiple of 8;
     None otherwise (dlight's schedule then)."""
-    if func.attrs is None or SILU_MUL_ATTR not in func.attrs or len(func.params) != 2:
+    if func.attrs is None or SILU_MUL_ATTR not in func.attrs:
         return None
-    gu, out = func.params
-    if (str(gu.dtype), str(out.dtype)) != ("float16", "float16"):
+    dims = buffer_dims(func, [("float16", 2), ("float16", 2)])
+    if dims is None:
         return None
-    if len(gu.shape) != 2 or len(out.shape) != 2:
+    (_, both), (_, inter) = dims
+    if inter is None or both != 2 * inter or inter % 8:
         return None
-    inter = out.shape[1]
-    if not isinstance(inter, tirx.IntImm) or not isinstance(gu.shape[1], tirx.IntImm):
-        return None
-    if int(gu.shape[1]) != 2 * int(inter) or int(inter) % 8:
-        return None
-    return silu_mul_cuda(int(inter))
+    return silu_mul_cuda(inter)

@@ -150,33 +150,24 @@ def main(argv: list[str] | None = None) -> int:
     graph.reset()
     eager.reset()
 
-    def greedy1_popn() -> dict:
-        one, toks, _ = start([rng.integers(0, vocab, 180).tolist()])
-        res = greedy_steps(one, toks, 150)
-        graph.popn(one["graph"][0], 30)
-        eager.popn(one["eager"][0], 30)
-        more = greedy_steps(one, [int(rng.integers(0, vocab))], 40)
-        res["steps"] += more["steps"]
-        res["token_mismatches"] += more["token_mismatches"]
+    def greedy_popn(prompts: list[int], n: int, pop: int, more: int, launched: bool) -> dict:
+        """``n`` greedy steps, ``popn(pop)`` on every sequence of both engines, ``more`` steps."""
+        seqs, toks, _ = start([rng.integers(0, vocab, p).tolist() for p in prompts])
+        res = greedy_steps(seqs, toks, n, launched)
+        for engine, name in ((graph, "graph"), (eager, "eager")):
+            for seq in seqs[name]:
+                engine.popn(seq, pop)
+        again = [int(rng.integers(0, vocab))] * len(prompts)
+        rest = greedy_steps(seqs, again, more, launched)
+        res["steps"] += rest["steps"]
+        res["token_mismatches"] += rest["token_mismatches"]
         return res
 
-    case("greedy_single_popn", greedy1_popn)
+    case("greedy_single_popn", lambda: greedy_popn([180], 150, 30, 40, launched=False))
     graph.reset()
     eager.reset()
 
-    def launched2_popn() -> dict:
-        pair, toks, _ = start([rng.integers(0, vocab, 230).tolist(),
-                               rng.integers(0, vocab, 90).tolist()])  # fmt: skip
-        res = greedy_steps(pair, toks, 130, launched=True)
-        for name in ("graph", "eager"):
-            for seq in pair[name]:
-                (graph if name == "graph" else eager).popn(seq, 20)
-        more = greedy_steps(pair, [int(rng.integers(0, vocab))] * 2, 30, launched=True)
-        res["steps"] += more["steps"]
-        res["token_mismatches"] += more["token_mismatches"]
-        return res
-
-    case("launched_batch2_popn", launched2_popn)
+    case("launched_batch2_popn", lambda: greedy_popn([230, 90], 130, 20, 30, launched=True))
     report["graph_totals"] = graph.cuda_graph_stats
     report["last_error"] = graph._graphs.last_error if graph._graphs else None
     out = Path(args.out)

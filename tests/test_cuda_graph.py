@@ -547,10 +547,10 @@ def test_a_verified_greedy_graph_is_launched_without_waiting(monkeypatch):
     step = _Greedy(monkeypatch, same=_same)
     sim, graphs, key = step.sim, step.graphs, step.key
     col = np.array([[1], [2]], np.int32)
-    assert graphs.launch_greedy(key, col) is None and not graphs.has_verified(key)  # none yet
+    assert graphs.launch_greedy(key, col) is None and key not in graphs._graphs  # none yet
     step(5, 9)
     assert graphs.launch_greedy(key, col) is None  # captured, not yet checked
-    assert step(1, 2).tolist() == [4, 7] and graphs.has_verified(key)
+    assert step(1, 2).tolist() == [4, 7] and graphs._graphs[key].verified
     n_log = len(sim.log)
     graph = graphs.launch_greedy(key, col + 6)
     assert graph is not None and sim.log[n_log:] == [("launch", graph.exe)]  # no wait

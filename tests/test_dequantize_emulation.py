@@ -1,7 +1,7 @@
 """Prefill's INT4 dequantization kernel (``schedules/dequantize_cuda.py``) run on the CPU through
 ``tests/cuda_emulation.py``, against the TE it replaces compiled for the CPU (bit for bit), and
-the rule that picks it (``passes/schedule_decode_kernels.py``) on that TE and on ones it must
-leave to dlight."""
+the rule that picks it (``dequantize_int4_kernel``, one of ``ROW_SCHEDULES``) on that TE and on
+ones it must leave to dlight."""
 
 from __future__ import annotations
 
@@ -14,8 +14,11 @@ import tvm
 from tvm import te, tirx
 
 from dsv2_mlc.passes.quantize_int4 import DEQUANTIZE_ATTR, dequantize_expr
-from dsv2_mlc.passes.schedule_decode_kernels import schedule_dequantize_int4
-from dsv2_mlc.schedules.dequantize_cuda import THREADS, dequantize_int4_rows
+from dsv2_mlc.schedules.dequantize_cuda import (
+    THREADS,
+    dequantize_int4_kernel,
+    dequantize_int4_rows,
+)
 
 sys.path.insert(0, str(Path(__file__).parent))
 from cuda_emulation import emulate, needs_toolchain  # noqa: E402
@@ -55,8 +58,8 @@ def test_dequantize_kernel_is_bit_identical_to_the_te(tmp_path: Path, rows: int,
 
 
 def test_the_rule_takes_2d_fp16_dequantize_tes_only():
-    assert schedule_dequantize_int4(_te(16, 256, 128)) is not None
-    assert schedule_dequantize_int4(_te(16, 256, 128, dtype="float32")) is None
-    assert schedule_dequantize_int4(_te(16, 256, 128, lead=(4,))) is None  # stacked experts
+    assert dequantize_int4_kernel(_te(16, 256, 128)) is not None
+    assert dequantize_int4_kernel(_te(16, 256, 128, dtype="float32")) is None
+    assert dequantize_int4_kernel(_te(16, 256, 128, lead=(4,))) is None  # stacked experts
     untagged = _te(16, 256, 128).without_attr(DEQUANTIZE_ATTR)
-    assert schedule_dequantize_int4(untagged) is None
+    assert dequantize_int4_kernel(untagged) is None

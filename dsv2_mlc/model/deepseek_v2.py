@@ -36,6 +36,7 @@ from ..passes._rewrite import ENTRY_KIND_ATTR
 from ..schedules.argmax import greedy_argmax
 from ..schedules.norm_gemv_cuda import add_norm_gemv_q4, add_norm_router, add_norm_unsupported
 from ..schedules.prefetch_gemv_cuda import gemv_q4_decode, gemv_q4_unsupported
+from ..schedules.rms_norm_cuda import RMS_NORM_ATTR  # the RMSNorm kernels' tag (epsilon)
 from .config import DeepseekV2Config
 from .kv_cache import MLAPagedKVCache
 from .mla_ops import (
@@ -54,10 +55,6 @@ Mode = Literal["prefill", "extend", "decode"]
 
 # DeepSeek's q_a_layernorm / kv_a_layernorm use a fixed epsilon, not rms_norm_eps.
 LORA_NORM_EPS = 1e-6
-
-
-# PrimFunc attribute marking the RMSNorm kernels (value: epsilon), read by FuseAddRMSNorm.
-RMS_NORM_ATTR = "dsv2_mlc.rms_norm_eps"
 
 
 def rms_norm_te(x: te.Tensor, weight: te.Tensor, eps: float, name: str = "rms_norm") -> te.Tensor:

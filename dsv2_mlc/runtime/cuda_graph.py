@@ -58,7 +58,7 @@ synchronizes the stream and copies the tokens out of the second: no other host<-
 * The host writes the input buffer only while no replay is in flight (a replay may read it at
   any time until it completes): ``run_greedy`` synchronizes the stream before it returns, and
   :meth:`DecodeGraphs.launch_greedy` (a verified graph launched without waiting, so that the host
-  prepares the next step meanwhile: :mod:`dsv2_mlc.runtime.greedy_steps`) must be followed by
+  prepares the next step meanwhile: ``Engine.launch_greedy``) must be followed by
   :meth:`~DecodeGraphs.wait_greedy` before the next launch. Launching step ``t + 1`` before step
   ``t`` completes would need a buffer per replay in flight, and more: step ``t + 1``'s token is
   step ``t``'s output, and the KV cache copies its page tables for a step (on a stream of its
@@ -254,9 +254,7 @@ class DecodeGraphs:
         graph is captured and replayed for its own step."""
         graph = self._cached(key, greedy=False)
         if graph is not None:
-            write(graph.ids, ids)
-            self.cuda.launch(graph.exe, self.stream)
-            self.stats["replays"] += 1
+            self._replay(graph, ids, write)
             if same is None or graph.verified:
                 return graph.out
             ref = call(graph.ids)
@@ -266,9 +264,7 @@ class DecodeGraphs:
             graph = self._capture(key, ids_t, call)
             if graph is not None:
                 graph.verified = True
-                write(graph.ids, ids)
-                self.cuda.launch(graph.exe, self.stream)
-                self.stats["replays"] += 1
+                self._replay(graph, ids, write)
                 return graph.out
         out = call(ids_t)  # this step's result; also loads kernels and warms the pools
         if key not in self._failed:
@@ -301,9 +297,8 @@ class DecodeGraphs:
             ok = same(graph.out, ref) and np.array_equal(tokens, ref_tokens)
             return tokens if self._check(key, graph, ok) else ref_tokens.astype(np.int64)
         ids_t = to_device(ids)
-        layout = self._warm.get((key[0], True))
-        if self._trusted(key, greedy=True) and layout is not None:
-            graph = self._capture(key, ids_t, call, np.zeros(*layout))
+        if self._trusted(key, greedy=True):
+            graph = self._capture(key, ids_t, call, self._warm[(key[0], True)])
             if graph is not None:
                 graph.verified = True
                 self._replay_greedy(graph, ids)
@@ -311,7 +306,7 @@ class DecodeGraphs:
         out = call(ids_t)
         tokens = _tokens(out)
         if key not in self._failed:
-            self._capture(key, ids_t, call, tokens)
+            self._capture(key, ids_t, call, (tokens.shape, tokens.dtype))
         return tokens.astype(np.int64)
 
     def _trusted(self, key: tuple, greedy: bool) -> bool:
@@ -327,11 +322,6 @@ class DecodeGraphs:
             and (key[0], greedy) in self._warm
         )
 
-    def has_verified(self, key: tuple) -> bool:
-        """Whether ``key`` has a graph whose first replay matched an eager step."""
-        graph = self._graphs.get(key)
-        return graph is not None and graph.verified
-
     def launch_greedy(self, key: tuple, ids: np.ndarray) -> _Graph | None:
         """Launch the verified greedy graph of ``key`` on ``ids`` without waiting for it; None
         (nothing launched) where there is none yet (:meth:`run_greedy` captures and checks it).
@@ -345,6 +335,12 @@ class DecodeGraphs:
             return None
         self._replay_greedy(graph, ids)
         return graph
+
+    def _replay(self, graph: _Graph, ids: np.ndarray, write: Callable) -> None:
+        """Write ``ids`` into ``graph``'s input tensor and launch it."""
+        write(graph.ids, ids)
+        self.cuda.launch(graph.exe, self.stream)
+        self.stats["replays"] += 1
 
     def _replay_greedy(self, graph: _Graph, ids: np.ndarray) -> None:
         """Write ``ids`` into ``graph``'s pinned input and launch it (no replay is in flight)."""
@@ -382,17 +378,17 @@ class DecodeGraphs:
         key: tuple,
         ids_t: tvm_ffi.Tensor,
         call: Callable,
-        tokens: np.ndarray | None = None,
+        tokens: tuple | None = None,
     ) -> _Graph | None:
-        """Capture ``call(ids_t)`` for ``key`` (None if that failed); with ``tokens`` (the eager
-        step's, on the host, or zeros of their layout) a greedy graph, with its pinned copies
-        around the call."""
+        """Capture ``call(ids_t)`` for ``key`` (None if that failed); with ``tokens`` (the
+        (shape, dtype) of the step's tokens) a greedy graph, with its pinned copies around the
+        call."""
         cuda, stream = self.cuda, self.stream
         start = time.perf_counter()
         pinned = None
         try:
             if tokens is not None:
-                pinned = _Pinned(cuda, _layout(ids_t), (tokens.shape, tokens.dtype))
+                pinned = _Pinned(cuda, _layout(ids_t), tokens)
             with tvm_ffi.use_raw_stream(self.device, stream):
                 cuda.begin_capture(stream)
                 try:
@@ -421,8 +417,7 @@ class DecodeGraphs:
             self.last_error = str(err)
             return None
         graph = self._graphs[key] = _Graph(exe, ids_t, out, pinned=pinned)
-        greedy = tokens is not None
-        self._warm[(key[0], greedy)] = (tokens.shape, tokens.dtype) if greedy else None
+        self._warm[(key[0], tokens is not None)] = tokens
         self.stats["captures"] += 1
         self.stats["capture_s"] += time.perf_counter() - start
         while len(self._graphs) > self.capacity:

@@ -346,13 +346,17 @@ class Engine:
     def settle(self) -> None:
         """Wait for a greedy step launched by :meth:`launch_greedy` and undo a next step begun
         ahead (every other call that touches the cache or the device does this first)."""
-        if self._inflight is not None:
-            pending, self._inflight = self._inflight, None
-            pending.result()
+        self._wait_inflight()
         if self._ahead is not None:
             seqs, self._ahead = self._ahead, None
             for seq in seqs:  # begun, never run: the reserved slot goes back
                 self._kv_state["popn"](self._cache, seq, 1)
+
+    def _wait_inflight(self) -> None:
+        """Wait for a launched greedy step, if any (its tokens stay with its PendingTokens)."""
+        if self._inflight is not None:
+            pending, self._inflight = self._inflight, None
+            pending.result()
 
     # -- forward --------------------------------------------------------------------------------
     def _check_room(self, seq_ids: Sequence[int], lengths: Sequence[int]) -> None:
@@ -436,12 +440,13 @@ class Engine:
         """``begin_forward`` for one chunk per sequence: after :meth:`settle`, or nothing when
         this very step (one token for each of ``seq_ids``) was begun ahead."""
         if self._ahead == seq_ids and all(n == 1 for n in lengths):
-            if self._inflight is not None:  # the cache copies its page tables after it
-                pending, self._inflight = self._inflight, None
-                pending.result()
+            self._wait_inflight()  # the cache copies this step's page tables after it
             self._ahead = None
             return
         self.settle()
+        self._begin_forward(seq_ids, lengths)
+
+    def _begin_forward(self, seq_ids: list[int], lengths: list[int]) -> None:
         self._kv_state["begin_forward"](self._cache, tvm_ffi.Shape(seq_ids), tvm_ffi.Shape(lengths))
 
     def _greedy_step(self, seq_ids: list[int], ids: np.ndarray, ahead: bool) -> PendingTokens:
@@ -460,9 +465,7 @@ class Engine:
         if ahead and self._fits(seq_ids):
             # host-only page bookkeeping, overlapping the device; the page tables are copied
             # to the device only when the step is launched, after this one has completed
-            self._kv_state["begin_forward"](
-                self._cache, tvm_ffi.Shape(seq_ids), tvm_ffi.Shape([1] * len(seq_ids))
-            )
+            self._begin_forward(seq_ids, [1] * len(seq_ids))
             self._ahead = list(seq_ids)
         return pending
 
@@ -475,45 +478,50 @@ class Engine:
         return True
 
     def _launch_greedy(self, seq_ids: list[int], ids: np.ndarray) -> Callable[[], np.ndarray]:
-        """A begun greedy step: the replay of a verified graph launched (the result waits for
-        it), else :meth:`_decode_call` run through (the result returns its tokens)."""
-        graphs = self._graphs
-        if graphs is not None and not self._shared.intersection(seq_ids):
-            key = decode_graph_key(PAGE_SIZE, [self._seq_len[s] + 1 for s in seq_ids])
-            if graphs.has_verified((*key, "greedy")):
-                self._query_positions(self._cache)  # the page tables to the device, in order
-                graph = graphs.launch_greedy((*key, "greedy"), ids)
-                assert graph is not None
-                return functools.partial(graphs.wait_greedy, graph)
-        tokens = self._decode_call(seq_ids, ids, greedy=True)
-        return lambda: tokens
-
-    def _decode_call(self, seq_ids: list[int], ids: np.ndarray, greedy: bool = False) -> Any:
-        """``batch_decode`` for a begun step: from a CUDA graph where one applies. With
-        ``greedy``, the device arg-max runs right after (in the same graph, whose key is then
-        marked ``"greedy"`` and which copies the ids in and the tokens out through pinned host
-        memory, :meth:`DecodeGraphs.run_greedy`) and the result is the tokens, int64 ``[b]``
-        on the host."""
-        greedy_fn = self._greedy if greedy else None
-        if greedy and greedy_fn is None:
+        """A begun greedy step (the device arg-max right after ``batch_decode``; on CUDA in the
+        same graph, whose key is marked ``"greedy"`` and which copies the ids in and the tokens
+        out through pinned host memory): the replay of a verified graph launched (the result
+        waits for it), else the step run through (the result returns its tokens, int64)."""
+        if self._greedy is None:
             raise RuntimeError("this build has no greedy_tokens function")
+        greedy_fn = self._greedy
 
         def call(ids_t: tvm_ffi.Tensor) -> Any:
-            out = self._fn["batch_decode"](ids_t, self._cache, self._params)
-            if greedy_fn is None:
-                return out
+            out = self._batch_decode(ids_t)
             return out[0], greedy_fn(out[0])  # logits first: the graphs' replay check
 
-        graphs = self._graphs
-        if graphs is None or self._shared.intersection(seq_ids):
-            out = call(to_device(ids, self.device))
-            return to_numpy(out[1]).astype(np.int64) if greedy else out
-        key = decode_graph_key(PAGE_SIZE, [self._seq_len[s] + 1 for s in seq_ids])
-        self._query_positions(self._cache)  # page tables to the device now, outside the graph
+        key = self._graph_key(seq_ids)
+        if key is None:
+            tokens = to_numpy(call(to_device(ids, self.device))[1]).astype(np.int64)
+        else:
+            graphs, key = self._graphs, (*key, "greedy")
+            assert graphs is not None
+            graph = graphs.launch_greedy(key, ids)
+            if graph is not None:
+                return functools.partial(graphs.wait_greedy, graph)
+            upload = functools.partial(to_device, device=self.device)
+            tokens = graphs.run_greedy(key, ids, call, upload, _same_greedy)
+        return lambda: tokens
+
+    def _decode_call(self, seq_ids: list[int], ids: np.ndarray) -> Any:
+        """``batch_decode`` for a begun step: from a CUDA graph where one applies."""
+        key = self._graph_key(seq_ids)
+        if key is None:
+            return self._batch_decode(to_device(ids, self.device))
+        assert self._graphs is not None
         upload = functools.partial(to_device, device=self.device)
-        if greedy:
-            return graphs.run_greedy((*key, "greedy"), ids, call, upload, _same_greedy)
-        return graphs.run(key, ids, call, upload, copy_into, _same_logits)
+        return self._graphs.run(key, ids, self._batch_decode, upload, copy_into, _same_logits)
+
+    def _batch_decode(self, ids_t: tvm_ffi.Tensor) -> Any:
+        return self._fn["batch_decode"](ids_t, self._cache, self._params)
+
+    def _graph_key(self, seq_ids: list[int]) -> tuple[int, int] | None:
+        """The decode graph key of a begun step (its page tables copied to the device now,
+        outside any graph); None where no graph applies (CPU, graphs off, shared pages)."""
+        if self._graphs is None or self._shared.intersection(seq_ids):
+            return None
+        self._query_positions(self._cache)
+        return decode_graph_key(PAGE_SIZE, [self._seq_len[s] + 1 for s in seq_ids])
 
     @property
     def cuda_graph_stats(self) -> dict[str, float] | None:
