@@ -22,6 +22,7 @@ def _compile(args: argparse.Namespace) -> int:
         dump_ir=args.dump_ir,
         pdl=args.pdl,
         pdl_launch_dependents=args.pdl_launch_dependents,
+        gemm=args.gemm,
     )
     if args.random_weights:
         result = compile_random_model(args.model_dir, args.output, **options)
@@ -245,6 +246,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--pdl-launch-dependents",
         action="store_true",
         help="with --pdl: each kernel also releases the next one's launch after its wait",
+    )
+    p.add_argument(
+        "--gemm",
+        choices=("cublas", "tir"),
+        default=None,
+        help="who runs the prefill GEMMs: cuBLAS (needs libcublas where the model runs) or TIR "
+        "kernels in the library (default: cublas for CUDA, tir otherwise)",
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument(

@@ -4,7 +4,8 @@ Phases, in order (weight quantization, ``QuantizeInt4``, rewrites the nn model b
 
 1. ``rewrite``: the project's own fusions at the Relax level: ``FuseDequantizeMatmul`` (INT4
    dequantisation inside the matmul), ``FuseAddRMSNorm`` (residual add + RMSNorm) and
-   ``FuseGateUpSiluMul`` (SwiGLU over the fused gate/up projection).
+   ``FuseGateUpSiluMul`` (SwiGLU over the fused gate/up projection); with ``gemm="cublas"``
+   (:class:`PipelineOptions`) also ``DispatchCublasGemm`` (prefill / extend GEMMs to cuBLAS).
 2. ``cleanup``: fold the remaining weight transposes into their matmuls (``FuseTransposeMatmul``)
    so no transposed weight is materialised per call, then drop dead code.
 3. ``fuse``: legalize Relax ops to TIR, annotate op patterns, and fuse producer/consumer chains
@@ -21,6 +22,7 @@ CUDA kernel (``InsertGridDependencyControl``), ours and the ones TVM adds (the K
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import tvm
@@ -28,22 +30,46 @@ from tvm import relax
 from tvm.ir import IRModule
 from tvm.target import Target
 
-Phase = tuple[str, Callable[[Target], list[tvm.transform.Pass]]]
+GEMMS = ("tir", "cublas")
 
 
-def _rewrite(_target: Target) -> list[tvm.transform.Pass]:
+@dataclass(frozen=True)
+class PipelineOptions:
+    """Build choices that change the Relax pipeline.
+
+    ``gemm``: who runs the prefill / extend GEMMs, ``"tir"`` (dlight's schedules, any target) or
+    ``"cublas"`` (CUDA: ``DispatchCublasGemm``; the library then carries
+    ``runtime/cublas_gemm.cc`` and needs libcublas at run time)."""
+
+    gemm: str = "tir"
+
+    def __post_init__(self) -> None:
+        if self.gemm not in GEMMS:
+            raise ValueError(f"gemm {self.gemm!r} not in {GEMMS}")
+
+
+Phase = tuple[str, Callable[[Target, PipelineOptions], list[tvm.transform.Pass]]]
+
+
+def _rewrite(target: Target, options: PipelineOptions) -> list[tvm.transform.Pass]:
+    from .dispatch_cublas_gemm import DispatchCublasGemm
     from .fuse_add_rms_norm import FuseAddRMSNorm
     from .fuse_dequantize_matmul import FuseDequantizeMatmul
     from .fuse_gate_up_silu_mul import FuseGateUpSiluMul
 
-    return [FuseDequantizeMatmul, FuseAddRMSNorm, FuseGateUpSiluMul]
+    passes = [FuseDequantizeMatmul, FuseAddRMSNorm, FuseGateUpSiluMul]
+    if options.gemm == "cublas":
+        if target.kind.name != "cuda":
+            raise ValueError(f"gemm='cublas' needs a CUDA target, not {target.kind.name}")
+        passes.append(DispatchCublasGemm)
+    return passes
 
 
-def _cleanup(_target: Target) -> list[tvm.transform.Pass]:
+def _cleanup(_target: Target, _options: PipelineOptions) -> list[tvm.transform.Pass]:
     return [relax.transform.FuseTransposeMatmul(), relax.transform.DeadCodeElimination()]
 
 
-def _fuse(_target: Target) -> list[tvm.transform.Pass]:
+def _fuse(_target: Target, _options: PipelineOptions) -> list[tvm.transform.Pass]:
     return [
         relax.transform.LegalizeOps(),
         relax.transform.AnnotateTIROpPattern(),
@@ -72,7 +98,7 @@ def _guarded(rule):  # (dl.ScheduleRule) -> dl.ScheduleRule
     return Guarded()
 
 
-def _schedule(target: Target) -> list[tvm.transform.Pass]:
+def _schedule(target: Target, _options: PipelineOptions) -> list[tvm.transform.Pass]:
     if "gpu" not in target.keys:
         return []
     from tvm.s_tir import dlight as dl
@@ -91,7 +117,7 @@ def _schedule(target: Target) -> list[tvm.transform.Pass]:
     ]
 
 
-def _lower(_target: Target) -> list[tvm.transform.Pass]:
+def _lower(_target: Target, _options: PipelineOptions) -> list[tvm.transform.Pass]:
     return [relax.pipeline.default_build_pipeline()]
 
 
@@ -145,13 +171,17 @@ def tir_pipeline(pdl: bool = False, launch_dependents: bool = False) -> str:
     return name
 
 
-def build_pipeline(target: Target, dump_dir: str | Path | None = None) -> tvm.transform.Pass:
+def build_pipeline(
+    target: Target,
+    dump_dir: str | Path | None = None,
+    options: PipelineOptions = PipelineOptions(),  # noqa: B008 (frozen)
+) -> tvm.transform.Pass:
     """The whole pipeline for ``target``; with ``dump_dir``, IR is written after every phase."""
     passes: list[tvm.transform.Pass] = []
     if dump_dir is not None:
         passes.append(_dump_pass(Path(dump_dir) / "00-input.py"))
     for i, (name, make) in enumerate(PHASES, start=1):
-        passes += make(target)
+        passes += make(target, options)
         if dump_dir is not None:
             passes.append(_dump_pass(Path(dump_dir) / f"{i:02d}-{name}.py"))
     return tvm.transform.Sequential(passes, name="dsv2_mlc_pipeline")

@@ -117,3 +117,38 @@ def hf_greedy(model: torch.nn.Module, ids: list[int], n: int) -> list[int]:
             pad_token_id=0,
         )
     return out[0, len(ids) :].tolist()
+
+
+def routing_margin(model: torch.nn.Module, ids: list[int]) -> float:
+    """The smallest margin of the router's decisions over ``ids`` (one forward, every MoE layer
+    and position), in softmax probability: the gap between the last group kept and the first
+    dropped (group-limited routing), and between the ``k``-th and ``k+1``-th expert. A reference
+    whose margin is below fp16 resolution (~1e-3) cannot judge an fp16 build: a rounding flips
+    an expert and the logits with it, whichever side is more accurate."""
+    cfg = model.config
+    k, groups, keep = cfg.num_experts_per_tok, cfg.n_group or 1, cfg.topk_group or 1
+    limited = cfg.topk_method == "group_limited_greedy"
+    margins: list[float] = []
+
+    def hook(_module, _inp, out) -> None:  # noqa: ANN001
+        scores = out[0].float().softmax(-1)
+        if limited:
+            best = scores.view(len(scores), groups, -1).max(-1).values
+            ranked = best.sort(-1, descending=True).values
+            margins.append(float((ranked[:, keep - 1] - ranked[:, keep]).min()))
+            mask = torch.zeros_like(best).scatter_(1, best.topk(keep, -1).indices, 1)
+            scores = scores * mask.repeat_interleave(scores.shape[-1] // groups, -1)
+        ranked = scores.sort(-1, descending=True).values
+        margins.append(float((ranked[:, k - 1] - ranked[:, k]).min()))
+
+    hooks = [
+        layer.mlp.gate.register_forward_hook(hook)
+        for layer in model.model.layers
+        if hasattr(layer.mlp, "gate")
+    ]
+    try:
+        hf_logits(model, ids)
+    finally:
+        for h in hooks:
+            h.remove()
+    return min(margins)

@@ -289,7 +289,7 @@ def test_wiring_grouped_in_prefill_and_extend_only_on_cuda():
     kernels; the kernels come scheduled and survive the fuse phase; traced for LLVM, the
     gathers everywhere."""
     from dsv2_mlc.compiler.compile import _export
-    from dsv2_mlc.passes.pipeline import PHASES
+    from dsv2_mlc.passes.pipeline import PHASES, PipelineOptions
 
     cfg = DeepseekV2Config.from_hf(CONFIG_A)
     cuda = tvm.target.Target({"kind": "cuda", "arch": "sm_90"}, host={"kind": "llvm"})
@@ -299,7 +299,7 @@ def test_wiring_grouped_in_prefill_and_extend_only_on_cuda():
     for target, expect in ((cuda, True), (llvm, False)):
         mod, _, _ = _export(cfg, target, get_quantization("q4f16_g32"))
         with target:
-            passes = [p for name, make in PHASES[:3] for p in make(target)]
+            passes = [p for name, make in PHASES[:3] for p in make(target, PipelineOptions())]
             mod = tvm.transform.Sequential(passes)(mod)
         for entry in ("batch_prefill", "batch_extend", "batch_decode"):
             called = {gv.name_hint for gv in _called(mod[entry])}

@@ -11,6 +11,7 @@ from tvm.script import relax as R
 from tvm.script import tirx as T
 
 from dsv2_mlc.model.deepseek_v2 import RMS_NORM_ATTR, rms_norm_te
+from dsv2_mlc.passes.dispatch_cublas_gemm import DispatchCublasGemm
 from dsv2_mlc.passes.fuse_add_rms_norm import FuseAddRMSNorm, add_rms_norm_te
 from dsv2_mlc.passes.fuse_dequantize_matmul import FuseDequantizeMatmul, dequantize_matmul_te
 from dsv2_mlc.passes.fuse_gate_up_silu_mul import FuseGateUpSiluMul, silu_mul_te
@@ -200,3 +201,82 @@ class SwappedHalves:
 
 def test_fuse_gate_up_silu_mul_does_not_fire_when_halves_are_swapped():
     tvm.ir.assert_structural_equal(FuseGateUpSiluMul(SwappedHalves), SwappedHalves)
+
+
+# -- DispatchCublasGemm ------------------------------------------------------------------------
+def _gemm_module(kind: str) -> tvm.IRModule:
+    @I.ir_module
+    class GemmBefore:
+        @R.function
+        def main(
+            x: R.Tensor(("n", 64), dtype="float16"),
+            w: R.Tensor((32, 64), dtype="float16"),
+            v: R.Tensor((16, 64), dtype="float16"),
+            r: R.Tensor((8, 64), dtype="float16"),
+        ):
+            R.func_attr({"dsv2_mlc.entry_kind": kind})
+            with R.dataflow():
+                wt = R.permute_dims(w, axes=None)
+                acc = R.matmul(x, wt, out_dtype="float32")
+                y = R.astype(acc, dtype="float16")
+                vt = R.permute_dims(v, axes=None)
+                z = R.matmul(x, vt)
+                rt = R.permute_dims(r, axes=None)
+                logits = R.matmul(x, rt, out_dtype="float32")
+                R.output(y, z, logits)
+            return (y, z, logits)
+
+    return GemmBefore
+
+
+@I.ir_module
+class GemmExpected:
+    @R.function
+    def main(
+        x: R.Tensor(("n", 64), dtype="float16"),
+        w: R.Tensor((32, 64), dtype="float16"),
+        v: R.Tensor((16, 64), dtype="float16"),
+        r: R.Tensor((8, 64), dtype="float16"),
+    ):
+        n = T.int64()
+        R.func_attr({"dsv2_mlc.entry_kind": "prefill"})
+        with R.dataflow():
+            y = R.call_dps_packed(
+                "dsv2.cublas.gemm_nt", (x, w), out_ty=R.Tensor((n, 32), dtype="float16")
+            )
+            z = R.call_dps_packed(
+                "dsv2.cublas.gemm_nt", (x, v), out_ty=R.Tensor((n, 16), dtype="float16")
+            )
+            rt = R.permute_dims(r, axes=None)
+            logits = R.matmul(x, rt, out_dtype="float32")
+            R.output(y, z, logits)
+        return (y, z, logits)
+
+
+def test_dispatch_cublas_gemm():
+    """The float32-accumulated linear (matmul + astype) and the fp16 matmul go to cuBLAS; the
+    float32 matmul read as float32 (the router logits) stays."""
+    tvm.ir.assert_structural_equal(DispatchCublasGemm(_gemm_module("prefill")), GemmExpected)
+
+
+def test_dispatch_cublas_gemm_does_not_fire_in_decode():
+    before = _gemm_module("decode")
+    tvm.ir.assert_structural_equal(DispatchCublasGemm(before), before)
+
+
+@I.ir_module
+class BatchedMatmul:
+    @R.function
+    def main(
+        x: R.Tensor((4, "n", 64), dtype="float16"), w: R.Tensor((4, 32, 64), dtype="float16")
+    ):
+        R.func_attr({"dsv2_mlc.entry_kind": "prefill"})
+        with R.dataflow():
+            wt = R.permute_dims(w, axes=[0, 2, 1])
+            y = R.matmul(x, wt)
+            R.output(y)
+        return y
+
+
+def test_dispatch_cublas_gemm_does_not_fire_on_batched_matmul():
+    tvm.ir.assert_structural_equal(DispatchCublasGemm(BatchedMatmul), BatchedMatmul)

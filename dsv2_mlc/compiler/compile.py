@@ -11,6 +11,7 @@ import contextlib
 import io
 import json
 import shutil
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -68,15 +69,25 @@ class BuildOptions:
 
     pdl: bool = False
     pdl_launch_dependents: bool = False
+    gemm: str = "tir"  # prefill / extend GEMMs: "tir" or "cublas" (passes/pipeline.py)
 
 
 PDL_MIN_SM = 90  # griddepcontrol.* (PTX ISA 7.8) needs sm_90
 
 
 def _build_options(
-    device: str, arch: str, pdl: bool | None, pdl_launch_dependents: bool
+    device: str, arch: str, pdl: bool | None, pdl_launch_dependents: bool, gemm: str | None = None
 ) -> BuildOptions:
-    """``pdl=None`` (the default): on for CUDA at sm_90 or newer, off otherwise."""
+    """``pdl=None`` (the default): on for CUDA at sm_90 or newer, off otherwise; ``gemm=None``:
+    ``"cublas"`` for CUDA, ``"tir"`` otherwise."""
+    from ..passes.pipeline import GEMMS
+
+    if gemm is None:
+        gemm = "cublas" if device == "cuda" else "tir"
+    if gemm not in GEMMS:
+        raise CompileError(f"unsupported --gemm {gemm!r}; supported: {', '.join(GEMMS)}")
+    if gemm == "cublas" and device != "cuda":
+        raise CompileError(f"--gemm cublas is for --device cuda only, not {device!r}")
     sm = arch.removeprefix("sm_")
     pdl_arch = sm.isdigit() and int(sm) >= PDL_MIN_SM
     if pdl is None:
@@ -89,7 +100,7 @@ def _build_options(
         raise CompileError(
             f"--pdl needs sm_{PDL_MIN_SM} or newer (griddepcontrol); --arch is {arch}"
         )
-    return BuildOptions(pdl=pdl, pdl_launch_dependents=pdl_launch_dependents)
+    return BuildOptions(pdl=pdl, pdl_launch_dependents=pdl_launch_dependents, gemm=gemm)
 
 
 def _resolve_quantization(
@@ -127,6 +138,7 @@ def compile_model(
     arch: str = DEFAULT_ARCH,
     pdl: bool | None = None,
     pdl_launch_dependents: bool = False,
+    gemm: str | None = None,
 ) -> CompileResult:
     """Compile the HF checkpoint in ``model_dir`` for ``device`` into ``out_dir``.
 
@@ -143,10 +155,14 @@ def compile_model(
     with programmatic edges (a decode step replays ~2.5 % faster on the H200,
     docs/benchmarks.md). ``pdl_launch_dependents`` (needs PDL) also lets each kernel release its
     successor's launch right after its wait.
+
+    ``gemm`` (default: ``"cublas"`` for CUDA, ``"tir"`` otherwise) picks who runs the prefill /
+    extend GEMMs: cuBLAS (the library then needs libcublas at run time,
+    :mod:`dsv2_mlc.runtime.cublas`) or the TIR kernels dlight schedules (no dependency).
     """
     start = time.perf_counter()
     quant = _resolve_quantization(dtype, quantization, quantize_embedding, quantize_lm_head)
-    options = _build_options(device, arch, pdl, pdl_launch_dependents)
+    options = _build_options(device, arch, pdl, pdl_launch_dependents, gemm)
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise CompileError(f"{model_dir}: model folder not found")
@@ -237,19 +253,24 @@ def _compile_library(
     """Run the pipeline, compile and export ``tmp/model.so`` (CUDA: with precompiled kernels)."""
     import tvm
 
-    from ..passes.pipeline import build_pipeline, tir_pipeline
+    from ..passes.pipeline import PipelineOptions, build_pipeline, tir_pipeline
+    from .extern_gemm import LINK_OPTIONS, build_cublas_shim
 
-    codegen = cuda_codegen() if device == "cuda" else contextlib.nullcontext()
-    with target, codegen:  # the nvcc callback reads its -arch from Target.current()
-        executable = tvm.compile(
-            mod,
-            target=target,
-            relax_pipeline=build_pipeline(target, dump_ir),
-            tir_pipeline=tir_pipeline(options.pdl, options.pdl_launch_dependents),
-        )
-    if options.pdl:
-        check_pdl_kernels(executable.mod)
-    executable.export_library(str(tmp / LIBRARY))
+    with tempfile.TemporaryDirectory() as work:
+        # the shim first: a missing C++ compiler fails before minutes of codegen
+        addons = [str(build_cublas_shim(work))] if options.gemm == "cublas" else []
+        codegen = cuda_codegen() if device == "cuda" else contextlib.nullcontext()
+        with target, codegen:  # the nvcc callback reads its -arch from Target.current()
+            executable = tvm.compile(
+                mod,
+                target=target,
+                relax_pipeline=build_pipeline(target, dump_ir, PipelineOptions(options.gemm)),
+                tir_pipeline=tir_pipeline(options.pdl, options.pdl_launch_dependents),
+            )
+        if options.pdl:
+            check_pdl_kernels(executable.mod)
+        link = {"addons": addons, "options": LINK_OPTIONS} if addons else {}
+        executable.export_library(str(tmp / LIBRARY), **link)
     if device == "cuda":
         check_fatbin(tmp / LIBRARY, str(target.arch))
 
@@ -294,6 +315,7 @@ def _write_build_config(
         tvm_ffi_version=tvm_ffi.__version__,
         pdl=options.pdl,
         pdl_launch_dependents=options.pdl_launch_dependents,
+        gemm=options.gemm,
     )
     (tmp / BUILD_CONFIG).write_text(json.dumps(build.to_dict(), indent=1))
     return build
@@ -312,6 +334,7 @@ def compile_random_model(
     arch: str = DEFAULT_ARCH,
     pdl: bool | None = None,
     pdl_launch_dependents: bool = False,
+    gemm: str | None = None,
 ) -> CompileResult:
     """Compile from a ``config.json`` alone (a file or the folder holding it), for benchmarks.
 
@@ -325,7 +348,7 @@ def compile_random_model(
 
     start = time.perf_counter()
     quant = _resolve_quantization(dtype, quantization, quantize_embedding, quantize_lm_head)
-    options = _build_options(device, arch, pdl, pdl_launch_dependents)
+    options = _build_options(device, arch, pdl, pdl_launch_dependents, gemm)
     out_dir = Path(out_dir).resolve()
     _check_out_dir(out_dir)
     cfg = DeepseekV2Config.from_file(config)

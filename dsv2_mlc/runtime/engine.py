@@ -16,6 +16,7 @@ import numpy as np
 import tvm_ffi
 
 from ..model.config import DeepseekV2Config
+from .cublas import init_cublas
 from .cuda_graph import DecodeGraphs, decode_graph_key
 from .device import copy_into, to_device, to_numpy
 from .generation import GenerationResult, GenerationStream, StreamDelta, run_generation
@@ -158,6 +159,8 @@ class Engine:
             vm = library["vm_load_executable"]()
         except Exception as err:  # the loader raises plain RuntimeErrors from C++
             raise BuildError(f"{lib_path}: cannot load ({err}); compile the model again") from err
+        if self.build.gemm == "cublas":
+            init_cublas()  # the library's prefill GEMMs call cuBLAS (runtime/cublas.py)
         dev = _DEVICE_TYPE[self.device]
         vm["vm_initialization"](dev, 0, _POOLED_ALLOCATOR, 1, 0, _POOLED_ALLOCATOR)
         self._vm = vm

@@ -42,6 +42,9 @@ class BuildConfig:
     # pdl_launch_dependents, kernels also signal griddepcontrol.launch_dependents after the wait.
     pdl: bool = False
     pdl_launch_dependents: bool = False
+    # who runs the prefill / extend GEMMs: "tir" (kernels in the library) or "cublas" (the library
+    # carries runtime/cublas_gemm.cc; runtime/cublas.py finds libcublas when it is loaded)
+    gemm: str = "tir"
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-serialisable form."""

@@ -33,7 +33,7 @@ DEFAULT_MODEL = "default_model"
 CHECKPOINT_PATTERNS = ("config.json", "*.safetensors", "*.safetensors.index.json")
 EXTRA_TOKENIZER_FILES = ("special_tokens_map.json", "chat_template.jinja")
 COMPILER_PACKAGES = ("compiler", "model", "passes", "schedules")
-COMPILER_MODULES = ("quantization.py", "runtime/layout.py")
+COMPILER_MODULES = ("quantization.py", "runtime/layout.py", "runtime/cublas_gemm.cc")
 _HASH_MEMO = "file-hashes.json"
 
 
@@ -64,7 +64,7 @@ def checkpoint_files(ckpt_dir: Path) -> list[Path]:
 
 
 def compiler_sources() -> list[Path]:
-    """The Python source files whose change changes a build."""
+    """The source files whose change changes a build (Python, and the C++ linked into it)."""
     files: list[Path] = []
     for pkg in COMPILER_PACKAGES:
         spec = importlib.util.find_spec(f"dsv2_mlc.{pkg}")
