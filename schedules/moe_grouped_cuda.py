@@ -32,11 +32,13 @@ twice; :func:`dsv2_mlc.model.moe.grouped_experts` chains them for prefill / exte
    padded for bank-conflict-free reads, 4-wide loads) and the dequantised weights
    ``[TK, halves, TC]`` (one packed word per thread and step) in shared memory; the inner loop
    reads ``VR`` activations and ``VC`` weights (vectorised) per k into registers.
-2b. :func:`grouped_gemm_mma` (the default of :func:`grouped_gemm_cuda` wherever
-   :func:`mma_supported`: fp16 activations, INT4 experts with a group that is a multiple of 32,
-   ``TM = 64``, reduction a multiple of 64, ``out_dim`` a multiple of 64 (gate/up) or 128
-   (down)): tensor cores, hand-written CUDA through ``T.cuda.func_call`` (TIR only launches it).
-   A block per (tile, 128 weight rows: gate/up 64 gate rows + the matching 64 up rows), 2 x
+2b. :func:`grouped_gemm_mma` (in :mod:`.moe_mma_cuda`; the default of :func:`grouped_gemm_cuda`
+   wherever :func:`mma_supported`: fp16 activations, INT4 experts with a group that is a
+   multiple of 32, ``TM = 64``, reduction a multiple of 64, ``out_dim`` a multiple of 64
+   (gate/up) or 128 (down)): tensor cores, hand-written CUDA through ``T.cuda.func_call`` (TIR
+   only launches it). From 256 tiles on, a block per pair of tiles (128 rows, 4 x 2 warps; that
+   module's docstring); below, a block per (tile, 128 weight rows: gate/up 64 gate rows + the
+   matching 64 up rows), 2 x
    ``warps_n`` warps, K in steps of 64 through two shared stages (activations 64 x 64 and
    weights 128 x 64 fp16, XOR-swizzled 128-byte rows, 48 KB static): the gathered activation
    rows by ``cp.async`` one step ahead, the packed weights by 16-byte global loads one step
@@ -82,11 +84,12 @@ from tvm import s_tir, te, tirx
 from tvm.ir.expr import Expr
 from tvm.script import tirx as T
 
+from .moe_mma_cuda import grouped_gemm_mma, int4_group, kernel_attrs, mma_supported
+
 WeightReader = Callable[[list[te.Tensor], Expr, Expr, Expr], Expr]
 
 TM = 64  # rows per tile (and the padding unit of each expert's segment)
 ALIGN_THREADS = 1024  # threads of the moe_align block (E x S, S segments of the pairs)
-OPAQUE = 8  # relax OpPatternKind.kOpaque: FuseOps never fuses these kernels with neighbours
 # Block annotation of the grouped GEMM's reduction block (what the schedule looks for).
 GROUPED_GEMM = ("dsv2_mlc.moe_schedule", "grouped_gemm")
 
@@ -111,13 +114,6 @@ __all__ = [
 def num_tiles(n: Expr | int, top_k: int, num_experts: int, tm: int = TM) -> Expr | int:
     """Tiles that hold any routing of ``n`` tokens: ``(n * k + E * (TM - 1)) // TM``."""
     return (n * top_k + num_experts * (tm - 1)) // tm
-
-
-def _kernel_attrs(func: tirx.PrimFunc) -> tirx.PrimFunc:
-    """Scheduled, opaque to fusion, private (the caller names it: ``tensor_ir_op``, a lab)."""
-    if func.attrs is not None and "global_symbol" in func.attrs:
-        func = func.without_attr("global_symbol")
-    return func.with_attr({"tirx.is_scheduled": True, "tirx.noalias": True, "op_pattern": OPAQUE})
 
 
 # -- 1. bookkeeping -----------------------------------------------------------------------------
@@ -225,7 +221,7 @@ def moe_align(
                         T.tvm_storage_sync("shared")
                         fill(idx, tok, inv, off, loc, n, tx)
 
-        return _kernel_attrs(moe_align_gpu)
+        return kernel_attrs(moe_align_gpu)
 
     @T.prim_func(private=True, s_tir=True)
     def moe_align_cpu(
@@ -253,7 +249,7 @@ def moe_align(
             for tx in T.serial(NT):
                 fill(idx, tok, inv, off, loc, n, tx)
 
-    return _kernel_attrs(moe_align_cpu)
+    return kernel_attrs(moe_align_cpu)
 
 
 _ALIGN_WARPS = r"""
@@ -366,7 +362,7 @@ def moe_align_warps(num_experts: int, top_k: int, tm: int = TM) -> tirx.PrimFunc
                         source_code=src,
                     )
 
-    return _kernel_attrs(moe_align_warp)
+    return kernel_attrs(moe_align_warp)
 
 
 # -- 2. grouped GEMM ----------------------------------------------------------------------------
@@ -517,7 +513,7 @@ def schedule_grouped_gemm(func: tirx.PrimFunc, tiles: GemmTiles) -> tirx.PrimFun
         sch.vectorize(b_inner)
     for loop in (k_i, a_i, a_c, a_h, i_r, c_v):
         sch.unroll(loop)
-    return _kernel_attrs(sch.mod["main"])
+    return kernel_attrs(sch.mod["main"])
 
 
 def grouped_gemm_cuda(
@@ -547,362 +543,6 @@ def grouped_gemm_cuda(
     return schedule_grouped_gemm(func, tiles)
 
 
-# -- 2b. grouped GEMM on tensor cores (INT4 experts, fp16 activations) --------------------------
-# default warps along the columns (x 2 along the rows): 2 -> 128 threads, 32 x 64 warp tiles
-# (measured 1.98 ms for n = 4096 on the H200; 4 -> 256 threads, 32 x 32 tiles: 2.22 ms)
-MMA_WARPS_N = 2
-MMA_BN = 128  # weight rows per block (gate/up: 64 gate + the 64 matching up rows)
-MMA_BK = 64  # reduction step (one shared stage: 8 KB activations + 16 KB weights, fp16)
-
-_MMA_COMMON = r"""
-#ifndef DSV2_MOE_MMA_COMMON
-#define DSV2_MOE_MMA_COMMON
-__device__ __forceinline__ unsigned moe_smem_addr(const void* p) {
-  return static_cast<unsigned>(__cvta_generic_to_shared(p));
-}
-__device__ __forceinline__ void moe_cp_async16(unsigned dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
-}
-__device__ __forceinline__ void moe_cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-__device__ __forceinline__ void moe_cp_wait_all() {
-  asm volatile("cp.async.wait_group 0;\n" ::: "memory");
-}
-__device__ __forceinline__ void moe_ldsm_x4(unsigned* r, unsigned addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-__device__ __forceinline__ void moe_mma16816(float* c, const unsigned* a, unsigned b0,
-                                             unsigned b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-// One packed word (8 nibbles, low first, value nibble - 8) times an fp16 scale -> 8 halves
-// (16 bytes, k order): 1024 + nibble as an fp16 bit pattern, minus 1032 (exact), times the scale
-// (one rounding, as fp16(float(q - 8) * s)).
-__device__ __forceinline__ uint4 moe_dequant8(unsigned w, half2 s) {
-  const unsigned ev = w & 0x0F0F0F0Fu, od = (w >> 4) & 0x0F0F0F0Fu;
-  const half2 bias = __float2half2_rn(1032.0f);
-  uint4 r;
-  unsigned* rr = reinterpret_cast<unsigned*>(&r);
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    unsigned v = __byte_perm(ev, od, j | (j << 4) | ((4 + j) << 8) | ((4 + j) << 12));
-    v = (v & 0x000F000Fu) | 0x64006400u;
-    half2 h = __hmul2(__hsub2(*reinterpret_cast<half2*>(&v), bias), s);
-    rr[j] = *reinterpret_cast<unsigned*>(&h);
-  }
-  return r;
-}
-#endif
-"""
-
-_MMA_GEMM = r"""
-#ifndef DSV2_MOE_MMA_GEMM_{tag}
-#define DSV2_MOE_MMA_GEMM_{tag}
-// Block (tile, cb): rows [tile * 64, +64) x weight rows of column block cb (gate/up: gate
-// columns [cb * 64, +64) and the matching up rows; down: [cb * 128, +128)), K in steps of 64.
-// 2 x WN warps, warp (wm, wn) a 32 x (128 / WN) tile: NJ = 16 / WN n8-tiles (gate/up: the
-// first NJ / 2 gate, the rest the matching up columns).
-// Activations by cp.async (gathered rows), weights by 16-byte global loads one step ahead,
-// dequantised into the other shared stage after this step's mma; XOR-swizzled 128-byte rows.
-__device__ __forceinline__ void moe_mma_gemm_{tag}(
-    const half* __restrict__ x, const int* __restrict__ rows, const int* __restrict__ tile_expert,
-    const unsigned* __restrict__ qw, const half* __restrict__ sc, half* __restrict__ out,
-    long long tile, int cb, int tid) {{
-  constexpr int K = {K}, G = {G}, OUT = {OUT}, HALVES = {HALVES}, GATHERED = {GATHERED};
-  constexpr int BK = 64, KT = K / BK, KW = K / 8, KG = K / G, OUT_ALL = OUT * HALVES;
-  constexpr int WN = {WN}, NTH = 64 * WN, NJ = 16 / WN, ACH = 512 / NTH, BCH = 256 / NTH;
-  __shared__ __align__(128) half a_s[2 * 64 * 64];
-  __shared__ __align__(128) half b_s[2 * 128 * 64];
-  const int e = tile_expert[tile];
-  if (e < 0) return;  // past the last expert's segment (block-uniform)
-  const int lane = tid & 31, warp = tid >> 5, wm = warp / WN, wn = warp % WN;
-  // activation loads: rows ar + i * NTH / 8; 16-byte chunk ac of the step
-  const int ar = tid >> 3, ac = tid & 7;
-  const half* asrc[ACH];
-  unsigned adst[ACH];
-#pragma unroll
-  for (int i = 0; i < ACH; ++i) {{
-    const int r = ar + (NTH / 8) * i;
-    const long long src_row = GATHERED ? (long long)rows[tile * 64 + r] : tile * 64 + r;
-    asrc[i] = x + src_row * K + ac * 8;
-    adst[i] = (r * 64 + ((ac ^ (r & 7)) << 3)) * 2;
-  }}
-  // weight loads: shared row br[i], k half kh (4 words = 32 k) of the step
-  const int kh = tid & 1;
-  int br[BCH];
-  const uint4* bsrc[BCH];
-  const half* ssrc[BCH];
-#pragma unroll
-  for (int i = 0; i < BCH; ++i) {{
-    br[i] = (tid >> 1) + (NTH / 2) * i;
-    const int grow =
-        HALVES == 2 ? (br[i] >> 6) * OUT + cb * 64 + (br[i] & 63) : cb * 128 + br[i];
-    bsrc[i] = reinterpret_cast<const uint4*>(qw + ((long long)e * OUT_ALL + grow) * KW) + kh;
-    ssrc[i] = sc + ((long long)e * OUT_ALL + grow) * KG;
-  }}
-  const unsigned a_base = moe_smem_addr(a_s), b_base = moe_smem_addr(b_s);
-  float acc[2][NJ][4];
-#pragma unroll
-  for (int i = 0; i < 2; ++i)
-#pragma unroll
-    for (int j = 0; j < NJ; ++j)
-#pragma unroll
-      for (int v = 0; v < 4; ++v) acc[i][j][v] = 0.f;
-
-  uint4 wq[BCH];
-  half ws[BCH];
-#pragma unroll
-  for (int i = 0; i < BCH; ++i) {{
-    wq[i] = __ldg(bsrc[i]);
-    ws[i] = ssrc[i][(kh * 32) / G];
-  }}
-#pragma unroll
-  for (int i = 0; i < ACH; ++i) moe_cp_async16(a_base + adst[i], asrc[i]);
-  moe_cp_commit();
-#pragma unroll
-  for (int i = 0; i < BCH; ++i) {{
-    const half2 s2 = __half2half2(ws[i]);
-    const unsigned* wv = reinterpret_cast<const unsigned*>(&wq[i]);
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {{
-      const int c = kh * 4 + j;
-      *reinterpret_cast<uint4*>(b_s + br[i] * 64 + ((c ^ (br[i] & 7)) << 3)) =
-          moe_dequant8(wv[j], s2);
-    }}
-  }}
-  for (int kt = 0; kt < KT; ++kt) {{
-    const int st = kt & 1;
-    moe_cp_wait_all();
-    __syncthreads();
-    if (kt + 1 < KT) {{
-#pragma unroll
-      for (int i = 0; i < ACH; ++i)
-        moe_cp_async16(a_base + (st ^ 1) * 8192 + adst[i], asrc[i] + (kt + 1) * BK);
-      moe_cp_commit();
-#pragma unroll
-      for (int i = 0; i < BCH; ++i) {{
-        wq[i] = __ldg(bsrc[i] + (kt + 1) * 2);
-        ws[i] = ssrc[i][((kt + 1) * BK + kh * 32) / G];
-      }}
-    }}
-    const unsigned a_st = a_base + st * 8192, b_st = b_base + st * 16384;
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {{
-      unsigned af[2][4], bf[NJ][2];
-#pragma unroll
-      for (int mi = 0; mi < 2; ++mi) {{
-        const int r = wm * 32 + mi * 16 + (lane & 15);
-        const int c = kk * 2 + (lane >> 4);
-        moe_ldsm_x4(af[mi], a_st + (r * 64 + ((c ^ (r & 7)) << 3)) * 2);
-      }}
-#pragma unroll
-      for (int p = 0; p < NJ / 2; ++p) {{
-        const int r0 = HALVES == 2 ? (p / (NJ / 4)) * 64 + wn * (64 / WN) + (p % (NJ / 4)) * 16
-                                   : wn * (128 / WN) + p * 16;
-        const int r = r0 + ((lane >> 4) << 3) + (lane & 7);
-        const int c = kk * 2 + ((lane >> 3) & 1);
-        unsigned t4[4];
-        moe_ldsm_x4(t4, b_st + (r * 64 + ((c ^ (r & 7)) << 3)) * 2);
-        bf[2 * p][0] = t4[0];
-        bf[2 * p][1] = t4[1];
-        bf[2 * p + 1][0] = t4[2];
-        bf[2 * p + 1][1] = t4[3];
-      }}
-#pragma unroll
-      for (int mi = 0; mi < 2; ++mi)
-#pragma unroll
-        for (int nj = 0; nj < NJ; ++nj) moe_mma16816(acc[mi][nj], af[mi], bf[nj][0], bf[nj][1]);
-    }}
-    if (kt + 1 < KT) {{
-      half* b_nx = b_s + (st ^ 1) * 8192;
-#pragma unroll
-      for (int i = 0; i < BCH; ++i) {{
-        const half2 s2 = __half2half2(ws[i]);
-        const unsigned* wv = reinterpret_cast<const unsigned*>(&wq[i]);
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {{
-          const int c = kh * 4 + j;
-          *reinterpret_cast<uint4*>(b_nx + br[i] * 64 + ((c ^ (br[i] & 7)) << 3)) =
-              moe_dequant8(wv[j], s2);
-        }}
-      }}
-    }}
-  }}
-  // epilogue (mma C layout: rows g, g + 8 of each m16, columns 2 * t4 + {{0, 1}} of each n8)
-  const int g = lane >> 2, t4 = lane & 3;
-#pragma unroll
-  for (int mi = 0; mi < 2; ++mi) {{
-#pragma unroll
-    for (int hr = 0; hr < 2; ++hr) {{
-      const int r = wm * 32 + mi * 16 + g + 8 * hr;
-      half* orow = out + (tile * 64 + r) * OUT;
-      if (HALVES == 2) {{
-#pragma unroll
-        for (int jj = 0; jj < NJ / 2; ++jj) {{
-          const float g0 = acc[mi][jj][2 * hr], g1 = acc[mi][jj][2 * hr + 1];
-          const float u0 = acc[mi][jj + NJ / 2][2 * hr], u1 = acc[mi][jj + NJ / 2][2 * hr + 1];
-          const float v0 = g0 * (1.0f / (1.0f + __expf(-g0))) * u0;
-          const float v1 = g1 * (1.0f / (1.0f + __expf(-g1))) * u1;
-          *reinterpret_cast<half2*>(orow + cb * 64 + wn * (64 / WN) + jj * 8 + 2 * t4) =
-              __floats2half2_rn(v0, v1);
-        }}
-      }} else {{
-#pragma unroll
-        for (int nj = 0; nj < NJ; ++nj)
-          *reinterpret_cast<half2*>(orow + cb * 128 + wn * (128 / WN) + nj * 8 + 2 * t4) =
-              __floats2half2_rn(acc[mi][nj][2 * hr], acc[mi][nj][2 * hr + 1]);
-      }}
-    }}
-  }}
-}}
-#endif
-"""
-
-
-def int4_group(weights: Sequence[te.Tensor], red: int) -> int | None:
-    """The INT4 group size of ``weights`` (packed ``uint32 [E, out, red / 8]`` + ``float16``
-    scales ``[E, out, red / group]``, the layout that
-    :func:`dsv2_mlc.passes.quantize_int4.dequantize_expr` reads), or None for any other format."""
-    if len(weights) != 2:
-        return None
-    qw, sc = weights
-    if qw.dtype != "uint32" or sc.dtype != "float16" or len(qw.shape) != 3 or len(sc.shape) != 3:
-        return None
-    if int(qw.shape[-1]) * 8 != red or red % int(sc.shape[-1]):
-        return None
-    return red // int(sc.shape[-1])
-
-
-def mma_supported(
-    x: te.Tensor, rows: te.Tensor, weights: Sequence[te.Tensor], out_dim: int, halves: int
-) -> bool:
-    """Whether :func:`grouped_gemm_mma` takes these shapes: fp16 activations, INT4 experts with a
-    group that is a multiple of 32, ``TM = 64`` rows per tile, a reduction that is a multiple of
-    64, ``out_dim`` a multiple of 64 (gate/up) or 128 (down)."""
-    red = int(x.shape[-1])
-    group = int4_group(weights, red)
-    return (
-        x.dtype == "float16"
-        and int(rows.shape[1]) == 64
-        and group is not None
-        and group % 32 == 0
-        and red % MMA_BK == 0
-        and halves in (1, 2)
-        and out_dim % (MMA_BN // halves) == 0
-        and int(weights[0].shape[1]) == out_dim * halves
-    )
-
-
-def grouped_gemm_mma(
-    x: te.Tensor,
-    rows: te.Tensor,
-    tile_expert: te.Tensor,
-    weights: Sequence[te.Tensor],
-    out_dim: int,
-    halves: int,
-    gathered: bool,
-    name: str,
-    warps_n: int = MMA_WARPS_N,
-) -> tirx.PrimFunc:
-    """The grouped GEMM of :func:`grouped_gemm_te` (INT4 weights) on tensor cores:
-    ``f(x, rows, tile_expert, qweight, scales, out)``, one block of ``2 x warps_n`` warps (2 or
-    4) per (tile, 128 weight rows), ``mma.sync.m16n8k16`` fp16 x fp16 -> fp32 (module
-    docstring). Tiles with
-    ``tile_expert < 0`` are skipped (their output rows are left unwritten: nothing reads them).
-    Only for :func:`mma_supported` shapes."""
-    if not mma_supported(x, rows, weights, out_dim, halves):
-        raise ValueError(f"grouped_gemm_mma does not take {name}: {x.shape} -> {out_dim}x{halves}")
-    if warps_n not in (2, 4):
-        raise ValueError(f"warps_n must be 2 or 4, got {warps_n}")
-    red = int(x.shape[-1])
-    group = int4_group(weights, red)
-    num_experts = int(weights[0].shape[0])
-    out_all = out_dim * halves
-    col_blocks = out_all // MMA_BN
-    tag = f"{halves}_{out_dim}_{red}_{group}_{int(gathered)}_{warps_n}"
-    src = _MMA_COMMON + _MMA_GEMM.format(
-        tag=tag, K=red, G=group, OUT=out_dim, HALVES=halves, GATHERED=int(gathered), WN=warps_n
-    )
-    fname = f"moe_mma_gemm_{tag}"
-    K, G, E, TMR, NT = red, group, num_experts, 64, 64 * warps_n
-
-    if gathered:
-
-        @T.prim_func(private=True, s_tir=True)
-        def gemm_gathered(
-            var_x: T.handle, var_rows: T.handle, var_te: T.handle, var_qw: T.handle,
-            var_sc: T.handle, var_out: T.handle,
-        ):  # fmt: skip
-            n = T.int64()
-            nt = T.int64()
-            xb = T.match_buffer(var_x, (n, K), "float16")
-            rb = T.match_buffer(var_rows, (nt, TMR), "int32")
-            teb = T.match_buffer(var_te, (nt,), "int32")
-            qb = T.match_buffer(var_qw, (E, out_all, K // 8), "uint32")
-            sb = T.match_buffer(var_sc, (E, out_all, K // G), "float16")
-            ob = T.match_buffer(var_out, (nt, TMR, out_dim), "float16")
-            for bx in T.thread_binding(nt, thread="blockIdx.x"):
-                for by in T.thread_binding(col_blocks, thread="blockIdx.y"):
-                    for tx in T.thread_binding(NT, thread="threadIdx.x"):
-                        with T.sblock("moe_mma_gemm"):
-                            T.reads()
-                            T.writes()
-                            T.cuda.func_call(
-                                fname,
-                                T.address_of(xb[0, 0]),
-                                T.address_of(rb[0, 0]),
-                                T.address_of(teb[0]),
-                                T.address_of(qb[0, 0, 0]),
-                                T.address_of(sb[0, 0, 0]),
-                                T.address_of(ob[0, 0, 0]),
-                                bx,
-                                by,
-                                tx,
-                                source_code=src,
-                            )
-
-        return _kernel_attrs(gemm_gathered)
-
-    @T.prim_func(private=True, s_tir=True)
-    def gemm_rows(
-        var_x: T.handle, var_rows: T.handle, var_te: T.handle, var_qw: T.handle,
-        var_sc: T.handle, var_out: T.handle,
-    ):  # fmt: skip
-        nt = T.int64()
-        xb = T.match_buffer(var_x, (nt, TMR, K), "float16")
-        rb = T.match_buffer(var_rows, (nt, TMR), "int32")
-        teb = T.match_buffer(var_te, (nt,), "int32")
-        qb = T.match_buffer(var_qw, (E, out_all, K // 8), "uint32")
-        sb = T.match_buffer(var_sc, (E, out_all, K // G), "float16")
-        ob = T.match_buffer(var_out, (nt, TMR, out_dim), "float16")
-        for bx in T.thread_binding(nt, thread="blockIdx.x"):
-            for by in T.thread_binding(col_blocks, thread="blockIdx.y"):
-                for tx in T.thread_binding(NT, thread="threadIdx.x"):
-                    with T.sblock("moe_mma_gemm"):
-                        T.reads()
-                        T.writes()
-                        T.cuda.func_call(
-                            fname,
-                            T.address_of(xb[0, 0, 0]),
-                            T.address_of(rb[0, 0]),
-                            T.address_of(teb[0]),
-                            T.address_of(qb[0, 0, 0]),
-                            T.address_of(sb[0, 0, 0]),
-                            T.address_of(ob[0, 0, 0]),
-                            bx,
-                            by,
-                            tx,
-                            source_code=src,
-                        )
-
-    return _kernel_attrs(gemm_rows)
-
-
 # -- 3. combine ---------------------------------------------------------------------------------
 def combine_te(down: te.Tensor, inv: te.Tensor, weights: te.Tensor, name: str) -> te.Tensor:
     """``out[t, :] = sum_j weights[t, j] * down[inv[t, j]]`` (float32, fixed order over j)."""
@@ -930,4 +570,4 @@ def combine_cuda(down: te.Tensor, inv: te.Tensor, weights: te.Tensor, name: str)
     sch.bind(bx, "blockIdx.x")
     sch.bind(tx, "threadIdx.x")
     sch.vectorize(v)
-    return _kernel_attrs(sch.mod["main"])
+    return kernel_attrs(sch.mod["main"])

@@ -34,7 +34,13 @@ def main() -> None:
     args = ap.parse_args()
 
     t0 = time.perf_counter()
-    eng = Engine(args.build, random_weights=args.seed, lib_dir=args.lib_dir, context_window=1024)
+    eng = Engine(
+        args.build,
+        random_weights=args.seed,
+        lib_dir=args.lib_dir,
+        context_window=max(1024, args.prompt_len + args.steps),
+        prefill_chunk_size=max(512, args.prompt_len),  # one prefill call, as `bench` runs it
+    )
     prompt = np.random.default_rng(args.seed).integers(0, 100000, args.prompt_len).tolist()
     seq = eng.add_sequence()
     logits = [eng.prefill([seq], [prompt])[0]]

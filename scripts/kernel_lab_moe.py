@@ -55,9 +55,10 @@ TILINGS = {
 }
 NS = (512, 4096)
 DEFAULT_TILINGS = ("t8x16",)
-# tensor-core variants: name -> warps along the columns (moe_grouped_cuda.grouped_gemm_mma);
-# "mma" is the default of grouped_gemm_cuda (MMA_WARPS_N)
-MMA_VARIANTS = {"mma": 2, "mma_w4": 4}
+# tensor-core variants: name -> (warps along the columns, rows per block) of
+# moe_mma_cuda.grouped_gemm_mma; "mma128" is the default of grouped_gemm_cuda (MMA_ROWS = 128:
+# pairs of tiles, 4 x 2 warps), "mma" / "mma_w4" the one-tile blocks of 2 x 2 / 2 x 4 warps
+MMA_VARIANTS = {"mma128": (2, 128), "mma": (2, 64), "mma_w4": (4, 64)}
 
 
 # -- here: builds ----------------------------------------------------------------------------------
@@ -112,12 +113,12 @@ def _kernels(group: int, tilings: tuple[str, ...] = DEFAULT_TILINGS) -> dict:
     inv = te.placeholder((n, K), "int32", name="inv")
     funcs["new_align"] = grouped.moe_align(E, K, TM)
     funcs["new_align_tir"] = grouped.moe_align(E, K, TM, warps=False)
-    for name, warps_n in MMA_VARIANTS.items():
+    for name, (warps_n, rows_per_block) in MMA_VARIANTS.items():
         funcs[f"new_gate_up_{name}"] = grouped.grouped_gemm_mma(
-            x, rows, tile_expert, [qgu, sgu], INTER, 2, True, "gate_up", warps_n
+            x, rows, tile_expert, [qgu, sgu], INTER, 2, True, "gate_up", warps_n, rows_per_block
         )
         funcs[f"new_down_{name}"] = grouped.grouped_gemm_mma(
-            hid_rows, rows, tile_expert, [qdn, sdn], H, 1, False, "down", warps_n
+            hid_rows, rows, tile_expert, [qdn, sdn], H, 1, False, "down", warps_n, rows_per_block
         )
     for name in tilings:
         ty, tx, vr, vc_gu, vc_dn, tk = TILINGS[name]

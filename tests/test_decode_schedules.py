@@ -20,7 +20,7 @@ from dsv2_mlc.compiler.cuda import cuda_codegen
 from dsv2_mlc.model.moe import gate_logits_te
 from dsv2_mlc.passes.fuse_add_rms_norm import add_rms_norm_te
 from dsv2_mlc.passes.fuse_dequantize_matmul import dequantize_matmul_te
-from dsv2_mlc.passes.pipeline import _schedule
+from dsv2_mlc.passes.pipeline import PipelineOptions, _schedule
 from dsv2_mlc.passes.schedule_decode_kernels import ScheduleDecodeKernels
 from dsv2_mlc.schedules.decode_gemv_cuda import VARIANTS, GemvConfig, schedule_decode_gemv
 from dsv2_mlc.schedules.rms_norm_cuda import schedule_add_rms_norm
@@ -66,7 +66,7 @@ def test_schedules_take_only_their_tagged_kernels():
 
 def test_cpu_pipeline_has_no_hook_and_the_pass_is_a_no_op_there():
     llvm = make_target("cpu")
-    assert _schedule(llvm) == []
+    assert _schedule(llvm, PipelineOptions()) == []
     mod = tvm.IRModule({"main": _kernels()["dequantize_matmul"]})
     with llvm:
         assert ScheduleDecodeKernels(mod).same_as(mod)

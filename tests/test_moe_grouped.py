@@ -248,7 +248,7 @@ def test_mma_dispatch():
 @needs_nvcc
 @pytest.mark.parametrize("group", [32, 128])
 def test_mma_kernels_compile_for_sm90(group: int):
-    """The tensor-core grouped GEMMs (both warp layouts) and the warp align kernel at V2-Lite
+    """The tensor-core grouped GEMMs (every block shape) and the warp align kernel at V2-Lite
     shapes: nvcc sm_90 fatbin, the mma / ldmatrix / cp.async helpers in the source."""
     from dsv2_mlc.compiler.compile import make_target
     from dsv2_mlc.compiler.cuda import cuda_codegen
@@ -259,18 +259,22 @@ def test_mma_kernels_compile_for_sm90(group: int):
         return dequantize_expr(ws[0], ws[1], (e, o), r, group)
 
     kernels = {"align": grouped.moe_align(64, 6)}
-    for warps_n in (2, 4):
-        kernels[f"gate_up_w{warps_n}"] = grouped.grouped_gemm_mma(
-            p["x"], p["rows"], p["tile_expert"], p["gate_up"], 1408, 2, True, "gu", warps_n
+    for warps_n, rows in ((2, 64), (4, 64), (2, 128), (2, None)):
+        tag = f"w{warps_n}_r{rows}"
+        kernels[f"gate_up_{tag}"] = grouped.grouped_gemm_mma(
+            p["x"], p["rows"], p["tile_expert"], p["gate_up"], 1408, 2, True, "gu", warps_n, rows
         )
-        kernels[f"down_w{warps_n}"] = grouped.grouped_gemm_mma(
-            p["hid"], p["rows"], p["tile_expert"], p["down"], 2048, 1, False, "dn", warps_n
+        kernels[f"down_{tag}"] = grouped.grouped_gemm_mma(
+            p["hid"], p["rows"], p["tile_expert"], p["down"], 2048, 1, False, "dn", warps_n, rows
         )
-    # the default dispatch (what grouped_experts builds) is the mma kernel
+    # the default dispatch (what grouped_experts builds): both mma kernels, picked on the host
+    # by the tile count, the pair kernel with 64 KB of dynamic shared memory, 2 blocks an SM
     default = grouped.grouped_gemm_cuda(
         p["x"], p["rows"], p["tile_expert"], p["gate_up"], read, 1408, 2, True, "gu"
-    )
-    assert "moe_mma_gemm_" in default.script()
+    ).script()
+    assert "moe_mma_gemm_" in default and "moe_mma_pair_" in default
+    assert "shared.dyn" in default and "launch_bounds_min_blocks_per_sm" in default
+    assert "smem[32767]" in default  # the whole 64 KB stays allocated (not compacted to 1)
     target = make_target("cuda", "sm_90")
     mod = tvm.IRModule({k: f.with_attr("global_symbol", k) for k, f in kernels.items()})
     for name, func in kernels.items():

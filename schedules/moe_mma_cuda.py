@@ -1,0 +1,508 @@
+"""Tensor-core grouped GEMMs of the routed experts for CUDA prefill (INT4 experts, fp16
+activations): the ``mma.sync`` kernels that :func:`dsv2_mlc.schedules.moe_grouped_cuda.
+grouped_gemm_cuda` uses wherever :func:`mma_supported` (the tiling, the align and the combine are
+in that module's docstring).
+
+Two block shapes over the tiles of ``TM = 64`` expert-sorted rows (``moe_align``), one
+PrimFunc (``rows_per_block=None``, the default: the host picks by the tile count ``nt``):
+
+* from ``PAIR_MIN_TILES`` tiles on (about 2K tokens at top-6 of 64), a block per (pair of tiles
+  ``2p, 2p + 1``, 128 weight rows), 4 x 2 warps of 32 x 64: every weight tile a block
+  dequantises feeds 128 rows instead of 64. When the two tiles belong to different experts (a
+  segment boundary, or the second tile is past the last segment) the block runs two passes, one
+  expert each, with the other tile's warps idle. 64 KB of ``shared.dyn``,
+  ``__launch_bounds__(256, 2)`` (128 registers: two blocks an SM);
+* below, a block per (tile, 128 weight rows), ``2 x warps_n`` warps, 48 KB of static shared
+  memory: with few rows per expert most pairs would run two passes.
+
+Both share the CUDA helpers of ``_MMA_COMMON`` (the swizzled weight store, one 64-wide K step of
+ldmatrix + ``mma.sync.m16n8k16``, the SwiGLU / plain epilogue); measured in
+schedules/results/moe_grouped.md (round 4).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tvm import te, tirx
+from tvm.script import tirx as T
+
+OPAQUE = 8  # relax OpPatternKind.kOpaque: FuseOps never fuses these kernels with neighbours
+
+__all__ = ["grouped_gemm_mma", "int4_group", "kernel_attrs", "mma_supported"]
+
+
+def kernel_attrs(func: tirx.PrimFunc) -> tirx.PrimFunc:
+    """Scheduled, opaque to fusion, private (the caller names it: ``tensor_ir_op``, a lab)."""
+    if func.attrs is not None and "global_symbol" in func.attrs:
+        func = func.without_attr("global_symbol")
+    return func.with_attr({"tirx.is_scheduled": True, "tirx.noalias": True, "op_pattern": OPAQUE})
+
+
+# -- 2b. grouped GEMM on tensor cores (INT4 experts, fp16 activations) --------------------------
+# default warps along the columns (x 2 along the rows): 2 -> 128 threads, 32 x 64 warp tiles
+# (measured 1.98 ms for n = 4096 on the H200; 4 -> 256 threads, 32 x 32 tiles: 2.22 ms)
+MMA_WARPS_N = 2
+# Pairs of tiles (128 rows a block) from this many tiles on (about 2K tokens at top-6 of 64): at
+# n = 4096 they take 1.80 ms for V2-Lite's routed experts against 1.93 (one-tile blocks), at
+# n = 512 0.44 ms against 0.32 (schedules/results/moe_grouped.md, round 4)
+PAIR_MIN_TILES = 256
+_PAIR_THREADS = 256
+_PAIR_SMEM_HALVES = 2 * 2 * 128 * 64  # 2 stages x (activations + weights), 128 x 64 each
+MMA_BN = 128  # weight rows per block (gate/up: 64 gate + the 64 matching up rows)
+MMA_BK = 64  # reduction step (one shared stage: 8 KB activations + 16 KB weights, fp16)
+
+_MMA_COMMON = r"""
+#ifndef DSV2_MOE_MMA_COMMON
+#define DSV2_MOE_MMA_COMMON
+__device__ __forceinline__ unsigned moe_smem_addr(const void* p) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void moe_cp_async16(unsigned dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
+}
+__device__ __forceinline__ void moe_cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void moe_cp_wait_all() {
+  asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+}
+__device__ __forceinline__ void moe_ldsm_x4(unsigned* r, unsigned addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+__device__ __forceinline__ void moe_mma16816(float* c, const unsigned* a, unsigned b0,
+                                             unsigned b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+// One packed word (8 nibbles, low first, value nibble - 8) times an fp16 scale -> 8 halves
+// (16 bytes, k order): 1024 + nibble as an fp16 bit pattern, minus 1032 (exact), times the scale
+// (one rounding, as fp16(float(q - 8) * s)).
+__device__ __forceinline__ uint4 moe_dequant8(unsigned w, half2 s) {
+  const unsigned ev = w & 0x0F0F0F0Fu, od = (w >> 4) & 0x0F0F0F0Fu;
+  const half2 bias = __float2half2_rn(1032.0f);
+  uint4 r;
+  unsigned* rr = reinterpret_cast<unsigned*>(&r);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    unsigned v = __byte_perm(ev, od, j | (j << 4) | ((4 + j) << 8) | ((4 + j) << 12));
+    v = (v & 0x000F000Fu) | 0x64006400u;
+    half2 h = __hmul2(__hsub2(*reinterpret_cast<half2*>(&v), bias), s);
+    rr[j] = *reinterpret_cast<unsigned*>(&h);
+  }
+  return r;
+}
+// The dequantised 32 k of one packed 16-byte load (scale ws) into row br, k half kh, of a
+// weight stage (64 halves a row, 16-byte chunks XOR-swizzled by the row).
+__device__ __forceinline__ void moe_store_w(half* stage, int br, int kh, uint4 wq, half ws) {
+  const half2 s2 = __half2half2(ws);
+  const unsigned* wv = reinterpret_cast<const unsigned*>(&wq);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const int c = kh * 4 + j;
+    *reinterpret_cast<uint4*>(stage + br * 64 + ((c ^ (br & 7)) << 3)) = moe_dequant8(wv[j], s2);
+  }
+}
+// One 64-wide K step of warp (wm, wn)'s 32 x (128 / WN) tile: A rows wm * 32 + [0, 32) of the
+// activation stage at a_st, B rows of the weight stage at b_st (gate/up: the warp's gate n8-tiles
+// and the matching up ones, 64 rows apart), ldmatrix.x4 fragments, m16n8k16 MMAs.
+template <int WN, int HALVES>
+__device__ __forceinline__ void moe_mma_k64(float (*acc)[16 / WN][4], unsigned a_st,
+                                            unsigned b_st, int wm, int wn, int lane) {
+  constexpr int NJ = 16 / WN;
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) {
+    unsigned af[2][4], bf[NJ][2];
+#pragma unroll
+    for (int mi = 0; mi < 2; ++mi) {
+      const int r = wm * 32 + mi * 16 + (lane & 15);
+      const int c = kk * 2 + (lane >> 4);
+      moe_ldsm_x4(af[mi], a_st + (r * 64 + ((c ^ (r & 7)) << 3)) * 2);
+    }
+#pragma unroll
+    for (int p = 0; p < NJ / 2; ++p) {
+      const int r0 = HALVES == 2 ? (p / (NJ / 4)) * 64 + wn * (64 / WN) + (p % (NJ / 4)) * 16
+                                 : wn * (128 / WN) + p * 16;
+      const int r = r0 + ((lane >> 4) << 3) + (lane & 7);
+      const int c = kk * 2 + ((lane >> 3) & 1);
+      unsigned t4[4];
+      moe_ldsm_x4(t4, b_st + (r * 64 + ((c ^ (r & 7)) << 3)) * 2);
+      bf[2 * p][0] = t4[0];
+      bf[2 * p][1] = t4[1];
+      bf[2 * p + 1][0] = t4[2];
+      bf[2 * p + 1][1] = t4[3];
+    }
+#pragma unroll
+    for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+      for (int nj = 0; nj < NJ; ++nj) moe_mma16816(acc[mi][nj], af[mi], bf[nj][0], bf[nj][1]);
+  }
+}
+// Warp (wm, wn)'s C fragments to out rows wm * 32 + [0, 32) from `rows0` (OUT columns a row,
+// column block cb): gate/up as silu(g) * u in float32 then fp16, down as fp16.
+template <int WN, int HALVES, int OUT>
+__device__ __forceinline__ void moe_mma_store(float (*acc)[16 / WN][4], half* rows0, int cb,
+                                              int wm, int wn, int lane) {
+  constexpr int NJ = 16 / WN;
+  const int g = lane >> 2, t4 = lane & 3;  // C layout: rows g, g + 8; columns 2 * t4 + {0, 1}
+#pragma unroll
+  for (int mi = 0; mi < 2; ++mi) {
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      half* orow = rows0 + (wm * 32 + mi * 16 + g + 8 * hr) * OUT;
+      if (HALVES == 2) {
+#pragma unroll
+        for (int jj = 0; jj < NJ / 2; ++jj) {
+          const float g0 = acc[mi][jj][2 * hr], g1 = acc[mi][jj][2 * hr + 1];
+          const float u0 = acc[mi][jj + NJ / 2][2 * hr], u1 = acc[mi][jj + NJ / 2][2 * hr + 1];
+          const float v0 = g0 * (1.0f / (1.0f + __expf(-g0))) * u0;
+          const float v1 = g1 * (1.0f / (1.0f + __expf(-g1))) * u1;
+          *reinterpret_cast<half2*>(orow + cb * 64 + wn * (64 / WN) + jj * 8 + 2 * t4) =
+              __floats2half2_rn(v0, v1);
+        }
+      } else {
+#pragma unroll
+        for (int nj = 0; nj < NJ; ++nj)
+          *reinterpret_cast<half2*>(orow + cb * 128 + wn * (128 / WN) + nj * 8 + 2 * t4) =
+              __floats2half2_rn(acc[mi][nj][2 * hr], acc[mi][nj][2 * hr + 1]);
+      }
+    }
+  }
+}
+#endif
+"""
+
+_MMA_GEMM = r"""
+#ifndef DSV2_MOE_MMA_GEMM_{tag}
+#define DSV2_MOE_MMA_GEMM_{tag}
+// Block (tile, cb): rows [tile * 64, +64) x weight rows of column block cb (gate/up: gate
+// columns [cb * 64, +64) and the matching up rows; down: [cb * 128, +128)), K in steps of 64.
+// 2 x WN warps, warp (wm, wn) a 32 x (128 / WN) tile: NJ = 16 / WN n8-tiles (gate/up: the
+// first NJ / 2 gate, the rest the matching up columns).
+// Activations by cp.async (gathered rows), weights by 16-byte global loads one step ahead,
+// dequantised into the other shared stage after this step's mma; XOR-swizzled 128-byte rows.
+__device__ __forceinline__ void moe_mma_gemm_{tag}(
+    const half* __restrict__ x, const int* __restrict__ rows, const int* __restrict__ tile_expert,
+    const unsigned* __restrict__ qw, const half* __restrict__ sc, half* __restrict__ out,
+    long long tile, int cb, int tid) {{
+  constexpr int K = {K}, G = {G}, OUT = {OUT}, HALVES = {HALVES}, GATHERED = {GATHERED};
+  constexpr int BK = 64, KT = K / BK, KW = K / 8, KG = K / G, OUT_ALL = OUT * HALVES;
+  constexpr int WN = {WN}, NTH = 64 * WN, NJ = 16 / WN, ACH = 512 / NTH, BCH = 256 / NTH;
+  __shared__ __align__(128) half a_s[2 * 64 * 64];
+  __shared__ __align__(128) half b_s[2 * 128 * 64];
+  const int e = tile_expert[tile];
+  if (e < 0) return;  // past the last expert's segment (block-uniform)
+  const int lane = tid & 31, warp = tid >> 5, wm = warp / WN, wn = warp % WN;
+  // activation loads: rows ar + i * NTH / 8; 16-byte chunk ac of the step
+  const int ar = tid >> 3, ac = tid & 7;
+  const half* asrc[ACH];
+  unsigned adst[ACH];
+#pragma unroll
+  for (int i = 0; i < ACH; ++i) {{
+    const int r = ar + (NTH / 8) * i;
+    const long long src_row = GATHERED ? (long long)rows[tile * 64 + r] : tile * 64 + r;
+    asrc[i] = x + src_row * K + ac * 8;
+    adst[i] = (r * 64 + ((ac ^ (r & 7)) << 3)) * 2;
+  }}
+  // weight loads: shared row br[i], k half kh (4 words = 32 k) of the step
+  const int kh = tid & 1;
+  int br[BCH];
+  const uint4* bsrc[BCH];
+  const half* ssrc[BCH];
+#pragma unroll
+  for (int i = 0; i < BCH; ++i) {{
+    br[i] = (tid >> 1) + (NTH / 2) * i;
+    const int grow =
+        HALVES == 2 ? (br[i] >> 6) * OUT + cb * 64 + (br[i] & 63) : cb * 128 + br[i];
+    bsrc[i] = reinterpret_cast<const uint4*>(qw + ((long long)e * OUT_ALL + grow) * KW) + kh;
+    ssrc[i] = sc + ((long long)e * OUT_ALL + grow) * KG;
+  }}
+  const unsigned a_base = moe_smem_addr(a_s), b_base = moe_smem_addr(b_s);
+  float acc[2][NJ][4];
+#pragma unroll
+  for (int i = 0; i < 2; ++i)
+#pragma unroll
+    for (int j = 0; j < NJ; ++j)
+#pragma unroll
+      for (int v = 0; v < 4; ++v) acc[i][j][v] = 0.f;
+
+  uint4 wq[BCH];
+  half ws[BCH];
+#pragma unroll
+  for (int i = 0; i < BCH; ++i) {{
+    wq[i] = __ldg(bsrc[i]);
+    ws[i] = ssrc[i][(kh * 32) / G];
+  }}
+#pragma unroll
+  for (int i = 0; i < ACH; ++i) moe_cp_async16(a_base + adst[i], asrc[i]);
+  moe_cp_commit();
+#pragma unroll
+  for (int i = 0; i < BCH; ++i) moe_store_w(b_s, br[i], kh, wq[i], ws[i]);
+  for (int kt = 0; kt < KT; ++kt) {{
+    const int st = kt & 1;
+    moe_cp_wait_all();
+    __syncthreads();
+    if (kt + 1 < KT) {{
+#pragma unroll
+      for (int i = 0; i < ACH; ++i)
+        moe_cp_async16(a_base + (st ^ 1) * 8192 + adst[i], asrc[i] + (kt + 1) * BK);
+      moe_cp_commit();
+#pragma unroll
+      for (int i = 0; i < BCH; ++i) {{
+        wq[i] = __ldg(bsrc[i] + (kt + 1) * 2);
+        ws[i] = ssrc[i][((kt + 1) * BK + kh * 32) / G];
+      }}
+    }}
+    moe_mma_k64<WN, HALVES>(acc, a_base + st * 8192, b_base + st * 16384, wm, wn, lane);
+    if (kt + 1 < KT) {{
+#pragma unroll
+      for (int i = 0; i < BCH; ++i) moe_store_w(b_s + (st ^ 1) * 8192, br[i], kh, wq[i], ws[i]);
+    }}
+  }}
+  moe_mma_store<WN, HALVES, OUT>(acc, out + tile * 64 * OUT, cb, wm, wn, lane);
+}}
+#endif
+"""
+
+
+_MMA_PAIR = r"""
+#ifndef DSV2_MOE_MMA_PAIR_{tag}
+#define DSV2_MOE_MMA_PAIR_{tag}
+// Block (pair p, cb): the 128 rows of tiles 2p, 2p + 1 x weight rows of column block cb (gate/up:
+// gate columns [cb * 64, +64) and the matching up rows; down: [cb * 128, +128)), K in steps of
+// 64 through two stages of `smem` (activations 128 x 64, weights 128 x 64, fp16: 64 KB).
+// 4 x 2 warps, warp (wm, wn) a 32 x 64 tile (8 n8-tiles; gate/up: 4 gate + the 4 matching up).
+// Both tiles of one expert: one pass. Otherwise one pass per tile (its expert's weights), the
+// other tile's warps skipping the MMAs; a tile past the last segment (or past nt) is skipped.
+__device__ __forceinline__ void moe_mma_pair_{tag}(
+    const half* __restrict__ x, const int* __restrict__ rows, const int* __restrict__ tile_expert,
+    const unsigned* __restrict__ qw, const half* __restrict__ sc, half* __restrict__ out,
+    long long nt, long long pair, int cb, half* smem, const half* smem_last, int tid) {{
+  (void)smem_last;  // only keeps the 64 KB extent of the shared.dyn buffer in the TIR caller
+  constexpr int K = {K}, G = {G}, OUT = {OUT}, HALVES = {HALVES}, GATHERED = {GATHERED};
+  constexpr int BK = 64, KT = K / BK, KW = K / 8, KG = K / G, OUT_ALL = OUT * HALVES;
+  constexpr int NJ = 8, ACH = 4, STAGE = 128 * 64;
+  const long long t0 = 2 * pair, t1 = t0 + 1;
+  const int e0 = tile_expert[t0];
+  const int e1 = t1 < nt ? tile_expert[t1] : -1;
+  if (e0 < 0) return;  // past the last expert's segment (block-uniform; so is t1)
+  const bool same = e1 == e0;
+  const int npass = (same || e1 < 0) ? 1 : 2;
+  const int lane = tid & 31, warp = tid >> 5, wm = warp >> 1, wn = warp & 1;
+  // activation loads: rows ar + 32 i; tile t1's rows from a valid row of t0 when t1 holds no
+  // segment (past nt, or past the last segment: its `rows` entries are not written)
+  const int ar = tid >> 3, ac = tid & 7;
+  const half* asrc[ACH];
+  unsigned adst[ACH];
+#pragma unroll
+  for (int i = 0; i < ACH; ++i) {{
+    const int r = ar + 32 * i;
+    const long long idx = (r < 64 || e1 >= 0) ? t0 * 64 + r : t0 * 64;
+    const long long src_row = GATHERED ? (long long)rows[idx] : idx;
+    asrc[i] = x + src_row * K + ac * 8;
+    adst[i] = (r * 64 + ((ac ^ (r & 7)) << 3)) * 2;
+  }}
+  const int br = tid >> 1, kh = tid & 1;  // weight row of the block, k half of the step
+  const int grow = HALVES == 2 ? (br >> 6) * OUT + cb * 64 + (br & 63) : cb * 128 + br;
+  const unsigned a_base = moe_smem_addr(smem), b_base = moe_smem_addr(smem + 2 * STAGE);
+  half* b_s = smem + 2 * STAGE;
+  float acc[2][NJ][4];
+#pragma unroll
+  for (int i = 0; i < 2; ++i)
+#pragma unroll
+    for (int j = 0; j < NJ; ++j)
+#pragma unroll
+      for (int v = 0; v < 4; ++v) acc[i][j][v] = 0.f;
+
+  for (int pass = 0; pass < npass; ++pass) {{
+    const int e = pass == 0 ? e0 : e1;
+    const bool active = same || (pass == 0) == (wm < 2);  // warp-uniform
+    const long long wrow = (long long)e * OUT_ALL + grow;
+    const uint4* bsrc = reinterpret_cast<const uint4*>(qw + wrow * KW) + kh;
+    const half* ssrc = sc + wrow * KG;
+    if (pass > 0) __syncthreads();  // every warp is done with the first pass's stages
+    uint4 wq = __ldg(bsrc);
+    half ws = ssrc[(kh * 32) / G];
+#pragma unroll
+    for (int i = 0; i < ACH; ++i) moe_cp_async16(a_base + adst[i], asrc[i]);
+    moe_cp_commit();
+    moe_store_w(b_s, br, kh, wq, ws);
+    for (int kt = 0; kt < KT; ++kt) {{
+      const int st = kt & 1;
+      moe_cp_wait_all();
+      __syncthreads();
+      if (kt + 1 < KT) {{
+#pragma unroll
+        for (int i = 0; i < ACH; ++i)
+          moe_cp_async16(a_base + (st ^ 1) * STAGE * 2 + adst[i], asrc[i] + (kt + 1) * BK);
+        moe_cp_commit();
+        wq = __ldg(bsrc + (kt + 1) * 2);
+        ws = ssrc[((kt + 1) * BK + kh * 32) / G];
+      }}
+      if (active) {{
+        moe_mma_k64<2, HALVES>(acc, a_base + st * STAGE * 2, b_base + st * STAGE * 2, wm, wn, lane);
+      }}
+      if (kt + 1 < KT) moe_store_w(b_s + (st ^ 1) * STAGE, br, kh, wq, ws);
+    }}
+  }}
+  if (wm >= 2 && e1 < 0) return;  // tile t1 is past the last segment: nothing to write
+  moe_mma_store<2, HALVES, OUT>(acc, out + t0 * 64 * OUT, cb, wm, wn, lane);
+}}
+#endif
+"""
+
+
+def int4_group(weights: Sequence[te.Tensor], red: int) -> int | None:
+    """The INT4 group size of ``weights`` (packed ``uint32 [E, out, red / 8]`` + ``float16``
+    scales ``[E, out, red / group]``, the layout that
+    :func:`dsv2_mlc.passes.quantize_int4.dequantize_expr` reads), or None for any other format."""
+    if len(weights) != 2:
+        return None
+    qw, sc = weights
+    if qw.dtype != "uint32" or sc.dtype != "float16" or len(qw.shape) != 3 or len(sc.shape) != 3:
+        return None
+    if int(qw.shape[-1]) * 8 != red or red % int(sc.shape[-1]):
+        return None
+    return red // int(sc.shape[-1])
+
+
+def mma_supported(
+    x: te.Tensor, rows: te.Tensor, weights: Sequence[te.Tensor], out_dim: int, halves: int
+) -> bool:
+    """Whether :func:`grouped_gemm_mma` takes these shapes: fp16 activations, INT4 experts with a
+    group that is a multiple of 32, ``TM = 64`` rows per tile, a reduction that is a multiple of
+    64, ``out_dim`` a multiple of 64 (gate/up) or 128 (down)."""
+    red = int(x.shape[-1])
+    group = int4_group(weights, red)
+    return (
+        x.dtype == "float16"
+        and int(rows.shape[1]) == 64
+        and group is not None
+        and group % 32 == 0
+        and red % MMA_BK == 0
+        and halves in (1, 2)
+        and out_dim % (MMA_BN // halves) == 0
+        and int(weights[0].shape[1]) == out_dim * halves
+    )
+
+
+def grouped_gemm_mma(
+    x: te.Tensor,
+    rows: te.Tensor,
+    tile_expert: te.Tensor,
+    weights: Sequence[te.Tensor],
+    out_dim: int,
+    halves: int,
+    gathered: bool,
+    name: str,
+    warps_n: int = MMA_WARPS_N,
+    rows_per_block: int | None = None,
+) -> tirx.PrimFunc:
+    """The grouped GEMM of :func:`grouped_gemm_te` (INT4 weights) on tensor cores:
+    ``f(x, rows, tile_expert, qweight, scales, out)``, ``mma.sync.m16n8k16`` fp16 x fp16 -> fp32
+    (module docstring): ``rows_per_block=128`` a block of 4 x 2 warps per (pair of tiles, 128
+    weight rows), ``64`` a block of ``2 x warps_n`` warps (2 or 4) per (tile, 128 weight rows),
+    ``None`` (the default) the first from ``PAIR_MIN_TILES`` tiles on and the second below
+    (one PrimFunc, the host picks the kernel by the tile count). Tiles with ``tile_expert < 0``
+    are skipped (their output rows are left unwritten: nothing reads them). Only for
+    :func:`mma_supported` shapes."""
+    if not mma_supported(x, rows, weights, out_dim, halves):
+        raise ValueError(f"grouped_gemm_mma does not take {name}: {x.shape} -> {out_dim}x{halves}")
+    if warps_n not in (2, 4):
+        raise ValueError(f"warps_n must be 2 or 4, got {warps_n}")
+    if rows_per_block not in (None, 64, 128):
+        raise ValueError(f"rows_per_block must be 64, 128 or None, got {rows_per_block}")
+    red = int(x.shape[-1])
+    group = int4_group(weights, red)
+    num_experts = int(weights[0].shape[0])
+    pair_from = {128: 0, 64: None, None: PAIR_MIN_TILES}[rows_per_block]
+    return _gemm_prim_func(red, group, num_experts, out_dim, halves, gathered, warps_n, pair_from)
+
+
+def _gemm_prim_func(
+    red: int,
+    group: int,
+    num_experts: int,
+    out_dim: int,
+    halves: int,
+    gathered: bool,
+    warps_n: int,
+    pair_from: int | None,
+) -> tirx.PrimFunc:
+    """The PrimFunc: pairs of tiles (``pair_from == 0``), one tile a block (``None``), or both
+    kernels with the host picking pairs when ``nt >= pair_from``. Pairs: grid ``(ceil(nt / 2),
+    out_all / 128)``, 256 threads, 64 KB of ``shared.dyn`` (its last element is passed too, or
+    TVM compacts the buffer to the one element it sees), ``__launch_bounds__(256, 2)``; one
+    tile: grid ``(nt, out_all / 128)``, ``64 * warps_n`` threads, 48 KB static shared memory."""
+    out_all = out_dim * halves
+    col_blocks = out_all // MMA_BN
+    one = f"{halves}_{out_dim}_{red}_{group}_{int(gathered)}_{warps_n}"
+    two = f"{halves}_{out_dim}_{red}_{group}_{int(gathered)}"
+    fmt = dict(K=red, G=group, OUT=out_dim, HALVES=halves, GATHERED=int(gathered))
+    # one source per device function (TVM keys a func_call's source by the function's name and
+    # rejects two different texts for one name)
+    src_one = _MMA_COMMON + _MMA_GEMM.format(tag=one, WN=warps_n, **fmt)
+    src_two = _MMA_COMMON + _MMA_PAIR.format(tag=two, **fmt)
+    f_one, f_two = f"moe_mma_gemm_{one}", f"moe_mma_pair_{two}"
+    K, G, E, TMR, SM = red, group, num_experts, 64, _PAIR_SMEM_HALVES
+    NT1, NT2, GATHERED = 64 * warps_n, _PAIR_THREADS, gathered
+    MODE, MIN = (0, 0) if pair_from == 0 else (1, 0) if pair_from is None else (2, pair_from)
+
+    @T.macro
+    def pairs(xb, rb, teb, qb, sb, ob, nt):  # noqa: ANN001
+        for bx in T.thread_binding((nt + 1) // 2, thread="blockIdx.x"):
+            for by in T.thread_binding(col_blocks, thread="blockIdx.y"):
+                for tx in T.thread_binding(NT2, thread="threadIdx.x"):
+                    with T.sblock("moe_mma_pair"):
+                        T.reads()
+                        T.writes()
+                        smem = T.sblock_alloc_buffer((SM,), "float16", scope="shared.dyn")
+                        T.attr(0, "tirx.launch_bounds_min_blocks_per_sm", 2)
+                        T.cuda.func_call(
+                            f_two, xb.data, rb.data, teb.data, qb.data, sb.data, ob.data, nt,
+                            bx, by, T.address_of(smem[0]), T.address_of(smem[SM - 1]), tx,
+                            source_code=src_two,
+                        )  # fmt: skip
+
+    @T.macro
+    def tiles(xb, rb, teb, qb, sb, ob, nt):  # noqa: ANN001
+        for bx in T.thread_binding(nt, thread="blockIdx.x"):
+            for by in T.thread_binding(col_blocks, thread="blockIdx.y"):
+                for tx in T.thread_binding(NT1, thread="threadIdx.x"):
+                    with T.sblock("moe_mma_gemm"):
+                        T.reads()
+                        T.writes()
+                        T.cuda.func_call(
+                            f_one, xb.data, rb.data, teb.data, qb.data, sb.data, ob.data,
+                            bx, by, tx, source_code=src_one,
+                        )  # fmt: skip
+
+    @T.prim_func(private=True, s_tir=True)
+    def moe_mma(
+        var_x: T.handle, var_rows: T.handle, var_te: T.handle, var_qw: T.handle,
+        var_sc: T.handle, var_out: T.handle,
+    ):  # fmt: skip
+        n = T.int64()
+        nt = T.int64()
+        if GATHERED:
+            xb = T.match_buffer(var_x, (n, K), "float16")
+        else:
+            xb = T.match_buffer(var_x, (nt, TMR, K), "float16")
+        rb = T.match_buffer(var_rows, (nt, TMR), "int32")
+        teb = T.match_buffer(var_te, (nt,), "int32")
+        qb = T.match_buffer(var_qw, (E, out_all, K // 8), "uint32")
+        sb = T.match_buffer(var_sc, (E, out_all, K // G), "float16")
+        ob = T.match_buffer(var_out, (nt, TMR, out_dim), "float16")
+        if MODE == 0:
+            pairs(xb, rb, teb, qb, sb, ob, nt)
+        elif MODE == 1:
+            tiles(xb, rb, teb, qb, sb, ob, nt)
+        elif nt >= MIN:
+            pairs(xb, rb, teb, qb, sb, ob, nt)
+        else:
+            tiles(xb, rb, teb, qb, sb, ob, nt)
+
+    return kernel_attrs(moe_mma)
