@@ -12,8 +12,9 @@ TIR-only library for CUDA sm_90 (precompiled fatbin, :mod:`dsv2_mlc.compiler.cud
 * ``new_*`` (:mod:`dsv2_mlc.schedules.moe_grouped_cuda`): ``new_align`` (expert-sorted padded
   rows, the warp version) and ``new_align_tir`` (the first, one thread per (expert, segment)),
   ``new_gate_up_<variant>`` (grouped GEMM + SwiGLU), ``new_down_<variant>`` and ``new_combine``,
-  for the variants ``mma`` / ``mma_w4`` (tensor cores, 2 / 4 warps along the columns; ``mma``
-  is the default where it applies) and each SIMT tiling of
+  for the tensor-core variants of ``MMA_VARIANTS`` (``mma128``: pairs of tiles, 4 x 2 warps;
+  ``mma`` / ``mma_w4``: one tile, 2 / 4 warps along the columns; the model picks ``mma128`` from
+  256 tiles on and ``mma`` below) and each SIMT tiling of
   ``--tilings`` (``TILINGS``; default ``t8x16``, the SIMT default). The SIMT paths run with
   ``new_align_tir`` (as first measured), the mma path with ``new_align``.
 

@@ -61,22 +61,25 @@ def _modified_files() -> list[str]:
     return [line[3:] for line in out.stdout.splitlines()]
 
 
-def _save_refs(model, refs: Path) -> None:
-    from hf_reference import hf_greedy, hf_logits
+def _save_refs(model, refs: Path) -> float:
+    """Write the references of ``model`` and return its routing margin over the prompt and the
+    greedy continuation (``hf_reference.routing_margin``)."""
+    from hf_reference import hf_greedy, hf_logits, routing_margin
 
     refs.mkdir(parents=True, exist_ok=True)
     tokens = hf_greedy(model, PROMPT, NEW_TOKENS)
     np.save(refs / "prefill_logits.npy", hf_logits(model, PROMPT))
     np.save(refs / "greedy_tokens.npy", np.array(tokens, dtype=np.int64))
     np.save(refs / "forced_logits.npy", hf_logits(model, PROMPT + tokens))
+    return routing_margin(model, PROMPT + tokens)
 
 
-def _well_routed_checkpoint(path: Path, config: dict) -> tuple[Path, int, float]:
+def _well_routed_checkpoint(path: Path, config: dict):  # -> (HF model, seed, margin)
     """The tiny checkpoint of ``config`` from the first seed (``SEED``, ``SEED + 1``, ...) whose
     HF float32 routing over the prompt and its greedy continuation has no decision closer than
     ``MIN_ROUTING_MARGIN`` (``hf_reference.routing_margin``): with a near-tie, an fp16 build's
     rounding may pick the other expert and no comparison of logits means anything (config B
-    with seed 1234 has a group decision 1.5e-4 apart). Returns (path, seed, margin)."""
+    with seed 1234 has a group decision 1.5e-4 apart). Returns (its HF model, seed, margin)."""
     from hf_reference import hf_greedy, load_hf, make_checkpoint, routing_margin
 
     best = (SEED, -1.0)
@@ -84,7 +87,7 @@ def _well_routed_checkpoint(path: Path, config: dict) -> tuple[Path, int, float]
         model = load_hf(make_checkpoint(path, config, seed=seed))
         margin = routing_margin(model, PROMPT + hf_greedy(model, PROMPT, NEW_TOKENS))
         if margin >= MIN_ROUTING_MARGIN:
-            return path, seed, margin
+            return model, seed, margin
         best = max(best, (seed, margin), key=lambda b: b[1])
     raise RuntimeError(
         f"no seed in [{SEED}, {SEED + SEED_TRIES}) routes the test prompt with a margin >= "
@@ -137,7 +140,6 @@ def main(argv: list[str] | None = None) -> int:
     import tvm
     import tvm_ffi
     from conftest import CONFIGS
-    from hf_reference import hf_greedy, load_hf, routing_margin
 
     from dsv2_mlc.compiler.compile import compile_model
 
@@ -146,10 +148,11 @@ def main(argv: list[str] | None = None) -> int:
     builds: dict[str, dict] = {}
     checkpoints: dict[str, dict] = {}
     for name in args.configs:
-        ckpt, seed, margin = _well_routed_checkpoint(out / "checkpoints" / name, CONFIGS[name])
+        ckpt = out / "checkpoints" / name
+        model, seed, margin = _well_routed_checkpoint(ckpt, CONFIGS[name])
         checkpoints[name] = {"seed": seed, "routing_margin": margin}
         print(f"checkpoint {name}: seed {seed}, routing margin {margin:.1e}", flush=True)
-        _save_refs(load_hf(ckpt), out / "refs" / name)
+        _save_refs(model, out / "refs" / name)
         for quant in args.quantizations:
             tag = f"{name}-{quant}"
             t0 = time.perf_counter()
@@ -162,8 +165,7 @@ def main(argv: list[str] | None = None) -> int:
             if not quant.startswith("q0"):
                 refs = tag
                 model = _dequantized_hf(result.out_dir, CONFIGS[name], quant)
-                _save_refs(model, out / "refs" / tag)
-                margin = routing_margin(model, PROMPT + hf_greedy(model, PROMPT, NEW_TOKENS))
+                margin = _save_refs(model, out / "refs" / tag)
             builds[tag] = {
                 "config": name,
                 "quantization": quant,

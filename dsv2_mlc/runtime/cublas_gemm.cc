@@ -8,7 +8,8 @@
 //       float32 accumulation, one rounding to out's dtype; on the stream TVM runs on
 //       (TVMFFIEnvGetStream), so it orders with the generated kernels.
 //   dsv2.cublas.init(path: str) -> str   dlopen libcublas (the runtime finds it, see
-//       runtime/cublas.py) and return its version; idempotent.
+//       runtime/cublas.py) and return the path opened; idempotent.
+//   dsv2.cublas.version(device: int) -> int   cublasGetVersion (scripts/gpu_cublas_check.py).
 //
 // libcublas is opened at run time, not linked: the build box needs no cuBLAS, and a library
 // that never runs a prefill GEMM (or one compiled without --gemm cublas) loads without it. The
