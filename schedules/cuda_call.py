@@ -71,6 +71,7 @@ def token_grid_call(
     threads: int,
     per_token: bool = True,
     dyn_shared_bytes: int = 0,
+    min_blocks: int = 0,
 ) -> tirx.PrimFunc:
     """``f(*params)``: ``n * blocks_per_token`` blocks of ``threads`` threads, each calling
     ``fname(&params[0][0...], ..., token, block_of_token, thread)`` from ``source`` (module
@@ -80,7 +81,9 @@ def token_grid_call(
     ``dyn_shared_bytes`` > 0 gives the block that much dynamic shared memory (TVM's launcher opts
     in past 48 KB), passed as an ``unsigned*`` (16-byte aligned) right after the buffers,
     followed by a pointer to its last word (for TVM, unused). Without a ``TOKENS`` dimension
-    (fixed shapes; ``per_token`` must be False) the call gets 0 for ``n``."""
+    (fixed shapes; ``per_token`` must be False) the call gets 0 for ``n``. ``min_blocks`` > 0
+    asks for ``__launch_bounds__(threads, min_blocks)`` (ptxas caps the registers so that many
+    blocks fit an SM)."""
     has_tokens = any(d is TOKENS for _, shape, _ in params for d in shape)
     if not has_tokens and per_token:
         raise ValueError("a grid per token needs a buffer with a TOKENS dimension")
@@ -110,16 +113,19 @@ def token_grid_call(
                             # the last word's address too (unused by the callee): TVM compacts a
                             # block's buffer to the region its TIR touches
                             pointers += [T.address_of(smem[0]), T.address_of(smem[words - 1])]
-                        Tb.evaluate(
-                            T.cuda.func_call(
-                                fname,
-                                *pointers,
-                                bx // blocks_per_token
-                                if per_token
-                                else (n if has_tokens else T.int64(0)),
-                                T.cast(bx % blocks_per_token if per_token else bx, "int32"),
-                                T.cast(tx, "int32"),
-                                source_code=source,
-                            )
+                        call = T.cuda.func_call(
+                            fname,
+                            *pointers,
+                            bx // blocks_per_token
+                            if per_token
+                            else (n if has_tokens else T.int64(0)),
+                            T.cast(bx % blocks_per_token if per_token else bx, "int32"),
+                            T.cast(tx, "int32"),
+                            source_code=source,
                         )
+                        if min_blocks:
+                            with Tb.attr(0, "tirx.launch_bounds_min_blocks_per_sm", min_blocks):
+                                Tb.evaluate(call)
+                        else:
+                            Tb.evaluate(call)
     return ib.get()

@@ -109,6 +109,7 @@ class DecodeTiles:
     lanes: int
     rows: int
     run: int = 16
+    min_blocks: int = 0  # __launch_bounds__ blocks an SM (caps the registers), 0: none
 
     @property
     def outputs_per_block(self) -> int:
@@ -116,7 +117,8 @@ class DecodeTiles:
 
     @property
     def name(self) -> str:
-        return f"w{self.warps}_l{self.lanes}_r{self.rows}_h{self.run}"
+        bound = f"_m{self.min_blocks}" if self.min_blocks else ""
+        return f"w{self.warps}_l{self.lanes}_r{self.rows}_h{self.run}{bound}"
 
 
 @dataclass(frozen=True)
@@ -128,10 +130,12 @@ class GateUpTiles:
     warps: int
     blocks: int
     run: int = 16
+    min_blocks: int = 0  # __launch_bounds__ blocks an SM (caps the registers), 0: none
 
     @property
     def name(self) -> str:
-        return f"w{self.warps}_b{self.blocks}_h{self.run}"
+        bound = f"_m{self.min_blocks}" if self.min_blocks else ""
+        return f"w{self.warps}_b{self.blocks}_h{self.run}{bound}"
 
 
 # Defaults (the kernel lab's candidates: scripts/kernel_lab_moe_decode.py).
@@ -413,7 +417,9 @@ def moe_gate_up_decode(s: MoeDecodeShape, tiles: GateUpTiles = GATE_UP_TILES) ->
     NB, THREADS = tiles.blocks, tiles.warps * 32
     fname, src = gate_up_source(s, tiles)
 
-    return token_grid_call("moe_gate_up", fname, src, gate_up_params(s), NB, THREADS)
+    return token_grid_call(
+        "moe_gate_up", fname, src, gate_up_params(s), NB, THREADS, min_blocks=tiles.min_blocks
+    )
 
 
 def gate_up_params(s: MoeDecodeShape) -> list[tuple]:
@@ -460,4 +466,5 @@ def moe_down_decode(s: MoeDecodeShape, tiles: DecodeTiles = DOWN_TILES) -> tirx.
         ],
         NB,
         THREADS,
+        min_blocks=tiles.min_blocks,
     )

@@ -10,14 +10,18 @@ PrimFunc (``rows_per_block=None``, the default: the host picks by the tile count
   ``2p, 2p + 1``, 128 weight rows), 4 x 2 warps of 32 x 64: every weight tile a block
   dequantises feeds 128 rows instead of 64. When the two tiles belong to different experts (a
   segment boundary, or the second tile is past the last segment) the block runs two passes, one
-  expert each, with the other tile's warps idle. 64 KB of ``shared.dyn``,
+  expert each, with the other tile's warps idle. 64 KB of stages in ``shared.dyn``,
   ``__launch_bounds__(256, 2)`` (128 registers: two blocks an SM);
 * below, a block per (tile, 128 weight rows), ``2 x warps_n`` warps, 48 KB of static shared
   memory: with few rows per expert most pairs would run two passes.
 
 Both share the CUDA helpers of ``_MMA_COMMON`` (the swizzled weight store, one 64-wide K step of
 ldmatrix + ``mma.sync.m16n8k16``, the SwiGLU / plain epilogue); measured in
-schedules/results/moe_grouped.md (round 4).
+schedules/results/moe_grouped.md (round 4). Where the build has sm_90a features (an ``sm_90``
+target: ``compiler.cuda.cuda_codegen``) the pair kernel and the one-tile kernel of 2 x 2 warps
+run the ``wgmma`` bodies of :mod:`.moe_wgmma_cuda` instead (same tiles and stages, the MMAs
+asynchronous while the next stage is dequantised; the pair kernel's ``shared.dyn`` holds 8 KB
+more for their zero tile and 1 KB of alignment): round 5 of the same file.
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ from collections.abc import Sequence
 
 from tvm import te, tirx
 from tvm.script import tirx as T
+
+from . import moe_wgmma_cuda as wgmma
 
 OPAQUE = 8  # relax OpPatternKind.kOpaque: FuseOps never fuses these kernels with neighbours
 
@@ -48,7 +54,9 @@ MMA_WARPS_N = 2
 # n = 512 0.44 ms against 0.32 (schedules/results/moe_grouped.md, round 4)
 PAIR_MIN_TILES = 256
 _PAIR_THREADS = 256
-_PAIR_SMEM_HALVES = 2 * 2 * 128 * 64  # 2 stages x (activations + weights), 128 x 64 each
+# 2 stages x (activations + weights), 128 x 64 halves each; for wgmma + a 64 x 64 zero tile and
+# 1 KB to align them
+_PAIR_SMEM_HALVES = 2 * 2 * 128 * 64 + 64 * 64 + 512
 MMA_BN = 128  # weight rows per block (gate/up: 64 gate + the 64 matching up rows)
 MMA_BK = 64  # reduction step (one shared stage: 8 KB activations + 16 KB weights, fp16)
 
@@ -104,6 +112,43 @@ __device__ __forceinline__ void moe_store_w(half* stage, int br, int kh, uint4 w
   for (int j = 0; j < 4; ++j) {
     const int c = kh * 4 + j;
     *reinterpret_cast<uint4*>(stage + br * 64 + ((c ^ (br & 7)) << 3)) = moe_dequant8(wv[j], s2);
+  }
+}
+// The block's activation loads: rows r = tid / 8 + (NTH / 8) i (i < ACH) of its tiles from t0,
+// 16-byte chunk tid % 8: the source (x row t0 * 64 + r, through `rows` when gathered; rows from
+// `valid` on read row t0 * 64: a tile that holds no segment) and the swizzled stage offset (bytes).
+template <int ACH, int NTH, int K, int GATHERED>
+__device__ __forceinline__ void moe_a_rows(const half* x, const int* rows, long long t0, int valid,
+                                           int tid, const half** asrc, unsigned* adst) {
+  const int ar = tid >> 3, ac = tid & 7;
+#pragma unroll
+  for (int i = 0; i < ACH; ++i) {
+    const int r = ar + (NTH / 8) * i;
+    const long long idx = r < valid ? t0 * 64 + r : t0 * 64;
+    const long long src_row = GATHERED ? (long long)rows[idx] : idx;
+    asrc[i] = x + src_row * K + ac * 8;
+    adst[i] = (r * 64 + ((ac ^ (r & 7)) << 3)) * 2;
+  }
+}
+// The row of expert e's packed weights behind stage row br of column block cb (gate/up: gate
+// columns [cb * 64, +64), then the matching up rows; down: [cb * 128, +128)).
+template <int OUT, int HALVES>
+__device__ __forceinline__ long long moe_w_row(int e, int br, int cb) {
+  const int grow = HALVES == 2 ? (br >> 6) * OUT + cb * 64 + (br & 63) : cb * 128 + br;
+  return (long long)e * OUT * HALVES + grow;
+}
+// The thread's BCH weight rows br[i] = tid / 2 + (NTH / 2) i of the stage, k half tid % 2: where
+// their packed 16-byte pieces and their scales start for expert e (column block cb).
+template <int BCH, int NTH, int OUT, int HALVES, int KW, int KG>
+__device__ __forceinline__ void moe_w_srcs(const unsigned* qw, const half* sc, int e, int cb,
+                                           int tid, int* br, const uint4** bsrc,
+                                           const half** ssrc) {
+#pragma unroll
+  for (int i = 0; i < BCH; ++i) {
+    br[i] = (tid >> 1) + (NTH / 2) * i;
+    const long long wrow = moe_w_row<OUT, HALVES>(e, br[i], cb);
+    bsrc[i] = reinterpret_cast<const uint4*>(qw + wrow * KW) + (tid & 1);
+    ssrc[i] = sc + wrow * KG;
   }
 }
 // One 64-wide K step of warp (wm, wn)'s 32 x (128 / WN) tile: A rows wm * 32 + [0, 32) of the
@@ -188,38 +233,27 @@ __device__ __forceinline__ void moe_mma_gemm_{tag}(
     const half* __restrict__ x, const int* __restrict__ rows, const int* __restrict__ tile_expert,
     const unsigned* __restrict__ qw, const half* __restrict__ sc, half* __restrict__ out,
     long long tile, int cb, int tid) {{
+#if DSV2_MOE_WGMMA && {WN} == 2
+  __shared__ __align__(1024) half wg_s[2 * 64 * 64 + 2 * 128 * 64];
+  moe_wg_tiles_{body}<1>(x, rows, tile_expert, qw, sc, out, 0, tile, cb, wg_s, tid);
+#else
   constexpr int K = {K}, G = {G}, OUT = {OUT}, HALVES = {HALVES}, GATHERED = {GATHERED};
-  constexpr int BK = 64, KT = K / BK, KW = K / 8, KG = K / G, OUT_ALL = OUT * HALVES;
+  constexpr int BK = 64, KT = K / BK, KW = K / 8, KG = K / G;
   constexpr int WN = {WN}, NTH = 64 * WN, NJ = 16 / WN, ACH = 512 / NTH, BCH = 256 / NTH;
   __shared__ __align__(128) half a_s[2 * 64 * 64];
   __shared__ __align__(128) half b_s[2 * 128 * 64];
   const int e = tile_expert[tile];
   if (e < 0) return;  // past the last expert's segment (block-uniform)
   const int lane = tid & 31, warp = tid >> 5, wm = warp / WN, wn = warp % WN;
-  // activation loads: rows ar + i * NTH / 8; 16-byte chunk ac of the step
-  const int ar = tid >> 3, ac = tid & 7;
-  const half* asrc[ACH];
+  const half* asrc[ACH];  // activation loads (cp.async), rows tid / 8 + i * NTH / 8
   unsigned adst[ACH];
-#pragma unroll
-  for (int i = 0; i < ACH; ++i) {{
-    const int r = ar + (NTH / 8) * i;
-    const long long src_row = GATHERED ? (long long)rows[tile * 64 + r] : tile * 64 + r;
-    asrc[i] = x + src_row * K + ac * 8;
-    adst[i] = (r * 64 + ((ac ^ (r & 7)) << 3)) * 2;
-  }}
+  moe_a_rows<ACH, NTH, K, GATHERED>(x, rows, tile, 64, tid, asrc, adst);
   // weight loads: shared row br[i], k half kh (4 words = 32 k) of the step
   const int kh = tid & 1;
   int br[BCH];
   const uint4* bsrc[BCH];
   const half* ssrc[BCH];
-#pragma unroll
-  for (int i = 0; i < BCH; ++i) {{
-    br[i] = (tid >> 1) + (NTH / 2) * i;
-    const int grow =
-        HALVES == 2 ? (br[i] >> 6) * OUT + cb * 64 + (br[i] & 63) : cb * 128 + br[i];
-    bsrc[i] = reinterpret_cast<const uint4*>(qw + ((long long)e * OUT_ALL + grow) * KW) + kh;
-    ssrc[i] = sc + ((long long)e * OUT_ALL + grow) * KG;
-  }}
+  moe_w_srcs<BCH, NTH, OUT, HALVES, KW, KG>(qw, sc, e, cb, tid, br, bsrc, ssrc);
   const unsigned a_base = moe_smem_addr(a_s), b_base = moe_smem_addr(b_s);
   float acc[2][NJ][4];
 #pragma unroll
@@ -263,6 +297,7 @@ __device__ __forceinline__ void moe_mma_gemm_{tag}(
     }}
   }}
   moe_mma_store<WN, HALVES, OUT>(acc, out + tile * 64 * OUT, cb, wm, wn, lane);
+#endif
 }}
 #endif
 """
@@ -281,9 +316,12 @@ __device__ __forceinline__ void moe_mma_pair_{tag}(
     const half* __restrict__ x, const int* __restrict__ rows, const int* __restrict__ tile_expert,
     const unsigned* __restrict__ qw, const half* __restrict__ sc, half* __restrict__ out,
     long long nt, long long pair, int cb, half* smem, const half* smem_last, int tid) {{
-  (void)smem_last;  // only keeps the 64 KB extent of the shared.dyn buffer in the TIR caller
+  (void)smem_last;  // only keeps the extent of the shared.dyn buffer in the TIR caller
+#if DSV2_MOE_WGMMA
+  moe_wg_tiles_{tag}<2>(x, rows, tile_expert, qw, sc, out, nt, 2 * pair, cb, smem, tid);
+#else
   constexpr int K = {K}, G = {G}, OUT = {OUT}, HALVES = {HALVES}, GATHERED = {GATHERED};
-  constexpr int BK = 64, KT = K / BK, KW = K / 8, KG = K / G, OUT_ALL = OUT * HALVES;
+  constexpr int BK = 64, KT = K / BK, KW = K / 8, KG = K / G;
   constexpr int NJ = 8, ACH = 4, STAGE = 128 * 64;
   const long long t0 = 2 * pair, t1 = t0 + 1;
   const int e0 = tile_expert[t0];
@@ -292,21 +330,12 @@ __device__ __forceinline__ void moe_mma_pair_{tag}(
   const bool same = e1 == e0;
   const int npass = (same || e1 < 0) ? 1 : 2;
   const int lane = tid & 31, warp = tid >> 5, wm = warp >> 1, wn = warp & 1;
-  // activation loads: rows ar + 32 i; tile t1's rows from a valid row of t0 when t1 holds no
-  // segment (past nt, or past the last segment: its `rows` entries are not written)
-  const int ar = tid >> 3, ac = tid & 7;
+  // activation loads: rows tid / 8 + 32 i; tile t1's rows from a valid row of t0 when t1 holds
+  // no segment (past nt, or past the last segment: its `rows` entries are not written)
   const half* asrc[ACH];
   unsigned adst[ACH];
-#pragma unroll
-  for (int i = 0; i < ACH; ++i) {{
-    const int r = ar + 32 * i;
-    const long long idx = (r < 64 || e1 >= 0) ? t0 * 64 + r : t0 * 64;
-    const long long src_row = GATHERED ? (long long)rows[idx] : idx;
-    asrc[i] = x + src_row * K + ac * 8;
-    adst[i] = (r * 64 + ((ac ^ (r & 7)) << 3)) * 2;
-  }}
+  moe_a_rows<ACH, 256, K, GATHERED>(x, rows, t0, e1 >= 0 ? 128 : 64, tid, asrc, adst);
   const int br = tid >> 1, kh = tid & 1;  // weight row of the block, k half of the step
-  const int grow = HALVES == 2 ? (br >> 6) * OUT + cb * 64 + (br & 63) : cb * 128 + br;
   const unsigned a_base = moe_smem_addr(smem), b_base = moe_smem_addr(smem + 2 * STAGE);
   half* b_s = smem + 2 * STAGE;
   float acc[2][NJ][4];
@@ -320,7 +349,7 @@ __device__ __forceinline__ void moe_mma_pair_{tag}(
   for (int pass = 0; pass < npass; ++pass) {{
     const int e = pass == 0 ? e0 : e1;
     const bool active = same || (pass == 0) == (wm < 2);  // warp-uniform
-    const long long wrow = (long long)e * OUT_ALL + grow;
+    const long long wrow = moe_w_row<OUT, HALVES>(e, br, cb);
     const uint4* bsrc = reinterpret_cast<const uint4*>(qw + wrow * KW) + kh;
     const half* ssrc = sc + wrow * KG;
     if (pass > 0) __syncthreads();  // every warp is done with the first pass's stages
@@ -350,6 +379,7 @@ __device__ __forceinline__ void moe_mma_pair_{tag}(
   }}
   if (wm >= 2 && e1 < 0) return;  // tile t1 is past the last segment: nothing to write
   moe_mma_store<2, HALVES, OUT>(acc, out + t0 * 64 * OUT, cb, wm, wn, lane);
+#endif
 }}
 #endif
 """
@@ -444,8 +474,9 @@ def _gemm_prim_func(
     fmt = dict(K=red, G=group, OUT=out_dim, HALVES=halves, GATHERED=int(gathered))
     # one source per device function (TVM keys a func_call's source by the function's name and
     # rejects two different texts for one name)
-    src_one = _MMA_COMMON + _MMA_GEMM.format(tag=one, WN=warps_n, **fmt)
-    src_two = _MMA_COMMON + _MMA_PAIR.format(tag=two, **fmt)
+    common = _MMA_COMMON + wgmma.WGMMA_COMMON + wgmma.WGMMA_TILES.format(tag=two, **fmt)
+    src_one = common + _MMA_GEMM.format(tag=one, body=two, WN=warps_n, **fmt)
+    src_two = common + _MMA_PAIR.format(tag=two, **fmt)
     f_one, f_two = f"moe_mma_gemm_{one}", f"moe_mma_pair_{two}"
     K, G, E, TMR, SM = red, group, num_experts, 64, _PAIR_SMEM_HALVES
     NT1, NT2, GATHERED = 64 * warps_n, _PAIR_THREADS, gathered

@@ -148,7 +148,7 @@ def prepare(args: argparse.Namespace) -> int:
     start = time.time()
     mod = lab_common.apply_dlight(mod, target)  # the old kernels: the pipeline's dlight rules
     lib = lab_dir / LIBRARY
-    lab_common.compile_cuda_library(mod, lib, args.arch, target)
+    lab_common.compile_cuda_library(mod, lib, args.arch, target, not args.no_arch_specific)
     seconds = round(time.time() - start, 1)
     size_mb = lib.stat().st_size / 1e6
     print(f"{lib}: {len(funcs)} kernels, {size_mb:.2f} MB ({seconds} s)")
@@ -162,6 +162,7 @@ def prepare(args: argparse.Namespace) -> int:
             "group": args.group,
             "tm": TM,
         },  # fmt: skip
+        "arch_specific": not args.no_arch_specific,
         "tilings": {t: TILINGS[t] for t in tilings},
         "variants": [*MMA_VARIANTS, *tilings],
         "library": LIBRARY,
@@ -360,7 +361,10 @@ def run(args: argparse.Namespace) -> int:
     kernels = _load(args.lib_dir, lab_dir, manifest["symbols"])
     props = torch.cuda.get_device_properties(0)
     print(f"GPU: {props.name}, {props.multi_processor_count} SMs; torch {torch.__version__}")
-    print(f"library {LIBRARY} from {manifest['commit']} ({manifest['prepared']}), group {group}")
+    print(
+        f"library {LIBRARY} from {manifest['commit']} ({manifest['prepared']}), group {group}, "
+        f"arch-specific features {manifest.get('arch_specific', False)}"
+    )
     wts = _weights(torch, group, seed=0)
     results = []
     for i, (n, skewed) in enumerate((n, s) for n in ns for s in (False, True)):
@@ -444,6 +448,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--group", type=int, default=128, choices=(32, 128))
     p.add_argument("--lab-dir", default=str(LAB_DIR), help="library + manifest folder")
+    p.add_argument(
+        "--no-arch-specific",
+        action="store_true",
+        help="compile sm_90 without its sm_90a features (the mma.sync kernels instead of wgmma)",
+    )
     p.add_argument(
         "--tilings", default=",".join(DEFAULT_TILINGS), help=f"SIMT tilings, of {sorted(TILINGS)}"
     )

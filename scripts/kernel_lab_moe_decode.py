@@ -47,8 +47,8 @@ SHAPES: dict[str, dict] = {
         routed_scaling_factor=16.0,
     ),
 }
-# (warps, blocks, run) of GateUpTiles and (warps, lanes, rows, run) of DecodeTiles; the first
-# of each is the module's default
+# (warps, blocks, run[, min_blocks]) of GateUpTiles and (warps, lanes, rows, run[, min_blocks])
+# of DecodeTiles (min_blocks: __launch_bounds__ blocks an SM); the first of each is the default
 GATE_UP_VARIANTS = (
     (8, 264, 16),
     (8, 132, 16),
@@ -56,10 +56,21 @@ GATE_UP_VARIANTS = (
     (8, 396, 16),
     (16, 132, 16),
     (8, 264, 8),
+    (8, 396, 16, 3),
+    (4, 792, 16, 6),
 )
 # (warps, blocks, stage_rows) of the bulk-copy gate/up kernel (moe_gate_up_bulk_cuda)
 BULK_VARIANTS = ((16, 132, 8), (8, 132, 8), (16, 132, 16), (16, 132, 4), (16, 264, 8), (8, 264, 8))
-DOWN_VARIANTS = ((8, 32, 2, 8), (4, 32, 2, 8), (8, 32, 1, 8), (4, 32, 4, 8), (8, 32, 2, 16))
+DOWN_VARIANTS = (
+    (8, 32, 2, 8),
+    (4, 32, 2, 8),
+    (8, 32, 1, 8),
+    (4, 32, 4, 8),
+    (8, 32, 2, 16),
+    (8, 32, 1, 8, 2),
+    (4, 32, 2, 8, 4),
+    (4, 32, 1, 8, 4),
+)
 BAD_REL = 5e-3  # relative L2 above this is flagged "!"
 NS = (1, 4)
 

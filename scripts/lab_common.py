@@ -52,14 +52,17 @@ def apply_dlight(mod: Any, target: Any) -> Any:  # -> tvm.IRModule
         )(mod)
 
 
-def compile_cuda_library(mod: Any, path: Path, arch: str, target: Any) -> None:
-    """Compile the TIR-only ``mod`` for CUDA (precompiled fatbins, ``cuda_codegen``), export it
-    to ``path`` and check that the library embeds ``arch`` machine code (``check_fatbin``)."""
+def compile_cuda_library(
+    mod: Any, path: Path, arch: str, target: Any, arch_specific: bool = True
+) -> None:
+    """Compile the TIR-only ``mod`` for CUDA (precompiled fatbins, ``cuda_codegen``, with the
+    arch-specific features unless ``arch_specific=False``), export it to ``path`` and check that
+    the library embeds ``arch`` machine code (``check_fatbin``)."""
     import tvm
 
     from dsv2_mlc.compiler.cuda import check_fatbin, cuda_codegen
 
-    with cuda_codegen(), target:
+    with cuda_codegen(arch_specific), target:
         exe = tvm.compile(mod, target=target)
     exe.export_library(str(path))
     check_fatbin(path, arch)

@@ -63,6 +63,40 @@ def test_cuda_export_loads_without_compiler_or_nvrtc(cuda_build):
     assert "GREEDY 1" in proc.stdout
 
 
+_FEATURE_PROBE = r"""
+#if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#error "compiled without the sm_90a features"
+#endif
+__device__ __forceinline__ void feature_probe(float* b, int i) { b[i] = 1.0f; }
+"""
+
+
+@needs_nvcc
+def test_sm90_compiles_with_arch_specific_features_unless_asked_not_to():
+    """``cuda_codegen`` compiles an ``sm_90`` target as ``sm_90a`` (what the wgmma kernels test),
+    and as plain ``sm_90`` with ``arch_specific=False``; TVM's own callback is back afterwards."""
+    import tvm
+    import tvm_ffi
+    from tvm.script import tirx as T
+
+    from dsv2_mlc.compiler.cuda import cuda_codegen
+
+    @T.prim_func
+    def probe(b: T.Buffer((32,), "float32")):
+        for i in T.thread_binding(32, thread="threadIdx.x"):
+            T.cuda.func_call("feature_probe", b.data, i, source_code=_FEATURE_PROBE)
+
+    target = make_cuda_target("sm_90")
+    before = tvm_ffi.get_global_func("tvm_callback_cuda_compile")
+    with cuda_codegen(), target:
+        lib = tvm.compile(tvm.IRModule({"probe": probe}), target=target)
+    assert [m for m in lib.mod.imports_ if m.kind == "cuda"]
+    with pytest.raises(Exception, match="without the sm_90a features"):
+        with cuda_codegen(arch_specific=False), target:
+            tvm.compile(tvm.IRModule({"probe": probe}), target=target)
+    assert tvm_ffi.get_global_func("tvm_callback_cuda_compile").same_as(before)
+
+
 def test_cuda_arch_must_be_plain_sm():
     with pytest.raises(CudaBuildError, match="sm_90a"):
         make_cuda_target("sm_90a")

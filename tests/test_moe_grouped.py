@@ -246,10 +246,11 @@ def test_mma_dispatch():
 
 
 @needs_nvcc
-@pytest.mark.parametrize("group", [32, 128])
-def test_mma_kernels_compile_for_sm90(group: int):
+@pytest.mark.parametrize(("group", "arch_specific"), [(32, True), (128, True), (128, False)])
+def test_mma_kernels_compile_for_sm90(group: int, arch_specific: bool):
     """The tensor-core grouped GEMMs (every block shape) and the warp align kernel at V2-Lite
-    shapes: nvcc sm_90 fatbin, the mma / ldmatrix / cp.async helpers in the source."""
+    shapes: nvcc fatbin for sm_90, compiled as sm_90a (the wgmma bodies) and as plain sm_90 (the
+    mma.sync ones), the mma / ldmatrix / cp.async helpers and the wgmma ones in the source."""
     from dsv2_mlc.compiler.compile import make_target
     from dsv2_mlc.compiler.cuda import cuda_codegen
 
@@ -268,23 +269,26 @@ def test_mma_kernels_compile_for_sm90(group: int):
             p["hid"], p["rows"], p["tile_expert"], p["down"], 2048, 1, False, "dn", warps_n, rows
         )
     # the default dispatch (what grouped_experts builds): both mma kernels, picked on the host
-    # by the tile count, the pair kernel with 64 KB of dynamic shared memory, 2 blocks an SM
+    # by the tile count, the pair kernel with 64 KB of dynamic shared memory + the wgmma zero
+    # tile (8 KB) + 1 KB to align them, 2 blocks an SM
     default = grouped.grouped_gemm_cuda(
         p["x"], p["rows"], p["tile_expert"], p["gate_up"], read, 1408, 2, True, "gu"
     ).script()
     assert "moe_mma_gemm_" in default and "moe_mma_pair_" in default
     assert "shared.dyn" in default and "launch_bounds_min_blocks_per_sm" in default
-    assert "smem[32767]" in default  # the whole 64 KB stays allocated (not compacted to 1)
+    assert "smem[37375]" in default  # the whole 73 KB stay allocated (not compacted to 1)
     target = make_target("cuda", "sm_90")
     mod = tvm.IRModule({k: f.with_attr("global_symbol", k) for k, f in kernels.items()})
     for name, func in kernels.items():
         assert func.attrs["tirx.is_scheduled"], name
-    with target, cuda_codegen():
+    with target, cuda_codegen(arch_specific):
         lib = tvm.compile(mod, target=target)
     (cuda,) = [m for m in lib.mod.imports_ if m.kind == "cuda"]
     src = cuda.inspect_source("cuda") if hasattr(cuda, "inspect_source") else ""
     if src:  # (the precompiled module may keep no source)
-        for needle in ("mma.sync.aligned.m16n8k16", "ldmatrix", "cp.async", "__match_any_sync"):
+        needles = ("mma.sync.aligned.m16n8k16", "ldmatrix", "cp.async", "__match_any_sync")
+        needles += ("wgmma.mma_async.sync.aligned.m64n128k16", "fence.proxy.async")
+        for needle in needles:
             assert needle in src, needle
 
 

@@ -30,6 +30,12 @@ never sees the stub.
    ``tvm_callback_cuda_compile`` then runs ``nvcc --fatbin -gencode arch=compute_NN,code=sm_NN``
    with the arch of ``Target.current()``, so the TVM build must run inside ``with target:``. The
    default mode, NVRTC, would need the ``cuda-bindings`` package and yields a plain cubin.
+4. With ``arch_specific=True`` (the default) the callback is replaced for the context's duration
+   by one that compiles the archs of :data:`ARCH_SPECIFIC` with their arch-specific features
+   (``sm_90`` -> ``-gencode arch=compute_90a,code=sm_90a``: ``wgmma``; the kernels test
+   ``__CUDA_ARCH_FEAT_SM90_ALL``). The target itself stays ``sm_90``: dlight's tensor-core rule
+   only parses plain ``sm_NN``. An ``sm_90a`` cubin runs on the same devices as an ``sm_90`` one
+   (compute capability 9.0 exactly; neither embeds PTX).
 
 :func:`check_fatbin` verifies an exported library: fatbin magic present, no CUDA source left.
 """
@@ -50,6 +56,9 @@ from pathlib import Path
 from ..errors import UsageError
 
 DEFAULT_ARCH = "sm_90"
+# target arch -> the nvcc arch with its arch-specific features (``cuda_codegen``)
+ARCH_SPECIFIC = {"sm_90": "90a"}
+_COMPILE_CALLBACK = "tvm_callback_cuda_compile"
 
 # Every driver symbol libtvm_runtime_cuda.so 0.27 leaves undefined (``nm -D --undefined-only``).
 _STUB_SOURCE = """\
@@ -179,16 +188,37 @@ def enable_cuda_codegen() -> None:
         )
 
 
+def _arch_specific_compile(code: str) -> bytes:
+    """``tvm_callback_cuda_compile`` for nvcc with :data:`ARCH_SPECIFIC` features."""
+    from tvm.support.nvcc import compile_cuda
+    from tvm.target import Target
+
+    target = Target.current(allow_none=True)
+    arch = ARCH_SPECIFIC.get(str(getattr(target, "arch", "")))
+    gencode = None if arch is None else ["-gencode", f"arch=compute_{arch},code=sm_{arch}"]
+    return compile_cuda(code, target_format="fatbin", arch=gencode, compiler="nvcc")
+
+
 @contextlib.contextmanager
-def cuda_codegen() -> Iterator[None]:
-    """Inside: TVM CUDA builds embed nvcc fatbins (see the module docstring)."""
+def cuda_codegen(arch_specific: bool = True) -> Iterator[None]:
+    """Inside: TVM CUDA builds embed nvcc fatbins, with the arch-specific features of
+    :data:`ARCH_SPECIFIC` unless ``arch_specific=False`` (see the module docstring)."""
+    import tvm_ffi
+
     enable_cuda_codegen()
+    import tvm.support.nvcc  # noqa: F401  (registers TVM's callback, restored below)
+
     key = "TVM_CUDA_COMPILE_MODE"
     old = os.environ.get(key)
     os.environ[key] = "nvcc"
+    callback = tvm_ffi.get_global_func(_COMPILE_CALLBACK)
+    if arch_specific:
+        tvm_ffi.register_global_func(_COMPILE_CALLBACK, _arch_specific_compile, override=True)
     try:
         yield
     finally:
+        if arch_specific:
+            tvm_ffi.register_global_func(_COMPILE_CALLBACK, callback, override=True)
         if old is None:
             os.environ.pop(key, None)
         else:
