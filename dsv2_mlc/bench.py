@@ -7,7 +7,9 @@ its kernels are *enqueued*, and the copy of the logits to the host waits for the
 
 * **prefill**: ``batch`` fresh sequences of ``prompt_len`` random token ids in one call;
   TTFT = prefill call + host arg-max of the first token; prefill tok/s = batch * prompt_len /
-  prefill call.
+  prefill call. ``prefill_chunk`` (default: the whole batch of prompts, one prefill) bounds the
+  tokens of one model call: longer prompts go in chunks, the first a prefill and the rest
+  extends attending to the cached prefix, as ``Engine.prefill`` does for any prompt.
 * **decode**: ``gen_len - 1`` greedy steps of one token per sequence: a step is
   ``Engine.launch_greedy`` and the wait for its tokens (ids in, the arg-max picked on the
   device, one int per sequence copied out; ``argmax_on_device``; the KV cache's bookkeeping of
@@ -80,12 +82,15 @@ class BenchOptions:
     hf_decode_tokens: int = 32
     lib_dir: str | None = None
     cuda_graph: bool = True
+    prefill_chunk: int | None = None
 
     def check(self) -> None:
         """Raise :class:`BenchError` for impossible values."""
         for name in ("prompt_len", "gen_len", "batch", "repeat"):
             if getattr(self, name) < 1:
                 raise BenchError(f"--{name.replace('_', '-')} must be at least 1")
+        if self.prefill_chunk is not None and self.prefill_chunk < 1:
+            raise BenchError("--prefill-chunk must be at least 1 token")
         if self.warmup < 0 or self.profile_steps < 1 or self.hf_decode_tokens < 1:
             raise BenchError("--warmup must be >= 0; profile steps and HF tokens >= 1")
         if self.hbm_bandwidth <= 0:
@@ -395,7 +400,7 @@ def _open_engine(opts: BenchOptions, log: Callable[[str], None]) -> tuple[Any, f
         context_window=ctx,
         max_batch_size=opts.batch,
         kv_capacity=ctx * opts.batch,
-        prefill_chunk_size=opts.prompt_len * opts.batch,
+        prefill_chunk_size=opts.prefill_chunk or opts.prompt_len * opts.batch,
         lib_dir=opts.lib_dir,
         random_weights=None if has_params else opts.seed,
         cuda_graph=opts.cuda_graph,
@@ -630,7 +635,8 @@ def format_report(r: dict[str, Any]) -> str:
     lines = [
         f"model {r['model']['path']} ({r['model']['quantization']}, {r['setup']['device']}"
         + (f", {r['setup']['gpu']}" if "gpu" in r["setup"] else "")
-        + f"), batch {o['batch']}, prompt {o['prompt_len']}, gen {o['gen_len']}",
+        + f"), batch {o['batch']}, prompt {o['prompt_len']}, gen {o['gen_len']}"
+        + (f", prefill chunks of {o['prefill_chunk']}" if o.get("prefill_chunk") else ""),
         f"prefill: {p['prefill_tok_s']:,.0f} tok/s, TTFT {p['ttft_ms_median']:.1f} ms "
         f"({p['tflop_s']:.1f} TFLOP/s)",
     ]

@@ -55,6 +55,13 @@ def _add_bench_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompt-len", type=int, default=512, help="prompt tokens per sequence (512)")
     p.add_argument("--gen-len", type=int, default=128, help="generated tokens per sequence (128)")
     p.add_argument("--batch", type=int, default=1, help="sequences decoded together (1)")
+    p.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=None,
+        help="at most this many tokens a prefill call; longer prompts go in chunks (default: "
+        "the whole prompt in one call)",
+    )
     p.add_argument("--warmup", type=int, default=1, help="untimed full runs first (1)")
     p.add_argument("--repeat", type=int, default=3, help="timed runs (3)")
     p.add_argument("--seed", type=int, default=0, help="random weights and prompt ids (0)")

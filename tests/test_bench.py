@@ -238,6 +238,19 @@ def test_bench_reports_the_first_warm_up_run(random_builds):
     assert "decode, first run:" in format_report(r)
 
 
+def test_bench_prefill_in_chunks(random_builds):
+    """``prefill_chunk`` below the prompt: the engine prefills in chunks (one prefill call, then
+    extends), the report says so, and the decode steps still run."""
+    from dsv2_mlc.bench import BenchOptions, format_report, run_bench
+
+    model = str(random_builds["q4f32_g32"])
+    opts = BenchOptions(model=model, prompt_len=12, gen_len=3, warmup=0, repeat=1, prefill_chunk=5)
+    r = run_bench(opts, log=lambda _: None)
+    assert r["options"]["prefill_chunk"] == 5
+    assert "prefill chunks of 5" in format_report(r)
+    assert r["prefill"]["prefill_tok_s"] > 0 and r["decode"]["decode_tok_s"] > 0
+
+
 def test_bench_decode_loop_falls_back_to_the_host_argmax(random_builds, monkeypatch):
     from dsv2_mlc.bench import _one_run
 
@@ -255,3 +268,5 @@ def test_bench_rejects_impossible_options(random_builds, capsys):
     assert rc == 2 and "--gen-len must be at least 1" in capsys.readouterr().err
     rc = main(["bench", str(random_builds["q0f32"]), "--prompt-len", "200000"])
     assert rc == 2 and "exceeds the model's" in capsys.readouterr().err
+    rc = main(["bench", str(random_builds["q0f32"]), "--prefill-chunk", "0"])
+    assert rc == 2 and "--prefill-chunk must be at least 1" in capsys.readouterr().err

@@ -108,6 +108,16 @@ def test_prefill_chunk_size_splits_long_prompts(compiled):
     assert np.abs(small.logits(prompt) - big.logits(prompt)).max() < TOL
 
 
+def test_default_prefill_chunk_is_the_device_default_capped_by_the_kv_capacity(compiled):
+    from dsv2_mlc.runtime.engine import DEFAULT_PREFILL_CHUNK, Engine
+
+    assert DEFAULT_PREFILL_CHUNK["cpu"] == 512 and DEFAULT_PREFILL_CHUNK["cuda"] >= 4096
+    assert Engine(compiled["A"], context_window=128, max_batch_size=1).prefill_chunk_size == 128
+    assert Engine(compiled["A"], context_window=256, max_batch_size=4).prefill_chunk_size == 512
+    with pytest.raises(ValueError, match="prefill_chunk_size must be at least 1"):
+        Engine(compiled["A"], context_window=128, prefill_chunk_size=0)
+
+
 def test_mixed_batch_extend(engines):
     """One batch holding a fresh sequence and one with a cached prefix."""
     eng = engines["A"]

@@ -41,6 +41,14 @@ __all__ = [
 
 PAGE_SIZE = 16  # TVM's paged KV kernels are built for 16-token pages (notes/tvm-0.27.md 7.5).
 _DEVICE_TYPE = {"cpu": 1, "cuda": 2}
+# Tokens one prefill call takes by default (capped by the KV capacity). A longer prompt goes in
+# chunks, every chunk after the first an extend attending to the cached prefix, which costs 2-4x a
+# prefill on the H200 (V2-Lite, 4096 tokens: 65 ms in one call, 251 ms in chunks of 512;
+# docs/benchmarks.md, "Prefill in chunks"): on CUDA a prompt of up to 8K tokens is one call.
+DEFAULT_PREFILL_CHUNK = {"cpu": 512, "cuda": 8192}
+# with all_logits the logits of every token come back ([tokens, vocab] float32): chunks of at most
+# this many tokens bound that (210 MB at a 102,400-token vocabulary)
+ALL_LOGITS_CHUNK = 512
 _POOLED_ALLOCATOR = 2
 # TVM's paged cache appends decode tokens *after* attention (so absorbed-only decode would miss
 # the new token) when 32+ sequences of one batch share a cached block (attn_utils.h
@@ -122,7 +130,7 @@ class Engine:
         context_window: int | None = None,
         max_batch_size: int = 4,
         kv_capacity: int | None = None,
-        prefill_chunk_size: int = 512,
+        prefill_chunk_size: int | None = None,
         lib_dir: str | Path | None = None,
         random_weights: int | None = None,
         cuda_graph: bool = True,
@@ -132,6 +140,10 @@ class Engine:
         reading ``params/`` (required for builds made with ``--random-weights``; see
         :mod:`dsv2_mlc.runtime.random_params`). ``cuda_graph`` (CUDA builds): replay decode steps
         from captured CUDA graphs (:mod:`dsv2_mlc.runtime.cuda_graph`).
+
+        ``prefill_chunk_size``: the most tokens one prefill call takes (longer prompts go in
+        chunks); default :data:`DEFAULT_PREFILL_CHUNK` of the build's device, at most
+        ``kv_capacity``.
 
         ``pdl``: how the kernels of a decode graph are linked in a build compiled with ``--pdl``
         (:mod:`dsv2_mlc.runtime.pdl`): ``"programmatic"`` (the default for such builds),
@@ -145,7 +157,11 @@ class Engine:
         self.context_window = min(context_window or min(limit, 4096), limit)
         self.max_batch_size = max_batch_size
         self.kv_capacity = kv_capacity or self.context_window * max_batch_size
-        self.prefill_chunk_size = prefill_chunk_size
+        if prefill_chunk_size is not None and prefill_chunk_size < 1:
+            raise ValueError(f"prefill_chunk_size must be at least 1 (got {prefill_chunk_size})")
+        self.prefill_chunk_size = prefill_chunk_size or min(
+            DEFAULT_PREFILL_CHUNK[self.device], self.kv_capacity
+        )
 
         bundled = self.path / "lib"  # an installed artifact carries its own TVM runtime
         if lib_dir is None and (bundled / "libtvm_runtime.so").is_file():
@@ -190,7 +206,7 @@ class Engine:
         self._cache = vm["create_paged_kv_cache"](
             _shape(max_batch_size),
             _shape(self.kv_capacity),
-            _shape(prefill_chunk_size),
+            _shape(self.prefill_chunk_size),
             _shape(PAGE_SIZE),
             _shape(0),
         )
@@ -216,6 +232,7 @@ class Engine:
         quantization: str | None = None,
         context_window: int | None = None,
         max_batch_size: int = 4,
+        prefill_chunk_size: int | None = None,
         progress: bool = False,
         log: Callable[[str], None] | None = None,
     ) -> Engine:
@@ -237,7 +254,12 @@ class Engine:
             progress=progress,
             log=log,
         )
-        return cls(path, context_window=context_window, max_batch_size=max_batch_size)
+        return cls(
+            path,
+            context_window=context_window,
+            max_batch_size=max_batch_size,
+            prefill_chunk_size=prefill_chunk_size,
+        )
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -534,7 +556,8 @@ class Engine:
     def prefill(
         self, seq_ids: Sequence[int], token_lists: Sequence[Sequence[int]], all_logits: bool = False
     ) -> list[np.ndarray]:
-        """Append tokens to sequences (chunked by ``prefill_chunk_size``).
+        """Append tokens to sequences (chunked by ``prefill_chunk_size``; by at most
+        :data:`ALL_LOGITS_CHUNK` with ``all_logits``).
 
         Returns, per sequence, the float32 logits of its last token ``[vocab]``, or of every new
         token ``[len, vocab]`` with ``all_logits``.
@@ -550,7 +573,10 @@ class Engine:
         pending = {s: list(t) for s, t in zip(seq_ids, token_lists, strict=True)}
         collected: dict[int, list[np.ndarray]] = {s: [] for s in seq_ids}
         while any(pending.values()):
-            budget, batch, chunks = self.prefill_chunk_size, [], []
+            budget = self.prefill_chunk_size
+            if all_logits:
+                budget = min(budget, ALL_LOGITS_CHUNK)
+            batch, chunks = [], []
             for s in seq_ids:
                 if pending[s] and budget > 0:
                     take = pending[s][:budget]
