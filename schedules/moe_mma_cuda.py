@@ -21,7 +21,9 @@ schedules/results/moe_grouped.md (round 4). Where the build has sm_90a features 
 target: ``compiler.cuda.cuda_codegen``) the pair kernel and the one-tile kernel of 2 x 2 warps
 run the ``wgmma`` bodies of :mod:`.moe_wgmma_cuda` instead (same tiles and stages, the MMAs
 asynchronous while the next stage is dequantised; the pair kernel's ``shared.dyn`` holds 8 KB
-more for their zero tile and 1 KB of alignment): round 5 of the same file.
+more for their zero tile and 1 KB of alignment): round 5 of the same file. ``pair_rs=True`` (a
+lab variant, as fast) puts the pair kernel's weights in registers instead
+(:mod:`.moe_wgmma_rs_cuda`).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from tvm import te, tirx
 from tvm.script import tirx as T
 
 from . import moe_wgmma_cuda as wgmma
+from . import moe_wgmma_rs_cuda as wgmma_rs
 
 OPAQUE = 8  # relax OpPatternKind.kOpaque: FuseOps never fuses these kernels with neighbours
 
@@ -57,6 +60,9 @@ _PAIR_THREADS = 256
 # 2 stages x (activations + weights), 128 x 64 halves each; for wgmma + a 64 x 64 zero tile and
 # 1 KB to align them
 _PAIR_SMEM_HALVES = 2 * 2 * 128 * 64 + 64 * 64 + 512
+# the pair kernel's wgmma body: False the shared-memory operands (moe_wgmma_cuda), True the
+# weights as the register operand (moe_wgmma_rs_cuda)
+PAIR_RS = False
 MMA_BN = 128  # weight rows per block (gate/up: 64 gate + the 64 matching up rows)
 MMA_BK = 64  # reduction step (one shared stage: 8 KB activations + 16 KB weights, fp16)
 
@@ -318,7 +324,7 @@ __device__ __forceinline__ void moe_mma_pair_{tag}(
     long long nt, long long pair, int cb, half* smem, const half* smem_last, int tid) {{
   (void)smem_last;  // only keeps the extent of the shared.dyn buffer in the TIR caller
 #if DSV2_MOE_WGMMA
-  moe_wg_tiles_{tag}<2>(x, rows, tile_expert, qw, sc, out, nt, 2 * pair, cb, smem, tid);
+  {wg_pair}(x, rows, tile_expert, qw, sc, out, nt, 2 * pair, cb, smem, tid);
 #else
   constexpr int K = {K}, G = {G}, OUT = {OUT}, HALVES = {HALVES}, GATHERED = {GATHERED};
   constexpr int BK = 64, KT = K / BK, KW = K / 8, KG = K / G;
@@ -430,6 +436,7 @@ def grouped_gemm_mma(
     name: str,
     warps_n: int = MMA_WARPS_N,
     rows_per_block: int | None = None,
+    pair_rs: bool = PAIR_RS,
 ) -> tirx.PrimFunc:
     """The grouped GEMM of :func:`grouped_gemm_te` (INT4 weights) on tensor cores:
     ``f(x, rows, tile_expert, qweight, scales, out)``, ``mma.sync.m16n8k16`` fp16 x fp16 -> fp32
@@ -449,7 +456,9 @@ def grouped_gemm_mma(
     group = int4_group(weights, red)
     num_experts = int(weights[0].shape[0])
     pair_from = {128: 0, 64: None, None: PAIR_MIN_TILES}[rows_per_block]
-    return _gemm_prim_func(red, group, num_experts, out_dim, halves, gathered, warps_n, pair_from)
+    return _gemm_prim_func(
+        red, group, num_experts, out_dim, halves, gathered, warps_n, pair_from, pair_rs
+    )
 
 
 def _gemm_prim_func(
@@ -461,6 +470,7 @@ def _gemm_prim_func(
     gathered: bool,
     warps_n: int,
     pair_from: int | None,
+    pair_rs: bool,
 ) -> tirx.PrimFunc:
     """The PrimFunc: pairs of tiles (``pair_from == 0``), one tile a block (``None``), or both
     kernels with the host picking pairs when ``nt >= pair_from``. Pairs: grid ``(ceil(nt / 2),
@@ -476,8 +486,16 @@ def _gemm_prim_func(
     # rejects two different texts for one name)
     common = _MMA_COMMON + wgmma.WGMMA_COMMON + wgmma.WGMMA_TILES.format(tag=two, **fmt)
     src_one = common + _MMA_GEMM.format(tag=one, body=two, WN=warps_n, **fmt)
-    src_two = common + _MMA_PAIR.format(tag=two, **fmt)
-    f_one, f_two = f"moe_mma_gemm_{one}", f"moe_mma_pair_{two}"
+    if pair_rs:  # the weights as wgmma's register operand (moe_wgmma_rs_cuda)
+        pair = f"{two}_rs"
+        rs_src = wgmma_rs.WGRS_COMMON + wgmma_rs.WGRS_PAIR.format(tag=two, **fmt)
+        src_two = (
+            common + rs_src + _MMA_PAIR.format(tag=pair, wg_pair=f"moe_wgrs_pair_{two}", **fmt)
+        )
+    else:
+        pair = two
+        src_two = common + _MMA_PAIR.format(tag=pair, wg_pair=f"moe_wg_tiles_{two}<2>", **fmt)
+    f_one, f_two = f"moe_mma_gemm_{one}", f"moe_mma_pair_{pair}"
     K, G, E, TMR, SM = red, group, num_experts, 64, _PAIR_SMEM_HALVES
     NT1, NT2, GATHERED = 64 * warps_n, _PAIR_THREADS, gathered
     MODE, MIN = (0, 0) if pair_from == 0 else (1, 0) if pair_from is None else (2, pair_from)

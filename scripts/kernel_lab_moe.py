@@ -56,10 +56,16 @@ TILINGS = {
 }
 NS = (512, 4096)
 DEFAULT_TILINGS = ("t8x16",)
-# tensor-core variants: name -> (warps along the columns, rows per block) of
+# tensor-core variants: name -> (warps along the columns, rows per block, pair_rs) of
 # moe_mma_cuda.grouped_gemm_mma; "mma128" is the default of grouped_gemm_cuda (MMA_ROWS = 128:
-# pairs of tiles, 4 x 2 warps), "mma" / "mma_w4" the one-tile blocks of 2 x 2 / 2 x 4 warps
-MMA_VARIANTS = {"mma128": (2, 128), "mma": (2, 64), "mma_w4": (4, 64)}
+# pairs of tiles, 4 x 2 warps), "mma128rs" the pairs with the weights as wgmma's register operand,
+# "mma" / "mma_w4" the one-tile blocks of 2 x 2 / 2 x 4 warps
+MMA_VARIANTS = {
+    "mma128": (2, 128, False),
+    "mma128rs": (2, 128, True),
+    "mma": (2, 64, False),
+    "mma_w4": (4, 64, False),
+}
 
 
 # -- here: builds ----------------------------------------------------------------------------------
@@ -114,13 +120,15 @@ def _kernels(group: int, tilings: tuple[str, ...] = DEFAULT_TILINGS) -> dict:
     inv = te.placeholder((n, K), "int32", name="inv")
     funcs["new_align"] = grouped.moe_align(E, K, TM)
     funcs["new_align_tir"] = grouped.moe_align(E, K, TM, warps=False)
-    for name, (warps_n, rows_per_block) in MMA_VARIANTS.items():
+    for name, (warps_n, rows_per_block, rs) in MMA_VARIANTS.items():
         funcs[f"new_gate_up_{name}"] = grouped.grouped_gemm_mma(
-            x, rows, tile_expert, [qgu, sgu], INTER, 2, True, "gate_up", warps_n, rows_per_block
-        )
+            x, rows, tile_expert, [qgu, sgu], INTER, 2, True, "gate_up", warps_n, rows_per_block,
+            rs,
+        )  # fmt: skip
         funcs[f"new_down_{name}"] = grouped.grouped_gemm_mma(
-            hid_rows, rows, tile_expert, [qdn, sdn], H, 1, False, "down", warps_n, rows_per_block
-        )
+            hid_rows, rows, tile_expert, [qdn, sdn], H, 1, False, "down", warps_n, rows_per_block,
+            rs,
+        )  # fmt: skip
     for name in tilings:
         ty, tx, vr, vc_gu, vc_dn, tk = TILINGS[name]
         tiles_gu = grouped.GemmTiles(ty=ty, tx=tx, vr=vr, vc=vc_gu, tk=tk)

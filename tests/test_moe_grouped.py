@@ -260,14 +260,16 @@ def test_mma_kernels_compile_for_sm90(group: int, arch_specific: bool):
         return dequantize_expr(ws[0], ws[1], (e, o), r, group)
 
     kernels = {"align": grouped.moe_align(64, 6)}
-    for warps_n, rows in ((2, 64), (4, 64), (2, 128), (2, None)):
-        tag = f"w{warps_n}_r{rows}"
+    for warps_n, rows, rs in ((2, 64, 0), (4, 64, 0), (2, 128, 0), (2, None, 0), (2, 128, 1)):
+        tag = f"w{warps_n}_r{rows}_rs{rs}"
         kernels[f"gate_up_{tag}"] = grouped.grouped_gemm_mma(
-            p["x"], p["rows"], p["tile_expert"], p["gate_up"], 1408, 2, True, "gu", warps_n, rows
-        )
+            p["x"], p["rows"], p["tile_expert"], p["gate_up"], 1408, 2, True, "gu", warps_n, rows,
+            bool(rs),
+        )  # fmt: skip
         kernels[f"down_{tag}"] = grouped.grouped_gemm_mma(
-            p["hid"], p["rows"], p["tile_expert"], p["down"], 2048, 1, False, "dn", warps_n, rows
-        )
+            p["hid"], p["rows"], p["tile_expert"], p["down"], 2048, 1, False, "dn", warps_n, rows,
+            bool(rs),
+        )  # fmt: skip
     # the default dispatch (what grouped_experts builds): both mma kernels, picked on the host
     # by the tile count, the pair kernel with 64 KB of dynamic shared memory + the wgmma zero
     # tile (8 KB) + 1 KB to align them, 2 blocks an SM
@@ -288,6 +290,7 @@ def test_mma_kernels_compile_for_sm90(group: int, arch_specific: bool):
     if src:  # (the precompiled module may keep no source)
         needles = ("mma.sync.aligned.m16n8k16", "ldmatrix", "cp.async", "__match_any_sync")
         needles += ("wgmma.mma_async.sync.aligned.m64n128k16", "fence.proxy.async")
+        needles += ("wgmma.mma_async.sync.aligned.m64n64k16", "moe_wgrs_pair_")
         for needle in needles:
             assert needle in src, needle
 
