@@ -13,8 +13,10 @@ TIR-only library for CUDA sm_90 (precompiled fatbin, :mod:`dsv2_mlc.compiler.cud
   rows, the warp version) and ``new_align_tir`` (the first, one thread per (expert, segment)),
   ``new_gate_up_<variant>`` (grouped GEMM + SwiGLU), ``new_down_<variant>`` and ``new_combine``,
   for the tensor-core variants of ``MMA_VARIANTS`` (``mma128``: pairs of tiles, 4 x 2 warps;
-  ``mma`` / ``mma_w4``: one tile, 2 / 4 warps along the columns; the model picks ``mma128`` from
-  256 tiles on and ``mma`` below) and each SIMT tiling of
+  ``mma128rs``: the same with the weights as wgmma's register operand; ``mma`` / ``mma_w4``: one
+  tile, 2 / 4 warps along the columns; the model picks ``mma128`` from 256 tiles on and ``mma``
+  below; ``prepare --no-arch-specific`` builds them with ``mma.sync`` instead of ``wgmma``) and
+  each SIMT tiling of
   ``--tilings`` (``TILINGS``; default ``t8x16``, the SIMT default). The SIMT paths run with
   ``new_align_tir`` (as first measured), the mma path with ``new_align``.
 
