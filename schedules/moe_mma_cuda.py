@@ -15,8 +15,9 @@ PrimFunc (``rows_per_block=None``, the default: the host picks by the tile count
 * below, a block per (tile, 128 weight rows), ``2 x warps_n`` warps, 48 KB of static shared
   memory: with few rows per expert most pairs would run two passes.
 
-Both share the CUDA helpers of ``_MMA_COMMON`` (the swizzled weight store, one 64-wide K step of
-ldmatrix + ``mma.sync.m16n8k16``, the SwiGLU / plain epilogue); measured in
+Both run one templated body (``_MMA_TILES``) on the CUDA helpers of ``_MMA_COMMON`` (the swizzled
+weight store, one 64-wide K step of ldmatrix + ``mma.sync.m16n8k16``, the SwiGLU / plain
+epilogue); measured in
 schedules/results/moe_grouped.md (round 4). Where the build has sm_90a features (an ``sm_90``
 target: ``compiler.cuda.cuda_codegen``) the pair kernel and the one-tile kernel of 2 x 2 warps
 run the ``wgmma`` bodies of :mod:`.moe_wgmma_cuda` instead (same tiles and stages, the MMAs
@@ -157,6 +158,18 @@ __device__ __forceinline__ void moe_w_srcs(const unsigned* qw, const half* sc, i
     ssrc[i] = sc + wrow * KG;
   }
 }
+// The packed words (16 bytes) and scale of K step kt (if kt < KT) of each of the thread's BCH
+// weight rows, k half kh.
+template <int BCH, int BK, int G>
+__device__ __forceinline__ void moe_w_load(uint4* wq, half* ws, const uint4* const* bsrc,
+                                           const half* const* ssrc, int kt, int KT, int kh) {
+  if (kt >= KT) return;
+#pragma unroll
+  for (int i = 0; i < BCH; ++i) {
+    wq[i] = __ldg(bsrc[i] + kt * 2);
+    ws[i] = ssrc[i][(kt * BK + kh * 32) / G];
+  }
+}
 // One 64-wide K step of warp (wm, wn)'s 32 x (128 / WN) tile: A rows wm * 32 + [0, 32) of the
 // activation stage at a_st, B rows of the weight stage at b_st (gate/up: the warp's gate n8-tiles
 // and the matching up ones, 64 rows apart), ldmatrix.x4 fragments, m16n8k16 MMAs.
@@ -226,41 +239,38 @@ __device__ __forceinline__ void moe_mma_store(float (*acc)[16 / WN][4], half* ro
 #endif
 """
 
-_MMA_GEMM = r"""
-#ifndef DSV2_MOE_MMA_GEMM_{tag}
-#define DSV2_MOE_MMA_GEMM_{tag}
-// Block (tile, cb): rows [tile * 64, +64) x weight rows of column block cb (gate/up: gate
-// columns [cb * 64, +64) and the matching up rows; down: [cb * 128, +128)), K in steps of 64.
-// 2 x WN warps, warp (wm, wn) a 32 x (128 / WN) tile: NJ = 16 / WN n8-tiles (gate/up: the
-// first NJ / 2 gate, the rest the matching up columns).
-// Activations by cp.async (gathered rows), weights by 16-byte global loads one step ahead,
-// dequantised into the other shared stage after this step's mma; XOR-swizzled 128-byte rows.
-__device__ __forceinline__ void moe_mma_gemm_{tag}(
+# The mma.sync body of both kernels (where the build has no sm_90a features): WM x WN warps, WM = 2
+# the one-tile kernel (tile t0, 2 x warps_n warps), WM = 4 the pair kernel (tiles t0, t0 + 1, 4 x 2
+# warps); warp (wm, wn) a 32 x (128 / WN) tile: NJ = 16 / WN n8-tiles (gate/up: the first NJ / 2
+# gate, the rest the matching up columns). K in steps of 64 through two stages of `smem`
+# (activations 32 WM x 64 halves, weights 128 x 64): activations by cp.async (gathered rows),
+# weights by 16-byte global loads one step ahead, dequantised into the other stage after this
+# step's MMAs; XOR-swizzled 128-byte rows. A pair whose tiles belong to different experts runs one
+# pass per tile (its expert's weights), the other tile's warps skipping the MMAs; a tile past the
+# last segment (or past nt) is skipped.
+_MMA_TILES = r"""
+#ifndef DSV2_MOE_MMA_TILES_{tag}
+#define DSV2_MOE_MMA_TILES_{tag}
+template <int WM, int WN>
+__device__ __forceinline__ void moe_mma_tiles_{tag}(
     const half* __restrict__ x, const int* __restrict__ rows, const int* __restrict__ tile_expert,
     const unsigned* __restrict__ qw, const half* __restrict__ sc, half* __restrict__ out,
-    long long tile, int cb, int tid) {{
-#if DSV2_MOE_WGMMA && {WN} == 2
-  __shared__ __align__(1024) half wg_s[2 * 64 * 64 + 2 * 128 * 64];
-  moe_wg_tiles_{body}<1>(x, rows, tile_expert, qw, sc, out, 0, tile, cb, wg_s, tid);
-#else
+    long long nt, long long t0, int cb, half* smem, int tid) {{
   constexpr int K = {K}, G = {G}, OUT = {OUT}, HALVES = {HALVES}, GATHERED = {GATHERED};
   constexpr int BK = 64, KT = K / BK, KW = K / 8, KG = K / G;
-  constexpr int WN = {WN}, NTH = 64 * WN, NJ = 16 / WN, ACH = 512 / NTH, BCH = 256 / NTH;
-  __shared__ __align__(128) half a_s[2 * 64 * 64];
-  __shared__ __align__(128) half b_s[2 * 128 * 64];
-  const int e = tile_expert[tile];
-  if (e < 0) return;  // past the last expert's segment (block-uniform)
-  const int lane = tid & 31, warp = tid >> 5, wm = warp / WN, wn = warp % WN;
-  const half* asrc[ACH];  // activation loads (cp.async), rows tid / 8 + i * NTH / 8
+  constexpr int NTH = 32 * WM * WN, NJ = 16 / WN, ACH = 256 * WM / NTH, BCH = 256 / NTH;
+  constexpr int ASTAGE = 32 * WM * 64, BSTAGE = 128 * 64;
+  const int e0 = tile_expert[t0];
+  const int e1 = (WM == 4 && t0 + 1 < nt) ? tile_expert[t0 + 1] : -1;
+  if (e0 < 0) return;  // past the last expert's segment (block-uniform; so is t0 + 1)
+  const bool same = e1 == e0;
+  const int npass = (same || e1 < 0) ? 1 : 2;
+  const int lane = tid & 31, warp = tid >> 5, wm = warp / WN, wn = warp % WN, kh = tid & 1;
+  const half* asrc[ACH];
   unsigned adst[ACH];
-  moe_a_rows<ACH, NTH, K, GATHERED>(x, rows, tile, 64, tid, asrc, adst);
-  // weight loads: shared row br[i], k half kh (4 words = 32 k) of the step
-  const int kh = tid & 1;
-  int br[BCH];
-  const uint4* bsrc[BCH];
-  const half* ssrc[BCH];
-  moe_w_srcs<BCH, NTH, OUT, HALVES, KW, KG>(qw, sc, e, cb, tid, br, bsrc, ssrc);
-  const unsigned a_base = moe_smem_addr(a_s), b_base = moe_smem_addr(b_s);
+  moe_a_rows<ACH, NTH, K, GATHERED>(x, rows, t0, e1 >= 0 ? 128 : 64, tid, asrc, adst);
+  const unsigned a_base = moe_smem_addr(smem), b_base = moe_smem_addr(smem + 2 * ASTAGE);
+  half* b_s = smem + 2 * ASTAGE;
   float acc[2][NJ][4];
 #pragma unroll
   for (int i = 0; i < 2; ++i)
@@ -268,56 +278,72 @@ __device__ __forceinline__ void moe_mma_gemm_{tag}(
     for (int j = 0; j < NJ; ++j)
 #pragma unroll
       for (int v = 0; v < 4; ++v) acc[i][j][v] = 0.f;
-
-  uint4 wq[BCH];
-  half ws[BCH];
+  for (int pass = 0; pass < npass; ++pass) {{
+    const int e = pass == 0 ? e0 : e1;
+    const bool active = same || (pass == 0) == (wm < 2);  // warp-uniform
+    int br[BCH];
+    const uint4* bsrc[BCH];
+    const half* ssrc[BCH];
+    moe_w_srcs<BCH, NTH, OUT, HALVES, KW, KG>(qw, sc, e, cb, tid, br, bsrc, ssrc);
+    if (pass > 0) __syncthreads();  // every warp is done with the first pass's stages
+    uint4 wq[BCH];
+    half ws[BCH];
+    moe_w_load<BCH, BK, G>(wq, ws, bsrc, ssrc, 0, KT, kh);
 #pragma unroll
-  for (int i = 0; i < BCH; ++i) {{
-    wq[i] = __ldg(bsrc[i]);
-    ws[i] = ssrc[i][(kh * 32) / G];
-  }}
+    for (int i = 0; i < ACH; ++i) moe_cp_async16(a_base + adst[i], asrc[i]);
+    moe_cp_commit();
 #pragma unroll
-  for (int i = 0; i < ACH; ++i) moe_cp_async16(a_base + adst[i], asrc[i]);
-  moe_cp_commit();
+    for (int i = 0; i < BCH; ++i) moe_store_w(b_s, br[i], kh, wq[i], ws[i]);
+    for (int kt = 0; kt < KT; ++kt) {{
+      const int st = kt & 1;
+      moe_cp_wait_all();
+      __syncthreads();
+      if (kt + 1 < KT) {{
 #pragma unroll
-  for (int i = 0; i < BCH; ++i) moe_store_w(b_s, br[i], kh, wq[i], ws[i]);
-  for (int kt = 0; kt < KT; ++kt) {{
-    const int st = kt & 1;
-    moe_cp_wait_all();
-    __syncthreads();
-    if (kt + 1 < KT) {{
+        for (int i = 0; i < ACH; ++i)
+          moe_cp_async16(a_base + (st ^ 1) * ASTAGE * 2 + adst[i], asrc[i] + (kt + 1) * BK);
+        moe_cp_commit();
+      }}
+      moe_w_load<BCH, BK, G>(wq, ws, bsrc, ssrc, kt + 1, KT, kh);
+      if (active) {{
+        moe_mma_k64<WN, HALVES>(acc, a_base + st * ASTAGE * 2, b_base + st * BSTAGE * 2, wm, wn,
+                                lane);
+      }}
+      if (kt + 1 < KT) {{
 #pragma unroll
-      for (int i = 0; i < ACH; ++i)
-        moe_cp_async16(a_base + (st ^ 1) * 8192 + adst[i], asrc[i] + (kt + 1) * BK);
-      moe_cp_commit();
-#pragma unroll
-      for (int i = 0; i < BCH; ++i) {{
-        wq[i] = __ldg(bsrc[i] + (kt + 1) * 2);
-        ws[i] = ssrc[i][((kt + 1) * BK + kh * 32) / G];
+        for (int i = 0; i < BCH; ++i)
+          moe_store_w(b_s + (st ^ 1) * BSTAGE, br[i], kh, wq[i], ws[i]);
       }}
     }}
-    moe_mma_k64<WN, HALVES>(acc, a_base + st * 8192, b_base + st * 16384, wm, wn, lane);
-    if (kt + 1 < KT) {{
-#pragma unroll
-      for (int i = 0; i < BCH; ++i) moe_store_w(b_s + (st ^ 1) * 8192, br[i], kh, wq[i], ws[i]);
-    }}
   }}
-  moe_mma_store<WN, HALVES, OUT>(acc, out + tile * 64 * OUT, cb, wm, wn, lane);
+  if (wm >= 2 && e1 < 0) return;  // tile t0 + 1 is past the last segment: nothing to write
+  moe_mma_store<WN, HALVES, OUT>(acc, out + t0 * 64 * OUT, cb, wm, wn, lane);
+}}
+#endif
+"""
+
+# Block (tile, cb) of the one-tile kernel: 2 x WN warps, 48 KB of static shared memory.
+_MMA_GEMM = r"""
+#ifndef DSV2_MOE_MMA_GEMM_{tag}
+#define DSV2_MOE_MMA_GEMM_{tag}
+__device__ __forceinline__ void moe_mma_gemm_{tag}(
+    const half* __restrict__ x, const int* __restrict__ rows, const int* __restrict__ tile_expert,
+    const unsigned* __restrict__ qw, const half* __restrict__ sc, half* __restrict__ out,
+    long long tile, int cb, int tid) {{
+  __shared__ __align__(1024) half s[2 * 64 * 64 + 2 * 128 * 64];
+#if DSV2_MOE_WGMMA && {WN} == 2
+  moe_wg_tiles_{body}<1>(x, rows, tile_expert, qw, sc, out, 0, tile, cb, s, tid);
+#else
+  moe_mma_tiles_{body}<2, {WN}>(x, rows, tile_expert, qw, sc, out, 0, tile, cb, s, tid);
 #endif
 }}
 #endif
 """
 
-
+# Block (pair p, cb) of the pair kernel: tiles 2p, 2p + 1, 256 threads, `smem` in shared.dyn.
 _MMA_PAIR = r"""
 #ifndef DSV2_MOE_MMA_PAIR_{tag}
 #define DSV2_MOE_MMA_PAIR_{tag}
-// Block (pair p, cb): the 128 rows of tiles 2p, 2p + 1 x weight rows of column block cb (gate/up:
-// gate columns [cb * 64, +64) and the matching up rows; down: [cb * 128, +128)), K in steps of
-// 64 through two stages of `smem` (activations 128 x 64, weights 128 x 64, fp16: 64 KB).
-// 4 x 2 warps, warp (wm, wn) a 32 x 64 tile (8 n8-tiles; gate/up: 4 gate + the 4 matching up).
-// Both tiles of one expert: one pass. Otherwise one pass per tile (its expert's weights), the
-// other tile's warps skipping the MMAs; a tile past the last segment (or past nt) is skipped.
 __device__ __forceinline__ void moe_mma_pair_{tag}(
     const half* __restrict__ x, const int* __restrict__ rows, const int* __restrict__ tile_expert,
     const unsigned* __restrict__ qw, const half* __restrict__ sc, half* __restrict__ out,
@@ -326,65 +352,7 @@ __device__ __forceinline__ void moe_mma_pair_{tag}(
 #if DSV2_MOE_WGMMA
   {wg_pair}(x, rows, tile_expert, qw, sc, out, nt, 2 * pair, cb, smem, tid);
 #else
-  constexpr int K = {K}, G = {G}, OUT = {OUT}, HALVES = {HALVES}, GATHERED = {GATHERED};
-  constexpr int BK = 64, KT = K / BK, KW = K / 8, KG = K / G;
-  constexpr int NJ = 8, ACH = 4, STAGE = 128 * 64;
-  const long long t0 = 2 * pair, t1 = t0 + 1;
-  const int e0 = tile_expert[t0];
-  const int e1 = t1 < nt ? tile_expert[t1] : -1;
-  if (e0 < 0) return;  // past the last expert's segment (block-uniform; so is t1)
-  const bool same = e1 == e0;
-  const int npass = (same || e1 < 0) ? 1 : 2;
-  const int lane = tid & 31, warp = tid >> 5, wm = warp >> 1, wn = warp & 1;
-  // activation loads: rows tid / 8 + 32 i; tile t1's rows from a valid row of t0 when t1 holds
-  // no segment (past nt, or past the last segment: its `rows` entries are not written)
-  const half* asrc[ACH];
-  unsigned adst[ACH];
-  moe_a_rows<ACH, 256, K, GATHERED>(x, rows, t0, e1 >= 0 ? 128 : 64, tid, asrc, adst);
-  const int br = tid >> 1, kh = tid & 1;  // weight row of the block, k half of the step
-  const unsigned a_base = moe_smem_addr(smem), b_base = moe_smem_addr(smem + 2 * STAGE);
-  half* b_s = smem + 2 * STAGE;
-  float acc[2][NJ][4];
-#pragma unroll
-  for (int i = 0; i < 2; ++i)
-#pragma unroll
-    for (int j = 0; j < NJ; ++j)
-#pragma unroll
-      for (int v = 0; v < 4; ++v) acc[i][j][v] = 0.f;
-
-  for (int pass = 0; pass < npass; ++pass) {{
-    const int e = pass == 0 ? e0 : e1;
-    const bool active = same || (pass == 0) == (wm < 2);  // warp-uniform
-    const long long wrow = moe_w_row<OUT, HALVES>(e, br, cb);
-    const uint4* bsrc = reinterpret_cast<const uint4*>(qw + wrow * KW) + kh;
-    const half* ssrc = sc + wrow * KG;
-    if (pass > 0) __syncthreads();  // every warp is done with the first pass's stages
-    uint4 wq = __ldg(bsrc);
-    half ws = ssrc[(kh * 32) / G];
-#pragma unroll
-    for (int i = 0; i < ACH; ++i) moe_cp_async16(a_base + adst[i], asrc[i]);
-    moe_cp_commit();
-    moe_store_w(b_s, br, kh, wq, ws);
-    for (int kt = 0; kt < KT; ++kt) {{
-      const int st = kt & 1;
-      moe_cp_wait_all();
-      __syncthreads();
-      if (kt + 1 < KT) {{
-#pragma unroll
-        for (int i = 0; i < ACH; ++i)
-          moe_cp_async16(a_base + (st ^ 1) * STAGE * 2 + adst[i], asrc[i] + (kt + 1) * BK);
-        moe_cp_commit();
-        wq = __ldg(bsrc + (kt + 1) * 2);
-        ws = ssrc[((kt + 1) * BK + kh * 32) / G];
-      }}
-      if (active) {{
-        moe_mma_k64<2, HALVES>(acc, a_base + st * STAGE * 2, b_base + st * STAGE * 2, wm, wn, lane);
-      }}
-      if (kt + 1 < KT) moe_store_w(b_s + (st ^ 1) * STAGE, br, kh, wq, ws);
-    }}
-  }}
-  if (wm >= 2 && e1 < 0) return;  // tile t1 is past the last segment: nothing to write
-  moe_mma_store<2, HALVES, OUT>(acc, out + t0 * 64 * OUT, cb, wm, wn, lane);
+  moe_mma_tiles_{body}<4, 2>(x, rows, tile_expert, qw, sc, out, nt, 2 * pair, cb, smem, tid);
 #endif
 }}
 #endif
@@ -484,17 +452,16 @@ def _gemm_prim_func(
     fmt = dict(K=red, G=group, OUT=out_dim, HALVES=halves, GATHERED=int(gathered))
     # one source per device function (TVM keys a func_call's source by the function's name and
     # rejects two different texts for one name)
-    common = _MMA_COMMON + wgmma.WGMMA_COMMON + wgmma.WGMMA_TILES.format(tag=two, **fmt)
-    src_one = common + _MMA_GEMM.format(tag=one, body=two, WN=warps_n, **fmt)
-    if pair_rs:  # the weights as wgmma's register operand (moe_wgmma_rs_cuda)
-        pair = f"{two}_rs"
-        rs_src = wgmma_rs.WGRS_COMMON + wgmma_rs.WGRS_PAIR.format(tag=two, **fmt)
-        src_two = (
-            common + rs_src + _MMA_PAIR.format(tag=pair, wg_pair=f"moe_wgrs_pair_{two}", **fmt)
-        )
-    else:
-        pair = two
-        src_two = common + _MMA_PAIR.format(tag=pair, wg_pair=f"moe_wg_tiles_{two}<2>", **fmt)
+    common = (
+        _MMA_COMMON + _MMA_TILES.format(tag=two, **fmt) + wgmma.WGMMA_COMMON
+        + wgmma.WGMMA_TILES.format(tag=two, **fmt)
+    )  # fmt: skip
+    # the pair kernel's wgmma body: shared-memory operands, or (pair_rs) the weights in registers
+    rs_src = wgmma_rs.WGRS_COMMON + wgmma_rs.WGRS_PAIR.format(tag=two, **fmt) if pair_rs else ""
+    wg_pair = f"moe_wgrs_pair_{two}" if pair_rs else f"moe_wg_tiles_{two}<2>"
+    pair = f"{two}_rs" if pair_rs else two
+    src_one = common + _MMA_GEMM.format(tag=one, body=two, WN=warps_n)
+    src_two = common + rs_src + _MMA_PAIR.format(tag=pair, body=two, wg_pair=wg_pair)
     f_one, f_two = f"moe_mma_gemm_{one}", f"moe_mma_pair_{pair}"
     K, G, E, TMR, SM = red, group, num_experts, 64, _PAIR_SMEM_HALVES
     NT1, NT2, GATHERED = 64 * warps_n, _PAIR_THREADS, gathered

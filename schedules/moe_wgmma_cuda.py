@@ -22,8 +22,6 @@ matching up columns 64-127).
 
 from __future__ import annotations
 
-WGMMA_GUARD = "DSV2_MOE_WGMMA"
-
 _ACC = ", ".join(f"%{i}" for i in range(64))
 _ACC_OUT = ", ".join(f'"+f"(d[{i}])' for i in range(64))
 
@@ -74,18 +72,6 @@ __device__ __forceinline__ void moe_wg_k64(float* d, unsigned a_st, unsigned b_s
 #pragma unroll
   for (int kk = 0; kk < 4; ++kk) moe_wgmma_n128(d, moe_wg_desc(a_st + 32 * kk),
                                                 moe_wg_desc(b_st + 32 * kk));
-}
-// the packed words (16 bytes) and scale of K step kt (if kt < KT) of each of the thread's BCH
-// weight rows, k half kh
-template <int BCH, int BK, int G>
-__device__ __forceinline__ void moe_wg_load(uint4* wq, half* ws, const uint4* const* bsrc,
-                                            const half* const* ssrc, int kt, int KT, int kh) {
-  if (kt >= KT) return;
-#pragma unroll
-  for (int i = 0; i < BCH; ++i) {
-    wq[i] = __ldg(bsrc[i] + kt * 2);
-    ws[i] = ssrc[i][(kt * BK + kh * 32) / G];
-  }
 }
 // warp w4 (of its warpgroup)'s accumulator rows to out rows row0 + 16 w4 + [0, 16) (OUT columns
 // a row, column block cb): gate/up as silu(g) * u in float32 then fp16, down as fp16
@@ -168,13 +154,13 @@ __device__ __forceinline__ void moe_wg_tiles_{tag}(
     if (pass > 0) __syncthreads();  // every warp is done with the first pass's stages
     uint4 wq[BCH];
     half ws[BCH];
-    moe_wg_load<BCH, BK, G>(wq, ws, bsrc, ssrc, 0, KT, kh);
+    moe_w_load<BCH, BK, G>(wq, ws, bsrc, ssrc, 0, KT, kh);
 #pragma unroll
     for (int i = 0; i < ACH; ++i) moe_cp_async16(a_base + adst[i], asrc[i]);
     moe_cp_commit();
 #pragma unroll
     for (int i = 0; i < BCH; ++i) moe_store_w(b_s, br[i], kh, wq[i], ws[i]);
-    moe_wg_load<BCH, BK, G>(wq, ws, bsrc, ssrc, 1, KT, kh);
+    moe_w_load<BCH, BK, G>(wq, ws, bsrc, ssrc, 1, KT, kh);
     for (int kt = 0; kt < KT; ++kt) {{
       const int st = kt & 1;
       moe_cp_wait_all();
@@ -194,7 +180,7 @@ __device__ __forceinline__ void moe_wg_tiles_{tag}(
 #pragma unroll
         for (int i = 0; i < BCH; ++i)
           moe_store_w(b_s + (st ^ 1) * BSTAGE, br[i], kh, wq[i], ws[i]);
-        moe_wg_load<BCH, BK, G>(wq, ws, bsrc, ssrc, kt + 2, KT, kh);
+        moe_w_load<BCH, BK, G>(wq, ws, bsrc, ssrc, kt + 2, KT, kh);
       }}
       moe_wg_wait0();
     }}
