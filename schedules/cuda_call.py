@@ -16,11 +16,20 @@ from tvm.script import tirx as T
 from tvm.script.ir_builder import IRBuilder
 from tvm.script.ir_builder import tirx as Tb
 
-__all__ = ["GRID_WAIT", "TOKENS", "buffer_dims", "grid_wait_source", "token_grid_call"]
+__all__ = [
+    "GRID_WAIT",
+    "L2_PREFETCH",
+    "TOKENS",
+    "buffer_dims",
+    "grid_wait_source",
+    "l2_prefetch_source",
+    "token_grid_call",
+]
 
 TOKENS = None  # in a buffer shape: the dynamic number of tokens ``n``
 
 GRID_WAIT = "dsv2_griddepcontrol_wait"  # the device function a kernel calls to wait (PDL)
+L2_PREFETCH = "dsv2_l2_prefetch"  # the device function that asks for bytes in L2
 
 
 def grid_wait_source() -> str:
@@ -39,6 +48,29 @@ def grid_wait_source() -> str:
         f"__forceinline__ __device__ void {GRID_WAIT}() {{\n"
         "#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900\n"
         '  asm volatile("griddepcontrol.wait;" ::: "memory");\n'
+        "#endif\n}\n#endif\n"
+    )
+
+
+def l2_prefetch_source() -> str:
+    """CUDA: ``dsv2_l2_prefetch(p, bytes)``, a bulk prefetch of ``[p, p + bytes)`` into L2
+    (``cp.async.bulk.prefetch.L2``, sm_90+: one instruction for a whole weight row or KV page,
+    handled by the copy engine; ``p`` 16-byte aligned, ``bytes`` a multiple of 16; a no-op on
+    older GPUs; the tests' CPU emulation checks and counts it).
+
+    Nothing waits for it and it returns nothing: it only warms L2, which is where global memory
+    is coherent, so it is safe on any address at any time: before ``griddepcontrol.wait``, on a
+    page the previous kernel is still writing (the later read sees the write), or on weights a
+    later kernel reads. A kernel uses it for what it will read from HBM anyway once its wait
+    returns (KV pages), or on behalf of the next kernel (the routed experts' down rows, known
+    only after routing)."""
+    return (
+        f"#ifndef DSV2_L2_PREFETCH\n#define DSV2_L2_PREFETCH\n"
+        f"__forceinline__ __device__ void {L2_PREFETCH}(const void* p, unsigned bytes) {{\n"
+        "#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900\n"
+        '  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;"\n'
+        '               :: "l"(__cvta_generic_to_global(p)), "r"(bytes) : "memory");\n'
+        "#elif defined(DSV2_EMULATION)\n  dsv2_emu_l2_prefetch(p, bytes);\n"
         "#endif\n}\n#endif\n"
     )
 

@@ -81,6 +81,7 @@ import math
 from tvm import tirx
 from tvm.script import tirx as T
 
+from .cuda_call import GRID_WAIT, L2_PREFETCH, grid_wait_source, l2_prefetch_source
 from .mla_cuda_helpers import mma_source, pipe_shared_halves, pipe_source
 from .mla_paging import find_sequence, kv_length, visible_length
 
@@ -123,6 +124,7 @@ def mla_attention_cuda(
     merge_cols: int = 64,
     stages: int = 3,
     merge_prefetch: bool = False,
+    l2_prefetch: bool = False,
 ) -> tirx.PrimFunc:
     """The split-KV MLA attention PrimFunc (module docstring) for ``num_heads`` query heads.
 
@@ -138,7 +140,10 @@ def mla_attention_cuda(
     computed; ``>= 2`` = the pipelined split block of :func:`~.mla_cuda_helpers.pipe_source`,
     ``cp.async`` ``stages - 1`` pages ahead into a ring of ``stages`` shared page buffers,
     dynamic shared memory past 48 KB), ``merge_prefetch`` (parallel merge: read the split lse
-    of all ``smax`` slots without waiting for ``ws_n``, one dependent global round trip less).
+    of all ``smax`` slots without waiting for ``ws_n``, one dependent global round trip less),
+    ``l2_prefetch`` (pipelined path: before its PDL wait each split block asks L2 for its pages,
+    :func:`_prefetch_wait_source`; off: no change in the model on the H200, with or without
+    ``--pdl-launch-dependents``, schedules/results/mla_attention.md, fourth round).
     """
     if dtype not in _ELEM_BYTES:
         raise ValueError(f"mla_attention_cuda supports {sorted(_ELEM_BYTES)}, got {dtype}")
@@ -192,6 +197,8 @@ def mla_attention_cuda(
     mma_src = mma_source(tag, KS, KSW, NTW, SROW, PS) if use_mma and not use_pipe else ""
     ptag = f"{tag}_s{stages}"
     pipe_src = pipe_source(ptag, D, DL, stages) if use_pipe else ""
+    use_l2 = use_pipe and l2_prefetch
+    pf_src = _prefetch_wait_source(tag, P * D * _ELEM_BYTES[dtype], NT) if use_l2 else ""
     SMEM_N = pipe_shared_halves(D, stages) if use_pipe else 1  # pipelined path: one buffer
     SMEM_SCOPE = "shared.dyn" if SMEM_N * 2 > _MAX_SHARED_BYTES else "shared"
     if use_pipe:
@@ -343,11 +350,23 @@ def mla_attention_cuda(
                         vis_pages: T.let[T.int32] = (n_vis + P - 1) // P
                         pps: T.let[T.int32] = row_pps(vis_pages, smax)
                         nsplit: T.let[T.int32] = T.max((vis_pages + pps - 1) // pps, 1)
-                        if split == 0 and by == 0 and tx == 0:
-                            ws_n[row] = nsplit
                         pg_lo: T.let[T.int32] = T.min(split * pps, vis_pages)
                         pg_hi: T.let[T.int32] = T.min(pg_lo + pps, vis_pages)
                         h0: T.let[T.int32] = by * HG
+                        if use_l2:
+                            # this split's pages -> L2, then the PDL wait (page tables only
+                            # before it: the runtime, not a kernel, writes them)
+                            T.cuda.func_call(
+                                f"mla_prefetch_wait_{tag}",
+                                T.address_of(pages[0, 0, 0]),
+                                T.address_of(page_values[page_begin]),
+                                pg_lo,
+                                pg_hi - pg_lo,
+                                tx,
+                                source_code=pf_src,
+                            )
+                        if split == 0 and by == 0 and tx == 0:
+                            ws_n[row] = nsplit
 
                         if use_pipe:
                             # The whole split block in CUDA (mla_cuda_helpers.pipe_source).
@@ -781,3 +800,26 @@ def mla_attention_cuda(
                                 )
 
     return batch_mla_paged_attention_split_kv
+
+
+def _prefetch_wait_source(tag: str, page_bytes: int, threads: int) -> str:
+    """CUDA: ``mla_prefetch_wait_<tag>(pages, page_ids, first, count, tid)``: the block's
+    threads ask L2 for pages ``page_ids[first:first + count]`` (``cp.async.bulk.prefetch``, one
+    page of ``page_bytes`` each), then the PDL wait. Safe before the wait: a prefetch reads
+    nothing into the block, and the page the previous kernel appends to is read after it."""
+    return (
+        grid_wait_source()
+        + l2_prefetch_source()
+        + f"""
+#ifndef MLA_PREFETCH_WAIT_{tag}
+#define MLA_PREFETCH_WAIT_{tag}
+__device__ __forceinline__ void mla_prefetch_wait_{tag}(const half* pages, const int* page_ids,
+    int first, int count, int tid) {{
+  for (int i = tid; i < count; i += {threads})
+    {L2_PREFETCH}(reinterpret_cast<const char*>(pages) + (long long)page_ids[first + i] *
+                  {page_bytes}, {page_bytes});
+  {GRID_WAIT}();
+}}
+#endif
+"""
+    )

@@ -37,6 +37,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from ..model.rope import rotate_pair
+from .cuda_call import GRID_WAIT, L2_PREFETCH, grid_wait_source, l2_prefetch_source
 
 __all__ = ["mla_prologue_cuda"]
 
@@ -57,12 +58,16 @@ def mla_prologue_cuda(
     eps: float,
     cols: int = 64,
     threads: int = 128,
+    l2_prefetch: bool = True,
 ) -> tirx.PrimFunc:
     """``f(q [n, q_width], kv [n, kv_width], w_uk [H, nope, L], norm_w [L], rope [n, R] float32,
     q_lat [n, H, L + R], latent [n, L + R])``: the query heads at columns ``[0, H * (nope + R))``
     of ``q``, ``[c_kv, k_pe]`` at columns ``[kv_offset, kv_offset + L + R)`` of ``kv``; ``rope``
     the tokens' cos/sin table (``dsv2_mlc.model.rope.rope_table``); ``eps`` of the latent
-    RMSNorm (module docstring). Raises ``ValueError`` for shapes it does not handle."""
+    RMSNorm (module docstring). With ``l2_prefetch`` a column-tile block asks L2 for its
+    ``W_UK`` tile (``nope`` rows of ``cols`` values) before it waits for the previous kernel (PDL),
+    so the tile loads while that kernel finishes. Raises ``ValueError`` for shapes it does not
+    handle."""
     H, QK, L, R = num_heads, nope + rope_dim, lora, rope_dim
     VEC = _LOAD_BYTES // _ELEM_BYTES.get(dtype, 2)
     problems = []
@@ -93,6 +98,9 @@ def mla_prologue_cuda(
     C_EXACT = TILES * cols == L
     L_EXACT = LPT * threads == L
     KVO, ROPE0 = kv_offset, threads - RPT
+    ELEM = _ELEM_BYTES.get(dtype, 2)
+    pf_name = _prefetch_wait_name(nope, L, ELEM)
+    pf_src = _prefetch_wait_source(nope, L, ELEM, threads) if l2_prefetch else ""
 
     @T.prim_func(private=True, s_tir=True)
     def mla_prologue(var_q: T.handle, var_kv: T.handle, w: T.Buffer((H, nope, L), dtype),
@@ -118,6 +126,16 @@ def mla_prologue_cuda(
                     part = T.sblock_alloc_buffer((2,), "float32", scope="local")
                     t: T.let[T.int64] = bx // NB
                     b: T.let[T.int64] = bx % NB
+                    if l2_prefetch:
+                        # this block's W_UK tile -> L2, then the PDL wait (nothing read before)
+                        pf_b: T.let[T.int64] = T.max(b - 1, 0)
+                        T.cuda.func_call(
+                            pf_name,
+                            T.address_of(w[pf_b // TILES, 0, pf_b % TILES * cols]),
+                            T.if_then_else(b == 0, 0, T.min(cols, L - pf_b % TILES * cols)),
+                            tx,
+                            source_code=pf_src,
+                        )
                     if b == 0:
                         # The latent: RMSNorm of c_kv, rope of k_pe.
                         part[0] = T.float32(0)
@@ -200,3 +218,29 @@ def mla_prologue_cuda(
                                 q_lat[t, h, tile * cols + tx] = T.cast(part[0], dtype)
 
     return mla_prologue
+
+
+def _prefetch_wait_name(rows: int, stride: int, elem: int) -> str:
+    return f"mla_prologue_prefetch_wait_r{rows}_s{stride}_e{elem}"
+
+
+def _prefetch_wait_source(rows: int, stride: int, elem: int, threads: int) -> str:
+    """CUDA: ``mla_prologue_prefetch_wait_*(tile, cols, tid)``: threads ``< rows`` each ask L2
+    for one row of a ``W_UK`` tile (``cols`` values of ``elem`` bytes from ``tile + row *
+    stride``; nothing for ``cols == 0``), then the PDL wait."""
+    name = _prefetch_wait_name(rows, stride, elem)
+    return (
+        grid_wait_source()
+        + l2_prefetch_source()
+        + f"""
+#ifndef {name.upper()}
+#define {name.upper()}
+__device__ __forceinline__ void {name}(const void* tile, long long cols, int tid) {{
+  const char* base = static_cast<const char*>(tile);
+  for (int r = tid; cols > 0 && r < {rows}; r += {threads})
+    {L2_PREFETCH}(base + (long long)r * {stride * elem}, (unsigned)(cols * {elem}));
+  {GRID_WAIT}();
+}}
+#endif
+"""
+    )

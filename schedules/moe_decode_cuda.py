@@ -25,6 +25,16 @@ Here, after the router's logits GEMV:
    ``out[o] = sum_j w_j * (down_{ids[j]}[o] . h_j) + shared_down[o] . h_s`` over one flattened
    range of 32-element chunks (``top_k * I / 32`` routed, then ``Is / 32`` shared).
 
+**L2 prefetches, lab variants** (``GateUpTiles.l2_rows`` / ``l2_down``, off by default;
+``cp.async.bulk.prefetch`` through :func:`~dsv2_mlc.schedules.cuda_call.l2_prefetch_source`):
+``l2_rows`` has each gate/up warp ask L2 for its later shared-expert rows before its PDL wait and,
+once routed, for all its routed rows (lane ``m`` the ``m``-th); ``l2_down`` has each warp, after
+its last row, ask L2 for its ``1 / (blocks * warps)`` piece of each selected expert's down rows,
+on behalf of the down kernel (which cannot load them before its wait: the ids come from this
+kernel). On the H200 in the model the first made gate/up 1.9 us slower; the second moved ~1.4 us
+from the down kernel into gate/up, whose blocks then end later (schedules/results/moe_decode.md,
+round 6).
+
 INT4 group weights as :mod:`dsv2_mlc.passes.quantize_int4` stores them (``[rows, K / 8]`` uint32,
 nibble ``i`` of word ``j`` is element ``8 j + i``, value ``(q - 8) * scale[k // group]``). Each
 32-element chunk (one 16-byte load, one scale) is one call of the half2 dot product of
@@ -41,7 +51,14 @@ from dataclasses import dataclass
 
 from tvm import tirx
 
-from .cuda_call import GRID_WAIT, TOKENS, grid_wait_source, token_grid_call
+from .cuda_call import (
+    GRID_WAIT,
+    L2_PREFETCH,
+    TOKENS,
+    grid_wait_source,
+    l2_prefetch_source,
+    token_grid_call,
+)
 from .decode_gemv_cuda import dot32_source
 from .moe_routing import route_warp_source
 
@@ -131,11 +148,14 @@ class GateUpTiles:
     blocks: int
     run: int = 16
     min_blocks: int = 0  # __launch_bounds__ blocks an SM (caps the registers), 0: none
+    l2_rows: bool = False  # L2-prefetch a warp's later rows (module docstring; slower)
+    l2_down: bool = False  # L2-prefetch the routed down rows for the next kernel (no net gain)
 
     @property
     def name(self) -> str:
         bound = f"_m{self.min_blocks}" if self.min_blocks else ""
-        return f"w{self.warps}_b{self.blocks}_h{self.run}{bound}"
+        pf = ("_pr" if self.l2_rows else "") + ("_pd" if self.l2_down else "")
+        return f"w{self.warps}_b{self.blocks}_h{self.run}{bound}{pf}"
 
 
 # Defaults (the kernel lab's candidates: scripts/kernel_lab_moe_decode.py).
@@ -174,6 +194,11 @@ def gate_up_source(s: MoeDecodeShape, tiles: GateUpTiles) -> tuple[str, str]:
     exact = "true" if nch % 32 == 0 else "false"
     items = s.total  # outputs: the shared experts' first, then the routed slots'
     stride = NB * W
+    L2R, L2D = ("true" if on else "false" for on in (tiles.l2_rows, tiles.l2_down))
+    srow_ok = "true" if (H // G * 2) % 16 == 0 else "false"
+    # L2 prefetch of the routed experts' down rows: this block's 16-byte-aligned slice of each
+    down_w, down_s = H * NI // 2, H * (NI // G) * 2  # bytes of one expert's down weights/scales
+    piece_w, piece_s = (-(-b // (NB * W * 16)) * 16 for b in (down_w, down_s))  # a warp's
     tag = f"h{H}_i{NI}_s{IS}_k{K}_g{G}_{route_name}_{tiles.name}"
     name = f"dsv2_moe_gu_{tag}"
     src = f"""
@@ -187,38 +212,58 @@ struct dsv2_gu_buf_{tag} {{
 __device__ __forceinline__ int dsv2_gu_out_{tag}(int i) {{
   return i < {IS} ? {K * NI} + i : i - {IS};
 }}
+// the gate row of item i (shared expert row i < Is, else routed slot row i - Is: ids ready)
+// and the offsets of its up row (weights, scales)
+struct dsv2_gu_row_{tag} {{
+  const unsigned* gp;
+  const half* gs;
+  long long up_w, up_s;
+}};
+__device__ __forceinline__ dsv2_gu_row_{tag} dsv2_gu_row_at_{tag}(int i,
+    const unsigned* __restrict__ w, const half* __restrict__ s,
+    const unsigned* __restrict__ sw, const half* __restrict__ ss, const int* ids) {{
+  if (i < {IS})
+    return {{sw + (long long)i * {H // 8}, ss + (long long)i * {H // G},
+             (long long){IS} * {H // 8}, (long long){IS} * {H // G}}};
+  const int o = i - {IS};
+  const int j = o / {NI}, r = o - j * {NI};
+  const long long row = (long long)ids[j] * {2 * NI} + r;
+  return {{w + row * {H // 8}, s + row * {H // G}, (long long){NI} * {H // 8},
+           (long long){NI} * {H // G}}};
+}}
 __device__ __forceinline__ void dsv2_gu_load_{tag}(dsv2_gu_buf_{tag}& b, int i, int lane,
     const unsigned* __restrict__ w, const half* __restrict__ s,
     const unsigned* __restrict__ sw, const half* __restrict__ ss, const int* ids,
     volatile int* ready) {{
-  const unsigned* gp;
-  const half* gs;
-  long long up_w, up_s;
-  if (i < {IS}) {{
-    gp = sw + (long long)i * {H // 8};
-    gs = ss + (long long)i * {H // G};
-    up_w = (long long){IS} * {H // 8};
-    up_s = (long long){IS} * {H // G};
-  }} else {{
+  if (i >= {IS}) {{
     while (*ready == 0) __nanosleep(20);
     __threadfence_block();
-    const int o = i - {IS};
-    const int j = o / {NI}, r = o - j * {NI};
-    const long long row = (long long)ids[j] * {2 * NI} + r;
-    gp = w + row * {H // 8};
-    gs = s + row * {H // G};
-    up_w = (long long){NI} * {H // 8};
-    up_s = (long long){NI} * {H // G};
   }}
+  const dsv2_gu_row_{tag} p = dsv2_gu_row_at_{tag}(i, w, s, sw, ss, ids);
 #pragma unroll
   for (int j = 0; j < {cpl}; ++j) {{
     const int c = lane + 32 * j;
     if ({exact} || c < {nch}) {{
-      b.g[j] = reinterpret_cast<const uint4*>(gp)[c];
-      b.u[j] = reinterpret_cast<const uint4*>(gp + up_w)[c];
-      b.sg[j] = gs[c * {_CHUNK} / {G}];
-      b.su[j] = gs[up_s + c * {_CHUNK} / {G}];
+      b.g[j] = reinterpret_cast<const uint4*>(p.gp)[c];
+      b.u[j] = reinterpret_cast<const uint4*>(p.gp + p.up_w)[c];
+      b.sg[j] = p.gs[c * {_CHUNK} / {G}];
+      b.su[j] = p.gs[p.up_s + c * {_CHUNK} / {G}];
     }}
+  }}
+}}
+// L2 prefetch of the gate and up rows (weights, scales) of item i + lane * {stride}, if it is a
+// shared item (shared = true) or a routed one (false; ids must be ready)
+__device__ __forceinline__ void dsv2_gu_prefetch_{tag}(int i, int lane, bool shared,
+    const unsigned* __restrict__ w, const half* __restrict__ s,
+    const unsigned* __restrict__ sw, const half* __restrict__ ss, const int* ids) {{
+  const int it = i + lane * {stride};
+  if (it >= {items} || (shared && it >= {IS}) || (!shared && it < {IS})) return;
+  const dsv2_gu_row_{tag} p = dsv2_gu_row_at_{tag}(it, w, s, sw, ss, ids);
+  {L2_PREFETCH}(p.gp, {H // 2});
+  {L2_PREFETCH}(p.gp + p.up_w, {H // 2});
+  if ({srow_ok}) {{  // a row's scales, where they are whole 16-byte pieces
+    {L2_PREFETCH}(p.gs, {H // G * 2});
+    {L2_PREFETCH}(p.gs + p.up_s, {H // G * 2});
   }}
 }}
 __device__ __forceinline__ void dsv2_gu_store_{tag}(const dsv2_gu_buf_{tag}& b, int i, int lane,
@@ -241,6 +286,7 @@ __device__ __forceinline__ void dsv2_gu_store_{tag}(const dsv2_gu_buf_{tag}& b, 
 __device__ __forceinline__ void {name}(const half* __restrict__ x,
     const float* __restrict__ logits, const unsigned* __restrict__ w,
     const half* __restrict__ s, const unsigned* __restrict__ sw, const half* __restrict__ ss,
+    const unsigned* __restrict__ dw, const half* __restrict__ ds,
     half* __restrict__ hout, float* __restrict__ wout, int* __restrict__ iout, long long t,
     int blk, int tid) {{
   __shared__ float s_w[{K}];
@@ -259,6 +305,7 @@ __device__ __forceinline__ void {name}(const half* __restrict__ x,
   // load before the wait (PDL: overlapping the previous kernel), the logits are read after it
   const bool early = i < {IS} && warp != 0;
   if (early) dsv2_gu_load_{tag}(a, i, lane, w, s, sw, ss, s_ids, ready);
+  if ({L2R}) dsv2_gu_prefetch_{tag}(i + {stride}, lane, true, w, s, sw, ss, s_ids);
   {GRID_WAIT}();
   if (warp != 0 && !early && i < {items})
     dsv2_gu_load_{tag}(a, i, lane, w, s, sw, ss, s_ids, ready);
@@ -283,8 +330,15 @@ __device__ __forceinline__ void {name}(const half* __restrict__ x,
       for (int k = 0; k < 4; ++k) xv[j][k] = dsv2_pair8(p[k]);  // pair order, once
     }}
   }}
+  bool routed_pf = !{L2R};  // the warp's routed rows: prefetched at its first routed load
   while (i < {items}) {{
     const int i1 = i + {stride};
+    if (!routed_pf && i1 >= {IS}) {{
+      while (*ready == 0) __nanosleep(20);
+      __threadfence_block();
+      dsv2_gu_prefetch_{tag}(i1, lane, false, w, s, sw, ss, s_ids);
+      routed_pf = true;
+    }}
     if (i1 < {items}) dsv2_gu_load_{tag}(b, i1, lane, w, s, sw, ss, s_ids, ready);
     dsv2_gu_store_{tag}(a, i, lane, xv, hrow);
     if (i1 >= {items}) break;
@@ -293,10 +347,26 @@ __device__ __forceinline__ void {name}(const half* __restrict__ x,
     dsv2_gu_store_{tag}(b, i1, lane, xv, hrow);
     i = i2;
   }}
+  if ({L2D}) {{
+    // after its last row, the next kernel's routed down rows: warp w takes part w of this
+    // block's slice of each selected expert's weights (q < K) and scales (q >= K), lane q
+    while (*ready == 0) __nanosleep(20);
+    __threadfence_block();
+    for (int q = lane; q < {2 * K}; q += 32) {{
+      const bool sc = q >= {K};
+      const long long e = s_ids[sc ? q - {K} : q];
+      const long long total = sc ? {down_s} : {down_w}, piece = sc ? {piece_s} : {piece_w};
+      const long long off = (long long)(blk * {W} + warp) * piece;
+      const char* base = sc ? reinterpret_cast<const char*>(ds + e * {H * (NI // G)})
+                            : reinterpret_cast<const char*>(dw + e * {H * NI // 8});
+      if (off < total) {L2_PREFETCH}(base + off, (unsigned)min(piece, total - off));
+    }}
+  }}
 }}
 #endif
 """
-    return name, grid_wait_source() + dot32_source(tiles.run) + route_src + src
+    pre = grid_wait_source() + l2_prefetch_source() + dot32_source(tiles.run)
+    return name, pre + route_src + src
 
 
 def down_source(s: MoeDecodeShape, tiles: DecodeTiles) -> tuple[str, str]:
@@ -407,7 +477,8 @@ def _blocks(outputs: int, tiles: DecodeTiles) -> int:
 
 def moe_gate_up_decode(s: MoeDecodeShape, tiles: GateUpTiles = GATE_UP_TILES) -> tirx.PrimFunc:
     """``f(x [n, H] f16, logits [n, E] f32, w [E, 2I, H/8] u32, s [E, 2I, H/g] f16,
-    shared_w [2 Is, H/8] u32, shared_s [2 Is, H/g] f16) -> (h [n, K I + Is] f16,
+    shared_w [2 Is, H/8] u32, shared_s [2 Is, H/g] f16, down_w [E, H, I/8] u32,
+    down_s [E, H, I/g] f16) -> (h [n, K I + Is] f16,
     weights [n, K] f32, ids [n, K] i32)`` (module docstring, kernel 1)."""
     why = s.unsupported()
     if why:
@@ -433,6 +504,8 @@ def gate_up_params(s: MoeDecodeShape) -> list[tuple]:
         ("sc", (E, 2 * NI, H // G), "float16"),
         ("sw", (2 * IS, H // 8), "uint32"),
         ("ss", (2 * IS, H // G), "float16"),
+        ("dw", (E, H, NI // 8), "uint32"),
+        ("ds", (E, H, NI // G), "float16"),
         ("hout", (TOKENS, K * NI + IS), "float16"),
         ("wout", (TOKENS, K), "float32"),
         ("iout", (TOKENS, K), "int32"),

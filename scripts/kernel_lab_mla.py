@@ -66,6 +66,9 @@ VARIANTS: dict[str, dict] = {
     "pipe3_pp2_mpf": dict(
         stages=3, min_pages_per_split=2, max_split=128, target_blocks=264, merge_prefetch=True
     ),
+    # Fourth round: ours with the split's pages asked of L2 before the PDL wait (in the model:
+    # no change; a lab call cannot show it, its launches have no programmatic predecessor)
+    "ours_l2": dict(l2_prefetch=True),
 }
 BAD_REL, BAD_LSE = 2e-3, 1e-3  # a result worse than this is flagged "!"
 

@@ -47,10 +47,13 @@ SHAPES: dict[str, dict] = {
         routed_scaling_factor=16.0,
     ),
 }
-# (warps, blocks, run[, min_blocks]) of GateUpTiles and (warps, lanes, rows, run[, min_blocks])
-# of DecodeTiles (min_blocks: __launch_bounds__ blocks an SM); the first of each is the default
+# (warps, blocks, run[, min_blocks, l2_rows, l2_down]) of GateUpTiles and (warps, lanes, rows,
+# run[, min_blocks]) of DecodeTiles (min_blocks: __launch_bounds__ blocks an SM; l2_*: the L2
+# prefetches of the gate/up kernel); the first of each is the default
 GATE_UP_VARIANTS = (
     (8, 264, 16),
+    (8, 264, 16, 0, True, False),  # w8_b264_h16_pr: L2 prefetch of the rows
+    (8, 264, 16, 0, False, True),  # w8_b264_h16_pd: of the down rows, for the next kernel
     (8, 132, 16),
     (4, 264, 16),
     (8, 396, 16),
@@ -236,7 +239,8 @@ def run(args: argparse.Namespace) -> int:
                     w = torch.empty(n, shape["top_k"], device="cuda")
                     ids = torch.empty(n, shape["top_k"], dtype=torch.int32, device="cuda")
                     call = ffi(d["x"], d["logits"], d["gu_w"].view(u32), d["gu_s"],
-                               d["sgu_w"].view(u32), d["sgu_s"], h, w, ids)  # fmt: skip
+                               d["sgu_w"].view(u32), d["sgu_s"], d["dn_w"].view(u32),
+                               d["dn_s"], h, w, ids)  # fmt: skip
                     fn(*call)
                     torch.cuda.synchronize()
                     errs = {

@@ -17,13 +17,14 @@ the next (a barrier between blocks).
 compiles it with AddressSanitizer into an executable that runs the grid, and returns a launcher:
 the arrays go through files, so an out-of-bounds access (ASan) or a deadlock (the timeout) fails
 the test instead of taking pytest down. Emulation limits: one-dimensional blocks and grids, no
-inline PTX outside ``#if defined(__CUDA_ARCH__)`` blocks (whose ``#else`` branch is compiled
-instead: the bulk-copy and mbarrier helpers call the ``dsv2_emu_*`` functions, where a copy lands at
-issue), dynamic shared memory as one static array, warp collectives over the whole warp only, and
-the threads of a warp are not in lockstep (code that relies on implicit warp synchronisation,
-without ``__syncwarp``, is not modelled); the OS scheduler, not the GPU's, decides the interleaving
-(``slow_warp``: that warp sleeps 5 ms at its first collective in every block, so that the others run
-ahead of it).
+inline PTX outside ``#if defined(__CUDA_ARCH__)`` blocks (whose ``#else`` or ``#elif
+defined(DSV2_EMULATION)`` branch is compiled instead: the bulk-copy and mbarrier helpers call the
+``dsv2_emu_*`` functions, where a copy lands at issue; an L2 prefetch is checked for alignment and
+bounds and counted), dynamic shared memory as one static array, warp collectives over the whole
+warp only, and the threads of a warp are not in lockstep (code that relies on implicit warp
+synchronisation, without ``__syncwarp``, is not modelled); the OS scheduler, not the GPU's, decides
+the interleaving (``slow_warp``: that warp sleeps 5 ms at its first collective in every block, so
+that the others run ahead of it).
 """
 
 from __future__ import annotations
@@ -126,6 +127,7 @@ static std::barrier<>* g_warp_bar[32];
 static uint64_t g_lane_val[1024];
 static int g_slow_warp = -1;
 static std::atomic<long long> g_naps{0};
+static std::atomic<long long> g_prefetches{0}, g_prefetch_bytes{0};
 struct EmuRegion { void* p; size_t n; };
 static std::vector<EmuRegion> g_shared;
 static void emu_fail(const char* what) { fprintf(stderr, "emulation: %s\n", what); std::abort(); }
@@ -138,6 +140,16 @@ static bool emu_shared(void* p, size_t n) {
 static inline void __syncthreads() { g_block_bar->arrive_and_wait(); }
 static inline void __threadfence_block() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 static inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+// an L2 prefetch (cp.async.bulk.prefetch): checked for alignment, and for bounds by reading its
+// first and last byte (AddressSanitizer), then counted
+static inline void dsv2_emu_l2_prefetch(const void* p, unsigned bytes) {
+  if (bytes == 0 || bytes % 16 || (uintptr_t)p % 16) emu_fail("L2 prefetch alignment or size");
+  const volatile unsigned char* c = static_cast<const volatile unsigned char*>(p);
+  (void)c[0];
+  (void)c[bytes - 1];
+  ++g_prefetches;
+  g_prefetch_bytes += bytes;
+}
 // 1 ms whatever the argument: a spinning thread must leave the CPU to the threads it waits for
 static inline void __nanosleep(unsigned) {
   ++g_naps;
@@ -285,6 +297,8 @@ int main(int argc, char** argv) {
     free(a[i]);
   }
   printf("emu: nanosleep %lld\n", g_naps.load());
+  printf("emu: prefetches %lld\n", g_prefetches.load());
+  printf("emu: prefetch_bytes %lld\n", g_prefetch_bytes.load());
   return 0;
 }
 """
@@ -358,7 +372,8 @@ class Emulated:
         timeout: float = 300,
     ) -> dict[str, int]:
         """Run ``grid`` blocks on ``arrays`` (by buffer name; contiguous, updated in place) and
-        the scalar arguments; returns counters (``nanosleep``: ``__nanosleep`` calls)."""
+        the scalar arguments; returns counters (``nanosleep``: ``__nanosleep`` calls,
+        ``prefetches`` / ``prefetch_bytes``: L2 prefetches and their bytes)."""
         assert len(scalars) == len(self.scalars), f"scalars {self.scalars}"
         work = self.exe.parent / f"{self.exe.name}.io"
         work.mkdir(exist_ok=True)
@@ -390,7 +405,8 @@ def emulate(
     assert len(kernels) == 1, f"expected one kernel, found {len(kernels)}"
     # code for the GPU only (PDL's wait, bulk copies): its CPU branch (#else), if any, instead
     body = re.sub(
-        r"#if defined\(__CUDA_ARCH__\)[^\n]*\n(?:(?!#else|#endif).)*?(?:#else\n(.*?))?#endif\n",
+        r"#if defined\(__CUDA_ARCH__\)[^\n]*\n(?:(?!#else|#elif|#endif).)*?"
+        r"(?:(?:#else|#elif defined\(DSV2_EMULATION\))\n(.*?))?#endif\n",
         lambda m: m.group(1) or "",
         body,
         flags=re.S,

@@ -69,6 +69,27 @@ def test_lab_variants_compile(tmp_path: Path, variant: str) -> None:
     check_fatbin(tmp_path / "m.so", "sm_90")
 
 
+@needs_nvcc
+def test_l2_prefetch_variant_waits_after_its_prefetches() -> None:
+    """In a PDL build the split kernel of ``l2_prefetch=True`` asks L2 for its pages and then
+    waits itself (so the pass adds no wait in front), the merge kernel starts with the wait."""
+    from dsv2_mlc.compiler.cuda import cuda_codegen, cuda_sources, make_cuda_target
+    from dsv2_mlc.passes.grid_dependency_control import WAIT, kernels_without_wait
+    from dsv2_mlc.passes.pipeline import tir_pipeline
+
+    target = make_cuda_target("sm_90")
+    func = mla_attention_cuda(16, 512, 64, l2_prefetch=True).with_attr("global_symbol", "m")
+    with cuda_codegen(), target:
+        lib = tvm.compile(tvm.IRModule({"m": func}), target=target, tir_pipeline=tir_pipeline(True))
+    (src,) = cuda_sources(lib.mod)
+    kernels, missing = kernels_without_wait(src)
+    assert len(kernels) == 2 and missing == []
+    assert "cp.async.bulk.prefetch.L2.global" in src
+    bodies = {k: src.split(f" {k}(")[-1].split("{", 1)[1].lstrip() for k in kernels}
+    starts = sorted(body.startswith(f"{WAIT}();") for body in bodies.values())
+    assert starts == [False, True]  # the split kernel waits inside mla_prefetch_wait_*
+
+
 # Names of the PrimFunc's shape variables and buffers besides ``total_len`` (the query rows).
 _CONTEXT_NAMES = (
     "nnz_pages",

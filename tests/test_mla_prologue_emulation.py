@@ -60,7 +60,8 @@ def test_prologue_matches_numpy(tmp_path, heads, nope, rope, lora, q_a, dtype, k
     latent = np.full((n, lora + rope), np.nan, dtype)
     blocks = 1 + heads * -(-lora // kwargs.get("cols", 64))
     arrays = {"q": q, "kv": kv, "w": w, "norm_w": norm_w, "tab": tab}
-    emulate(func, tmp_path)(blocks * n, {**arrays, "q_lat": q_lat, "latent": latent}, n)
+    stats = emulate(func, tmp_path)(blocks * n, {**arrays, "q_lat": q_lat, "latent": latent}, n)
+    assert stats["prefetch_bytes"] == n * w.nbytes  # each token's tiles: all of W_UK, once
 
     qh = q.astype(np.float64)[:, :qk].reshape(n, heads, nope + rope)
     q_abs = np.einsum("nhd,hdc->nhc", qh[..., :nope], w.astype(np.float64))

@@ -116,16 +116,45 @@ def _check_gate_up(
     return ref_w, ref_ids
 
 
+def _gate_up_prefetch_bytes(s: MoeDecodeShape, gu: GateUpTiles, n: int) -> int:
+    """Bytes the gate/up kernel asks L2 for (``schedules/moe_decode_cuda.py``): each warp's
+    later shared rows (before the wait), its routed rows from the first one it has not loaded
+    yet (looked for at every other step of its loop: lane ``m`` takes the ``m``-th), and each
+    block's slice of the selected experts' down rows (together: each expert's whole rows once)."""
+    H, NI, IS, K, G = s.hidden, s.inter, s.shared_inter, s.top_k, s.group
+    items, stride = s.total, gu.blocks * gu.warps
+    rows = 0
+    for i0 in range(stride) if gu.l2_rows else ():
+        rows += sum(1 for m in range(1, 33) if i0 + m * stride < IS)
+        i = i0
+        while i < items:
+            i1 = i + stride
+            if i1 >= IS:
+                rows += sum(1 for m in range(32) if i1 + m * stride < items)
+                break
+            i = i1 + stride
+    down = K * (H * NI // 2 + H * (NI // G) * 2) if gu.l2_down else 0
+    row = H // 2 + (H // G * 2 if H // G * 2 % 16 == 0 else 0)  # scales: whole 16-byte pieces
+    return n * (rows * 2 * row + down)
+
+
 @pytest.mark.parametrize(
     ("shape", "gu", "dn", "n", "waits"),
     [
         (GREEDY, GateUpTiles(2, 3, 16), DecodeTiles(2, 8, 2, 8), 3, False),
         # 80 warps for 128 rows: warps 64-79 start on a routed row, so they wait for routing
-        (LIMITED, GateUpTiles(4, 20, 8), DecodeTiles(4, 32, 3, 16), 3, True),
+        # (with the lab's L2 prefetches: checked for alignment and bounds, and counted)
+        (
+            LIMITED,
+            GateUpTiles(4, 20, 8, l2_rows=True, l2_down=True),
+            DecodeTiles(4, 32, 3, 16),
+            3,
+            True,
+        ),
         (RENORM, GateUpTiles(1, 5, 4), DecodeTiles(1, 2, 1, 4), 3, False),
         (MEDIUM, GateUpTiles(8, 4, 16), DecodeTiles(8, 32, 2, 8), 2, False),
-        (MEDIUM, GateUpTiles(4, 7, 8), DecodeTiles(4, 16, 3, 16), 1, False),
-        (LONG, GateUpTiles(4, 3, 16), DecodeTiles(2, 4, 4, 8), 2, False),
+        (MEDIUM, GateUpTiles(4, 7, 8, l2_down=True), DecodeTiles(4, 16, 3, 16), 1, False),
+        (LONG, GateUpTiles(4, 3, 16, l2_rows=True), DecodeTiles(2, 4, 4, 8), 2, False),
     ],
     ids=["greedy", "limited", "renorm", "medium", "medium-b", "long"],
 )
@@ -146,11 +175,12 @@ def test_moe_decode_kernels_match_numpy(
     h = np.full((n, s.total), np.nan, np.float16)
     weights = np.full((n, K), np.nan, np.float32)
     ids = np.full((n, K), -1, np.int32)
-    arrays = {"x": x, "logits": logits, "w": w, "sc": sc, "sw": sw, "ss": ss}
+    arrays = {"x": x, "logits": logits, "w": w, "sc": sc, "sw": sw, "ss": ss, "dw": dw, "ds": ds}
     run = emulate(moe_gate_up_decode(s, gu), tmp_path, "gate_up")
     stats = run(n * gu.blocks, {**arrays, "hout": h, "wout": weights, "iout": ids}, n, slow_warp=0)
     if waits:
         assert stats["nanosleep"] > 0, "no warp waited for the routing flag"
+    assert stats["prefetch_bytes"] == _gate_up_prefetch_bytes(s, gu, n)
     ref_w, ref_ids = _check_gate_up(s, x, logits, wv, swv, h, weights, ids)
 
     # kernel 2: down projections + weighted sum, on kernel 1's h and routing
@@ -241,10 +271,11 @@ def test_gate_up_bulk_matches_numpy(
     logits = _logits(rng, n, s.experts)
     w, sc, wv = random_int4(rng, (s.experts, 2 * s.inter), s.hidden, s.group)
     sw, ss, swv = random_int4(rng, (2 * s.shared_inter,), s.hidden, s.group)
+    dw, ds, _ = random_int4(rng, (s.experts, s.hidden), s.inter, s.group)  # (not read)
     h = np.full((n, s.total), np.nan, np.float16)
     weights = np.full((n, s.top_k), np.nan, np.float32)
     ids = np.full((n, s.top_k), -1, np.int32)
-    arrays = {"x": x, "logits": logits, "w": w, "sc": sc, "sw": sw, "ss": ss}
+    arrays = {"x": x, "logits": logits, "w": w, "sc": sc, "sw": sw, "ss": ss, "dw": dw, "ds": ds}
     run = emulate(moe_gate_up_bulk(s, tiles), tmp_path, "gate_up_bulk")
     run(n * tiles.blocks, {**arrays, "hout": h, "wout": weights, "iout": ids}, n, slow_warp=0)
     _check_gate_up(s, x, logits, wv, swv, h, weights, ids)
