@@ -212,8 +212,8 @@ struct dsv2_gu_buf_{tag} {{
 __device__ __forceinline__ int dsv2_gu_out_{tag}(int i) {{
   return i < {IS} ? {K * NI} + i : i - {IS};
 }}
-// the gate row of item i (shared expert row i < Is, else routed slot row i - Is: ids ready)
-// and the offsets of its up row (weights, scales)
+// the gate row of item i (shared expert row i < Is, else routed slot row i - Is, after waiting
+// for the block's routing if `wait`) and the offsets of its up row
 struct dsv2_gu_row_{tag} {{
   const unsigned* gp;
   const half* gs;
@@ -221,25 +221,34 @@ struct dsv2_gu_row_{tag} {{
 }};
 __device__ __forceinline__ dsv2_gu_row_{tag} dsv2_gu_row_at_{tag}(int i,
     const unsigned* __restrict__ w, const half* __restrict__ s,
-    const unsigned* __restrict__ sw, const half* __restrict__ ss, const int* ids) {{
-  if (i < {IS})
-    return {{sw + (long long)i * {H // 8}, ss + (long long)i * {H // G},
-             (long long){IS} * {H // 8}, (long long){IS} * {H // G}}};
-  const int o = i - {IS};
-  const int j = o / {NI}, r = o - j * {NI};
-  const long long row = (long long)ids[j] * {2 * NI} + r;
-  return {{w + row * {H // 8}, s + row * {H // G}, (long long){NI} * {H // 8},
-           (long long){NI} * {H // G}}};
+    const unsigned* __restrict__ sw, const half* __restrict__ ss, const int* ids, bool wait,
+    volatile int* ready) {{
+  dsv2_gu_row_{tag} p;
+  if (i < {IS}) {{
+    p.gp = sw + (long long)i * {H // 8};
+    p.gs = ss + (long long)i * {H // G};
+    p.up_w = (long long){IS} * {H // 8};
+    p.up_s = (long long){IS} * {H // G};
+  }} else {{
+    if (wait) {{
+      while (*ready == 0) __nanosleep(20);
+      __threadfence_block();
+    }}
+    const int o = i - {IS};
+    const int j = o / {NI}, r = o - j * {NI};
+    const long long row = (long long)ids[j] * {2 * NI} + r;
+    p.gp = w + row * {H // 8};
+    p.gs = s + row * {H // G};
+    p.up_w = (long long){NI} * {H // 8};
+    p.up_s = (long long){NI} * {H // G};
+  }}
+  return p;
 }}
 __device__ __forceinline__ void dsv2_gu_load_{tag}(dsv2_gu_buf_{tag}& b, int i, int lane,
     const unsigned* __restrict__ w, const half* __restrict__ s,
     const unsigned* __restrict__ sw, const half* __restrict__ ss, const int* ids,
     volatile int* ready) {{
-  if (i >= {IS}) {{
-    while (*ready == 0) __nanosleep(20);
-    __threadfence_block();
-  }}
-  const dsv2_gu_row_{tag} p = dsv2_gu_row_at_{tag}(i, w, s, sw, ss, ids);
+  const dsv2_gu_row_{tag} p = dsv2_gu_row_at_{tag}(i, w, s, sw, ss, ids, true, ready);
 #pragma unroll
   for (int j = 0; j < {cpl}; ++j) {{
     const int c = lane + 32 * j;
@@ -258,7 +267,7 @@ __device__ __forceinline__ void dsv2_gu_prefetch_{tag}(int i, int lane, bool sha
     const unsigned* __restrict__ sw, const half* __restrict__ ss, const int* ids) {{
   const int it = i + lane * {stride};
   if (it >= {items} || (shared && it >= {IS}) || (!shared && it < {IS})) return;
-  const dsv2_gu_row_{tag} p = dsv2_gu_row_at_{tag}(it, w, s, sw, ss, ids);
+  const dsv2_gu_row_{tag} p = dsv2_gu_row_at_{tag}(it, w, s, sw, ss, ids, false, nullptr);
   {L2_PREFETCH}(p.gp, {H // 2});
   {L2_PREFETCH}(p.gp + p.up_w, {H // 2});
   if ({srow_ok}) {{  // a row's scales, where they are whole 16-byte pieces
