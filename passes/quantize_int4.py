@@ -165,10 +165,7 @@ class GroupQuantExperts(nn.Module):
         hidden, weights, idx = op.tensor_ir_op(
             moe_gate_up_decode(shape),
             "moe_decode_gate_up",
-            args=[
-                *(x, logits, self.gate_up_q_weight, self.gate_up_q_scale, su.q_weight, su.q_scale),
-                *(self.down_q_weight, self.down_q_scale),  # (L2 prefetch for the down kernel)
-            ],
+            args=[x, logits, self.gate_up_q_weight, self.gate_up_q_scale, su.q_weight, su.q_scale],
             out=[
                 Tensor.placeholder((n, shape.total), x.dtype),
                 Tensor.placeholder((n, k), "float32"),

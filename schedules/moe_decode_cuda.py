@@ -194,11 +194,37 @@ def gate_up_source(s: MoeDecodeShape, tiles: GateUpTiles) -> tuple[str, str]:
     exact = "true" if nch % 32 == 0 else "false"
     items = s.total  # outputs: the shared experts' first, then the routed slots'
     stride = NB * W
-    L2R, L2D = ("true" if on else "false" for on in (tiles.l2_rows, tiles.l2_down))
+    L2R = "true" if tiles.l2_rows else "false"
     srow_ok = "true" if (H // G * 2) % 16 == 0 else "false"
-    # L2 prefetch of the routed experts' down rows: this block's 16-byte-aligned slice of each
-    down_w, down_s = H * NI // 2, H * (NI // G) * 2  # bytes of one expert's down weights/scales
-    piece_w, piece_s = (-(-b // (NB * W * 16)) * 16 for b in (down_w, down_s))  # a warp's
+    # l2_down: after its last row, each warp asks L2 for its 16-byte-aligned piece of each
+    # selected expert's down rows (bytes of one expert's weights / scales, of a warp's piece)
+    down_w, down_s = H * NI // 2, H * (NI // G) * 2
+    piece_w, piece_s = (-(-b // (NB * W * 16)) * 16 for b in (down_w, down_s))
+    down_tail = (
+        f"""
+  // after its last row, the next kernel's routed down rows: warp w takes part w of this
+  // block's slice of each selected expert's weights (q < K) and scales (q >= K), lane q
+  while (*ready == 0) __nanosleep(20);
+  __threadfence_block();
+  for (int q = lane; q < {2 * K}; q += 32) {{
+    const bool sc = q >= {K};
+    const long long e = s_ids[sc ? q - {K} : q];
+    const long long total = sc ? {down_s} : {down_w}, piece = sc ? {piece_s} : {piece_w};
+    const long long off = (long long)(blk * {W} + warp) * piece;
+    const char* base = sc ? reinterpret_cast<const char*>(ds + e * {H * (NI // G)})
+                          : reinterpret_cast<const char*>(dw + e * {H * NI // 8});
+    if (off < total) {L2_PREFETCH}(base + off, (unsigned)min(piece, total - off));
+  }}
+"""
+        if tiles.l2_down
+        else ""
+    )
+    # the down rows' buffers: parameters only of the l2_down variant
+    down_params = (
+        "const unsigned* __restrict__ dw, const half* __restrict__ ds,\n    "
+        if tiles.l2_down
+        else ""
+    )
     tag = f"h{H}_i{NI}_s{IS}_k{K}_g{G}_{route_name}_{tiles.name}"
     name = f"dsv2_moe_gu_{tag}"
     src = f"""
@@ -295,9 +321,8 @@ __device__ __forceinline__ void dsv2_gu_store_{tag}(const dsv2_gu_buf_{tag}& b, 
 __device__ __forceinline__ void {name}(const half* __restrict__ x,
     const float* __restrict__ logits, const unsigned* __restrict__ w,
     const half* __restrict__ s, const unsigned* __restrict__ sw, const half* __restrict__ ss,
-    const unsigned* __restrict__ dw, const half* __restrict__ ds,
-    half* __restrict__ hout, float* __restrict__ wout, int* __restrict__ iout, long long t,
-    int blk, int tid) {{
+    {down_params}half* __restrict__ hout, float* __restrict__ wout, int* __restrict__ iout,
+    long long t, int blk, int tid) {{
   __shared__ float s_w[{K}];
   __shared__ int s_ids[{K}];
   __shared__ float s_p[{E}];
@@ -355,22 +380,7 @@ __device__ __forceinline__ void {name}(const half* __restrict__ x,
     if (i2 < {items}) dsv2_gu_load_{tag}(a, i2, lane, w, s, sw, ss, s_ids, ready);
     dsv2_gu_store_{tag}(b, i1, lane, xv, hrow);
     i = i2;
-  }}
-  if ({L2D}) {{
-    // after its last row, the next kernel's routed down rows: warp w takes part w of this
-    // block's slice of each selected expert's weights (q < K) and scales (q >= K), lane q
-    while (*ready == 0) __nanosleep(20);
-    __threadfence_block();
-    for (int q = lane; q < {2 * K}; q += 32) {{
-      const bool sc = q >= {K};
-      const long long e = s_ids[sc ? q - {K} : q];
-      const long long total = sc ? {down_s} : {down_w}, piece = sc ? {piece_s} : {piece_w};
-      const long long off = (long long)(blk * {W} + warp) * piece;
-      const char* base = sc ? reinterpret_cast<const char*>(ds + e * {H * (NI // G)})
-                            : reinterpret_cast<const char*>(dw + e * {H * NI // 8});
-      if (off < total) {L2_PREFETCH}(base + off, (unsigned)min(piece, total - off));
-    }}
-  }}
+  }}{down_tail}
 }}
 #endif
 """
@@ -486,9 +496,9 @@ def _blocks(outputs: int, tiles: DecodeTiles) -> int:
 
 def moe_gate_up_decode(s: MoeDecodeShape, tiles: GateUpTiles = GATE_UP_TILES) -> tirx.PrimFunc:
     """``f(x [n, H] f16, logits [n, E] f32, w [E, 2I, H/8] u32, s [E, 2I, H/g] f16,
-    shared_w [2 Is, H/8] u32, shared_s [2 Is, H/g] f16, down_w [E, H, I/8] u32,
-    down_s [E, H, I/g] f16) -> (h [n, K I + Is] f16,
-    weights [n, K] f32, ids [n, K] i32)`` (module docstring, kernel 1)."""
+    shared_w [2 Is, H/8] u32, shared_s [2 Is, H/g] f16[, down_w [E, H, I/8] u32, down_s [E, H,
+    I/g] f16]) -> (h [n, K I + Is] f16, weights [n, K] f32, ids [n, K] i32)`` (module docstring,
+    kernel 1; the down rows only with ``tiles.l2_down``)."""
     why = s.unsupported()
     if why:
         raise ValueError(f"moe_gate_up_decode: {why}")
@@ -498,13 +508,19 @@ def moe_gate_up_decode(s: MoeDecodeShape, tiles: GateUpTiles = GATE_UP_TILES) ->
     fname, src = gate_up_source(s, tiles)
 
     return token_grid_call(
-        "moe_gate_up", fname, src, gate_up_params(s), NB, THREADS, min_blocks=tiles.min_blocks
+        "moe_gate_up",
+        fname,
+        src,
+        gate_up_params(s, tiles.l2_down),
+        NB,
+        THREADS,
+        min_blocks=tiles.min_blocks,
     )
 
 
-def gate_up_params(s: MoeDecodeShape) -> list[tuple]:
+def gate_up_params(s: MoeDecodeShape, down: bool = False) -> list[tuple]:
     """The buffers of a gate/up kernel (``token_grid_call`` parameters), see
-    :func:`moe_gate_up_decode`."""
+    :func:`moe_gate_up_decode`; ``down``: with the down rows' (``GateUpTiles.l2_down``)."""
     H, NI, IS, E, K, G = s.hidden, s.inter, s.shared_inter, s.experts, s.top_k, s.group
     return [
         ("x", (TOKENS, H), "float16"),
@@ -513,8 +529,7 @@ def gate_up_params(s: MoeDecodeShape) -> list[tuple]:
         ("sc", (E, 2 * NI, H // G), "float16"),
         ("sw", (2 * IS, H // 8), "uint32"),
         ("ss", (2 * IS, H // G), "float16"),
-        ("dw", (E, H, NI // 8), "uint32"),
-        ("ds", (E, H, NI // G), "float16"),
+        *([("dw", (E, H, NI // 8), "uint32"), ("ds", (E, H, NI // G), "float16")] if down else []),
         ("hout", (TOKENS, K * NI + IS), "float16"),
         ("wout", (TOKENS, K), "float32"),
         ("iout", (TOKENS, K), "int32"),

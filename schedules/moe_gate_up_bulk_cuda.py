@@ -143,7 +143,6 @@ __device__ __forceinline__ void dsv2_gub_issue_{tag}(int m, int r0, int r1,
 __device__ __forceinline__ void {name}(const half* __restrict__ x,
     const float* __restrict__ logits, const unsigned* __restrict__ w,
     const half* __restrict__ sc, const unsigned* __restrict__ sw, const half* __restrict__ ss,
-    const unsigned* __restrict__ dw, const half* __restrict__ ds,  // (unused: the signature)
     half* __restrict__ hout, float* __restrict__ wout, int* __restrict__ iout,
     unsigned* __restrict__ smem, const unsigned* smem_end, long long t, int blk, int tid) {{
   __shared__ float s_w[{K}];

@@ -80,6 +80,15 @@ __device__ __forceinline__ void moe_cp_commit() { asm volatile("cp.async.commit_
 __device__ __forceinline__ void moe_cp_wait_all() {
   asm volatile("cp.async.wait_group 0;\n" ::: "memory");
 }
+// The thread's ACH 16-byte activation pieces of K step kt (columns kt * BK + ...) into the stage
+// at shared address `stage` (cp.async, one commit group).
+template <int ACH, int BK>
+__device__ __forceinline__ void moe_a_stage(unsigned stage, const unsigned* adst,
+                                            const half* const* asrc, int kt) {
+#pragma unroll
+  for (int i = 0; i < ACH; ++i) moe_cp_async16(stage + adst[i], asrc[i] + kt * BK);
+  moe_cp_commit();
+}
 __device__ __forceinline__ void moe_ldsm_x4(unsigned* r, unsigned addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
@@ -289,21 +298,14 @@ __device__ __forceinline__ void moe_mma_tiles_{tag}(
     uint4 wq[BCH];
     half ws[BCH];
     moe_w_load<BCH, BK, G>(wq, ws, bsrc, ssrc, 0, KT, kh);
-#pragma unroll
-    for (int i = 0; i < ACH; ++i) moe_cp_async16(a_base + adst[i], asrc[i]);
-    moe_cp_commit();
+    moe_a_stage<ACH, BK>(a_base, adst, asrc, 0);
 #pragma unroll
     for (int i = 0; i < BCH; ++i) moe_store_w(b_s, br[i], kh, wq[i], ws[i]);
     for (int kt = 0; kt < KT; ++kt) {{
       const int st = kt & 1;
       moe_cp_wait_all();
       __syncthreads();
-      if (kt + 1 < KT) {{
-#pragma unroll
-        for (int i = 0; i < ACH; ++i)
-          moe_cp_async16(a_base + (st ^ 1) * ASTAGE * 2 + adst[i], asrc[i] + (kt + 1) * BK);
-        moe_cp_commit();
-      }}
+      if (kt + 1 < KT) moe_a_stage<ACH, BK>(a_base + (st ^ 1) * ASTAGE * 2, adst, asrc, kt + 1);
       moe_w_load<BCH, BK, G>(wq, ws, bsrc, ssrc, kt + 1, KT, kh);
       if (active) {{
         moe_mma_k64<WN, HALVES>(acc, a_base + st * ASTAGE * 2, b_base + st * BSTAGE * 2, wm, wn,

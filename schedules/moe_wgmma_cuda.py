@@ -155,9 +155,7 @@ __device__ __forceinline__ void moe_wg_tiles_{tag}(
     uint4 wq[BCH];
     half ws[BCH];
     moe_w_load<BCH, BK, G>(wq, ws, bsrc, ssrc, 0, KT, kh);
-#pragma unroll
-    for (int i = 0; i < ACH; ++i) moe_cp_async16(a_base + adst[i], asrc[i]);
-    moe_cp_commit();
+    moe_a_stage<ACH, BK>(a_base, adst, asrc, 0);
 #pragma unroll
     for (int i = 0; i < BCH; ++i) moe_store_w(b_s, br[i], kh, wq[i], ws[i]);
     moe_w_load<BCH, BK, G>(wq, ws, bsrc, ssrc, 1, KT, kh);
@@ -166,12 +164,7 @@ __device__ __forceinline__ void moe_wg_tiles_{tag}(
       moe_cp_wait_all();
       moe_fence_async_smem();
       __syncthreads();
-      if (kt + 1 < KT) {{
-#pragma unroll
-        for (int i = 0; i < ACH; ++i)
-          moe_cp_async16(a_base + (st ^ 1) * ASTAGE * 2 + adst[i], asrc[i] + (kt + 1) * BK);
-        moe_cp_commit();
-      }}
+      if (kt + 1 < KT) moe_a_stage<ACH, BK>(a_base + (st ^ 1) * ASTAGE * 2, adst, asrc, kt + 1);
       moe_wg_fence();
       moe_wg_k64(d, active ? a_base + st * ASTAGE * 2 + wg * 8192 : z_base,
                  b_base + st * BSTAGE * 2);

@@ -97,9 +97,7 @@ __device__ __forceinline__ void moe_wgrs_pair_{tag}(
     half rs[4];   // its scales: row lo k [0, 32) and [32, 64), row hi the same
     rq[0] = __ldg(wlo), rq[1] = __ldg(wlo + 1), rq[2] = __ldg(whi), rq[3] = __ldg(whi + 1);
     rs[0] = slo[0], rs[1] = slo[32 / G], rs[2] = shi[0], rs[3] = shi[32 / G];
-#pragma unroll
-    for (int i = 0; i < ACH; ++i) moe_cp_async16(b_base + adst[i], asrc[i]);
-    moe_cp_commit();
+    moe_a_stage<ACH, BK>(b_base, adst, asrc, 0);
     for (int kt = 0; kt < KT; ++kt) {{
       const int st = kt & 1;
       unsigned af[4][4];  // the fragments of the four k16 slices
@@ -125,12 +123,7 @@ __device__ __forceinline__ void moe_wgrs_pair_{tag}(
       moe_cp_wait_all();
       moe_fence_async_smem();
       __syncthreads();
-      if (kt + 1 < KT) {{
-#pragma unroll
-        for (int i = 0; i < ACH; ++i)
-          moe_cp_async16(b_base + (st ^ 1) * STAGE * 2 + adst[i], asrc[i] + (kt + 1) * BK);
-        moe_cp_commit();
-      }}
+      if (kt + 1 < KT) moe_a_stage<ACH, BK>(b_base + (st ^ 1) * STAGE * 2, adst, asrc, kt + 1);
       const unsigned b_st = b_base + st * STAGE * 2;
       moe_wg_fence();
 #pragma unroll

@@ -238,9 +238,11 @@ def run(args: argparse.Namespace) -> int:
                     h = torch.empty(n, total, dtype=torch.float16, device="cuda")
                     w = torch.empty(n, shape["top_k"], device="cuda")
                     ids = torch.empty(n, shape["top_k"], dtype=torch.int32, device="cuda")
+                    down = len(k["tiles"]) > 5 and k["tiles"][5]  # l2_down: the down rows too
                     call = ffi(d["x"], d["logits"], d["gu_w"].view(u32), d["gu_s"],
-                               d["sgu_w"].view(u32), d["sgu_s"], d["dn_w"].view(u32),
-                               d["dn_s"], h, w, ids)  # fmt: skip
+                               d["sgu_w"].view(u32), d["sgu_s"],
+                               *((d["dn_w"].view(u32), d["dn_s"]) if down else ()),
+                               h, w, ids)  # fmt: skip
                     fn(*call)
                     torch.cuda.synchronize()
                     errs = {

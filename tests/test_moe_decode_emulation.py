@@ -271,11 +271,10 @@ def test_gate_up_bulk_matches_numpy(
     logits = _logits(rng, n, s.experts)
     w, sc, wv = random_int4(rng, (s.experts, 2 * s.inter), s.hidden, s.group)
     sw, ss, swv = random_int4(rng, (2 * s.shared_inter,), s.hidden, s.group)
-    dw, ds, _ = random_int4(rng, (s.experts, s.hidden), s.inter, s.group)  # (not read)
     h = np.full((n, s.total), np.nan, np.float16)
     weights = np.full((n, s.top_k), np.nan, np.float32)
     ids = np.full((n, s.top_k), -1, np.int32)
-    arrays = {"x": x, "logits": logits, "w": w, "sc": sc, "sw": sw, "ss": ss, "dw": dw, "ds": ds}
+    arrays = {"x": x, "logits": logits, "w": w, "sc": sc, "sw": sw, "ss": ss}
     run = emulate(moe_gate_up_bulk(s, tiles), tmp_path, "gate_up_bulk")
     run(n * tiles.blocks, {**arrays, "hout": h, "wout": weights, "iout": ids}, n, slow_warp=0)
     _check_gate_up(s, x, logits, wv, swv, h, weights, ids)
