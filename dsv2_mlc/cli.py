@@ -252,7 +252,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--pdl-launch-dependents",
         action="store_true",
-        help="with --pdl: each kernel also releases the next one's launch after its wait",
+        help="with --pdl: TVM's kernels also release the next one's launch after their wait "
+        "(the hand kernels always do)",
     )
     p.add_argument(
         "--gemm",

@@ -9,14 +9,14 @@ import tvm
 from tvm import tirx
 from tvm.backend.cuda.op import cuda_func_call
 
-from ..schedules.cuda_call import GRID_WAIT, grid_wait_source
+from ..schedules.cuda_call import (
+    GRID_WAIT,
+    LAUNCH_DEPENDENTS,
+    grid_wait_source,
+    launch_dependents_source,
+)
 
 WAIT = GRID_WAIT
-LAUNCH_DEPENDENTS = "dsv2_griddepcontrol_launch_dependents"
-_LAUNCH_SOURCE = (
-    f"__forceinline__ __device__ void {LAUNCH_DEPENDENTS}() "
-    '{ asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }\n'
-)
 _KERNEL_LAUNCH = 2  # CallingConv::kDeviceKernelLaunch: a __global__ function after SplitHostDevice
 
 
@@ -49,19 +49,23 @@ def InsertGridDependencyControl(launch_dependents: bool = False) -> tvm.transfor
     dependency (a plain launch or graph edge) it returns at once. Being first in the kernel, it
     precedes every read of a predecessor's output, so a programmatic graph edge into the kernel
     is safe whatever the kernel does. ``launch_dependents`` adds ``griddepcontrol
-    .launch_dependents`` right after the wait: the next kernel may then be launched once all of
-    this kernel's blocks have started (its blocks sit on SM slots in their own wait until this
-    kernel completes), instead of once they have all exited."""
+    .launch_dependents`` right after the wait it inserts: the next kernel may then be launched
+    once all of this kernel's blocks have started (its blocks sit on SM slots in their own wait
+    until this kernel completes), instead of once they have all exited. Hand kernels that wait
+    themselves release their dependents themselves, after their wait
+    (:data:`~dsv2_mlc.schedules.cuda_call.WAIT_THEN_RELEASE`, in every build), so this option
+    only adds the release to TVM's kernels (on the H200 that made a decode graph's replay
+    1.0 % slower than the hand kernels' releases alone: docs/benchmarks.md)."""
 
     @tirx.transform.prim_func_pass(opt_level=0, name="InsertGridDependencyControl")
     def insert(func: tirx.PrimFunc, _mod: tvm.IRModule, _ctx) -> tirx.PrimFunc:  # noqa: ANN001
         if not is_cuda_kernel(func):
             return func
-        prologue = [] if waits_itself(func) else [_call(WAIT, grid_wait_source())]
-        if launch_dependents:
-            prologue.append(_call(LAUNCH_DEPENDENTS, _LAUNCH_SOURCE))
-        if not prologue:
+        if waits_itself(func):
             return func
+        prologue = [_call(WAIT, grid_wait_source())]
+        if launch_dependents:
+            prologue.append(_call(LAUNCH_DEPENDENTS, launch_dependents_source()))
         return func.with_body(tirx.SeqStmt([*prologue, func.body]))
 
     return insert

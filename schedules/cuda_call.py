@@ -18,10 +18,13 @@ from tvm.script.ir_builder import tirx as Tb
 
 __all__ = [
     "GRID_WAIT",
+    "LAUNCH_DEPENDENTS",
     "L2_PREFETCH",
+    "WAIT_THEN_RELEASE",
     "TOKENS",
     "buffer_dims",
     "grid_wait_source",
+    "launch_dependents_source",
     "l2_prefetch_source",
     "token_grid_call",
 ]
@@ -29,6 +32,9 @@ __all__ = [
 TOKENS = None  # in a buffer shape: the dynamic number of tokens ``n``
 
 GRID_WAIT = "dsv2_griddepcontrol_wait"  # the device function a kernel calls to wait (PDL)
+LAUNCH_DEPENDENTS = "dsv2_griddepcontrol_launch_dependents"  # ... to release its dependents
+# What a hand kernel's CUDA source calls after issuing its weight loads (grid_wait_source).
+WAIT_THEN_RELEASE = f"{GRID_WAIT}();\n  {LAUNCH_DEPENDENTS}();"
 L2_PREFETCH = "dsv2_l2_prefetch"  # the device function that asks for bytes in L2
 
 
@@ -42,12 +48,34 @@ def grid_wait_source() -> str:
     kernel of a ``--pdl`` build; a hand kernel may call it itself, after issuing the loads of
     what no earlier kernel writes (its weights), so that those overlap the previous kernel: the
     pass then leaves that kernel alone. Before its wait a kernel must neither read what a
-    predecessor writes nor write anything."""
+    predecessor writes nor write anything.
+
+    Also ``dsv2_griddepcontrol_launch_dependents()`` (``griddepcontrol.launch_dependents``, a
+    no-op before sm_90): the next kernel of a programmatic edge may be launched once every block
+    of this one has called it or exited, instead of once all have exited. The hand kernels call
+    it right after their wait (:data:`WAIT_THEN_RELEASE`), so the next kernel's blocks take the
+    SM room this kernel's blocks leave and issue their own weight loads while it runs: on the
+    H200 a V2-Lite decode graph's replay went 1,271 -> 1,233 us (docs/benchmarks.md; releasing
+    TVM's kernels too, or the MoE kernels only after their last loads, gained less). Since a
+    kernel releases only after its wait, a kernel's pre-wait code runs only once the kernel two
+    launches back has completed."""
     return (
         f"#ifndef DSV2_GRID_WAIT\n#define DSV2_GRID_WAIT\n"
         f"__forceinline__ __device__ void {GRID_WAIT}() {{\n"
         "#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900\n"
         '  asm volatile("griddepcontrol.wait;" ::: "memory");\n'
+        "#endif\n}\n#endif\n"
+    ) + launch_dependents_source()
+
+
+def launch_dependents_source() -> str:
+    """CUDA: ``dsv2_griddepcontrol_launch_dependents()`` alone (:func:`grid_wait_source` has it
+    too), for ``passes/grid_dependency_control.py``'s release in TVM's kernels."""
+    return (
+        f"#ifndef DSV2_LAUNCH_DEPENDENTS\n#define DSV2_LAUNCH_DEPENDENTS\n"
+        f"__forceinline__ __device__ void {LAUNCH_DEPENDENTS}() {{\n"
+        "#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900\n"
+        '  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");\n'
         "#endif\n}\n#endif\n"
     )
 

@@ -37,7 +37,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from ..model.rope import rotate_pair
-from .cuda_call import GRID_WAIT, L2_PREFETCH, grid_wait_source, l2_prefetch_source
+from .cuda_call import L2_PREFETCH, WAIT_THEN_RELEASE, grid_wait_source, l2_prefetch_source
 
 __all__ = ["mla_prologue_cuda"]
 
@@ -239,7 +239,7 @@ __device__ __forceinline__ void {name}(const void* tile, long long cols, int tid
   const char* base = static_cast<const char*>(tile);
   for (int r = tid; cols > 0 && r < {rows}; r += {threads})
     {L2_PREFETCH}(base + (long long)r * {stride * elem}, (unsigned)(cols * {elem}));
-  {GRID_WAIT}();
+  {WAIT_THEN_RELEASE}
 }}
 #endif
 """

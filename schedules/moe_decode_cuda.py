@@ -52,9 +52,9 @@ from dataclasses import dataclass
 from tvm import tirx
 
 from .cuda_call import (
-    GRID_WAIT,
     L2_PREFETCH,
     TOKENS,
+    WAIT_THEN_RELEASE,
     grid_wait_source,
     l2_prefetch_source,
     token_grid_call,
@@ -340,7 +340,7 @@ __device__ __forceinline__ void {name}(const half* __restrict__ x,
   const bool early = i < {IS} && warp != 0;
   if (early) dsv2_gu_load_{tag}(a, i, lane, w, s, sw, ss, s_ids, ready);
   if ({L2R}) dsv2_gu_prefetch_{tag}(i + {stride}, lane, true, w, s, sw, ss, s_ids);
-  {GRID_WAIT}();
+  {WAIT_THEN_RELEASE}
   if (warp != 0 && !early && i < {items})
     dsv2_gu_load_{tag}(a, i, lane, w, s, sw, ss, s_ids, ready);
   if (warp == 0) {{
@@ -432,7 +432,7 @@ __device__ __forceinline__ void {name}(const half* __restrict__ h,
       }}
     }}
   }}
-  {GRID_WAIT}();  // (PDL) the loads above overlap the previous kernel, which wrote h
+  {WAIT_THEN_RELEASE}  // (PDL) the loads above overlap the previous kernel, which wrote h
   const uint4* hrow = reinterpret_cast<const uint4*>(h + t * {TOT});
   for (int v = tid; v < {TOT // 8}; v += {threads}) {{
     const int c = v >> 2, p = v & 3;

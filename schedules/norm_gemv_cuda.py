@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from tvm import tirx
 
-from .cuda_call import GRID_WAIT, TOKENS, grid_wait_source, token_grid_call
+from .cuda_call import TOKENS, WAIT_THEN_RELEASE, grid_wait_source, token_grid_call
 from .decode_gemv_cuda import dot32_source
 
 __all__ = ["NormGemvTiles", "add_norm_gemv_q4", "add_norm_router", "add_norm_unsupported"]
@@ -180,7 +180,7 @@ __device__ __forceinline__ void dsv2_norm_gemv_{tag}(const half* __restrict__ r,
   int o = blk * {W} + warp;
   if (o < {N}) dsv2_ng_load_{tag}(a, o, lane, qw, qs);
   if (o + {stride} < {N}) dsv2_ng_load_{tag}(b, o + {stride}, lane, qw, qs);
-  {GRID_WAIT}();  // (PDL) the weights above overlap the previous kernel; r and d are its
+  {WAIT_THEN_RELEASE}  // (PDL) the weights above overlap the previous kernel; r and d are its
   const uint4* rrow = reinterpret_cast<const uint4*>(r + t * {H});
   const uint4* drow = reinterpret_cast<const uint4*>(d + t * {H});
   float ss = 0.f;
@@ -293,7 +293,7 @@ __device__ __forceinline__ void dsv2_norm_router_{tag}(const half* __restrict__ 
       for (int k = 0; k < 8; ++k) g[j][k] = reinterpret_cast<const float4*>(row + c * {_CHUNK})[k];
     }}
   }}
-  {GRID_WAIT}();  // (PDL) the gate row above overlaps the previous kernel
+  {WAIT_THEN_RELEASE}  // (PDL) the gate row above overlaps the previous kernel
   uint4 xv[{cpl}][4];
   const bool writer = blk == 0 && warp == 0;
   dsv2_add_norm_{tag}(r + t * {H}, d + t * {H}, nw, xv, writer ? s_out + t * {H} : nullptr,

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from tvm import tirx
 
-from .cuda_call import GRID_WAIT, TOKENS, grid_wait_source, token_grid_call
+from .cuda_call import TOKENS, WAIT_THEN_RELEASE, grid_wait_source, token_grid_call
 from .decode_gemv_cuda import dot32_source
 
 __all__ = ["absorb_v_decode", "absorb_v_unsupported", "gemv_q4_decode", "gemv_q4_unsupported"]
@@ -81,7 +81,7 @@ __device__ __forceinline__ void dsv2_pf_gemv_{tag}(const half* __restrict__ x,
   uint4 q[{cpl}];
   half sc[{cpl}];
   if (blk * {W} + warp < {N}) dsv2_pf_gemv_load_{tag}(q, sc, blk * {W} + warp, lane, qw, qs);
-  {GRID_WAIT}();  // (PDL) the first row's weights overlap the previous kernel, which wrote x
+  {WAIT_THEN_RELEASE}  // (PDL) the first row's weights overlap the previous kernel, which wrote x
   // rows base + warp; the block's barriers need all its warps in every pass
   for (int base = blk * {W}; base < {N}; base += {stride}) {{
     const int o = base + warp;
@@ -160,7 +160,7 @@ __device__ __forceinline__ void dsv2_pf_absorb_v_{tag}(const half* __restrict__ 
 #pragma unroll
   for (int j = 0; j < {cpl}; ++j)
     if (o < {N} && lane + 32 * j < {nv}) wv[j] = wrow[(long long)o * {nv} + lane + 32 * j];
-  {GRID_WAIT}();  // (PDL) the first row's weights overlap the previous kernel, which wrote o
+  {WAIT_THEN_RELEASE}  // (PDL) the first row's weights overlap the previous kernel, which wrote o
   for (bool first = true; o < {N}; first = false, o += {stride}) {{
     if (!first) {{
 #pragma unroll

@@ -5,6 +5,7 @@ GPU); the decode graphs with programmatic edges run in scripts/gpu_pdl_check.py.
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from dsv2_mlc.passes.grid_dependency_control import (
     LAUNCH_DEPENDENTS,
     WAIT,
     InsertGridDependencyControl,
+    _waiting_device_functions,
     is_cuda_kernel,
     kernels_without_wait,
 )
@@ -75,7 +77,7 @@ def test_every_kernel_starts_with_the_wait_and_compiles_for_sm90(tmp_path: Path,
         first = _body_starts(source, kernel)
         assert first[0] == f"{WAIT}();"
         assert (first[1] == f"{LAUNCH_DEPENDENTS}();") is launch
-    assert ("griddepcontrol.launch_dependents" in source) is launch
+    assert (f"{LAUNCH_DEPENDENTS}();" in source) is launch  # (the helper is always defined)
     lib.export_library(str(tmp_path / "lib.so"))
     check_fatbin(tmp_path / "lib.so", "sm_90")  # nvcc compiled the PTX for sm_90
 
@@ -143,9 +145,11 @@ def test_hand_kernels_that_wait_themselves_are_left_alone():
         return shell.with_attr({"calling_conv": 2, "target": cuda})
 
     mod = tvm.IRModule({"hand": kernel("hand_fn", f"{WAIT}();"), "plain": kernel("plain_fn", "")})
-    out = InsertGridDependencyControl()(mod)
-    assert out["hand"].same_as(mod["hand"])  # its own wait, after the weight load
-    assert not out["plain"].same_as(mod["plain"])
+    for launch in (False, True):  # nor a release: the hand kernel places its own
+        out = InsertGridDependencyControl(launch_dependents=launch)(mod)
+        assert out["hand"].same_as(mod["hand"])  # its own wait, after the weight load
+        assert not out["plain"].same_as(mod["plain"])
+        assert (f'"{LAUNCH_DEPENDENTS}"' in out["plain"].script()) is launch  # a call of it
     src = (
         grid_wait_source()
         + fn.format(name="hand_fn", body=body.format(wait=f"{WAIT}();"))
@@ -159,13 +163,17 @@ def test_hand_kernels_that_wait_themselves_are_left_alone():
 @needs_nvcc
 def test_pdl_build_waits_in_tvm_kernels_too_and_records_the_option(tmp_path: Path, monkeypatch):
     """A whole model: our kernels and TVM's (KV cache append, attention merge, page copies) all
-    wait; the build config says ``pdl`` so the runtime may use programmatic graph edges."""
+    wait, each releases its dependents once, right after its wait (the hand kernels themselves,
+    TVM's with ``launch_dependents``); the build config says ``pdl`` so the runtime may use
+    programmatic graph edges."""
     import dsv2_mlc.compiler.compile as compile_mod
 
     seen: list[list[str]] = []
+    sources: list[str] = []
     check = compile_mod.check_pdl_kernels
 
     def spy(module) -> int:
+        sources.extend(cuda_sources(module))
         seen.extend(kernels_without_wait(s)[0] for s in cuda_sources(module))
         return check(module)  # raises if any kernel lacks the wait
 
@@ -184,6 +192,22 @@ def test_pdl_build_waits_in_tvm_kernels_too_and_records_the_option(tmp_path: Pat
         "compact_kv_copy_kernel",
     }
     assert tvm_kernels <= kernels and len(kernels) > 40
+    # the hand kernels release their dependents right after their own wait, once; the pass adds
+    # the release (launch_dependents) right after the wait it puts first in TVM's kernels
+    hand = sorted({f for src in sources for f in _waiting_device_functions(src)})
+    kinds = ("dsv2_moe_gu_", "dsv2_moe_dn_", "dsv2_norm_gemv_", "dsv2_norm_router_",
+             "dsv2_pf_gemv_", "dsv2_pf_absorb_v_", "mla_prologue_")  # fmt: skip
+    assert sorted(k for k in kinds if any(f.startswith(k) for f in hand)) == sorted(kinds), hand
+    released = re.compile(rf"{WAIT}\(\);\s*{LAUNCH_DEPENDENTS}\(\);")
+    for src in sources:
+        for name in _waiting_device_functions(src):
+            body = src[src.index(f" {name}(") :]
+            body = body[: body.index("\n}\n")]
+            assert len(released.findall(body)) == body.count(f"{WAIT}();") == 1, name
+        for kernel in kernels_without_wait(src)[0]:
+            first = _body_starts(src, kernel)
+            if first[0] == f"{WAIT}();":
+                assert first[1] == f"{LAUNCH_DEPENDENTS}();", kernel
     raw = json.loads((result.out_dir / BUILD_CONFIG).read_text())
     assert raw["pdl"] is True and raw["pdl_launch_dependents"] is True
     build = BuildConfig.read(result.out_dir)

@@ -153,8 +153,9 @@ def compile_model(
     what earlier kernels wrote (first thing, or after its weight loads in the hand kernels), and
     the build says so (``BuildConfig.pdl``) so the runtime links the kernels of its decode graphs
     with programmatic edges (a decode step replays ~2.5 % faster on the H200,
-    docs/benchmarks.md). ``pdl_launch_dependents`` (needs PDL) also lets each kernel release its
-    successor's launch right after its wait.
+    docs/benchmarks.md). The hand kernels release their successor's launch right after their
+    wait (``griddepcontrol.launch_dependents``); ``pdl_launch_dependents`` (needs PDL) makes
+    TVM's kernels do the same (slower on the H200: docs/benchmarks.md).
 
     ``gemm`` (default: ``"cublas"`` for CUDA, ``"tir"`` otherwise) picks who runs the prefill /
     extend GEMMs: cuBLAS (the library then needs libcublas at run time,

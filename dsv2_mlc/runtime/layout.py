@@ -38,8 +38,9 @@ class BuildConfig:
     tvm_version: str = ""
     tvm_ffi_version: str = ""
     # Programmatic Dependent Launch (CUDA, sm_90+): every kernel starts with griddepcontrol.wait,
-    # so decode graphs may use programmatic kernel->kernel edges (runtime/pdl.py); with
-    # pdl_launch_dependents, kernels also signal griddepcontrol.launch_dependents after the wait.
+    # so decode graphs may use programmatic kernel->kernel edges (runtime/pdl.py); the hand
+    # kernels signal griddepcontrol.launch_dependents after their wait, and with
+    # pdl_launch_dependents TVM's kernels do too.
     pdl: bool = False
     pdl_launch_dependents: bool = False
     # who runs the prefill / extend GEMMs: "tir" (kernels in the library) or "cublas" (the library

@@ -9,9 +9,9 @@ first thing (``griddepcontrol.wait``, ``passes/grid_dependency_control.py``). Wh
 fires from is its upstream port:
 
 * ``PORT_PROGRAMMATIC`` (``cudaGraphKernelNodePortProgrammatic``): when every block of N has
-  exited or executed ``griddepcontrol.launch_dependents`` (builds with
-  ``--pdl-launch-dependents`` do, right after their wait). Without that, N+1's launch overlaps
-  N's drain and memory flush only.
+  exited or executed ``griddepcontrol.launch_dependents`` (the hand kernels do, right after
+  their wait; with ``--pdl-launch-dependents`` TVM's kernels too). Without that, N+1's launch
+  overlaps N's drain and memory flush only.
 * ``PORT_LAUNCH_COMPLETION`` (``cudaGraphKernelNodePortLaunchCompletion``): when every block of
   N has started. N+1's blocks may then occupy SM slots while they wait, and so on down the chain.
 
