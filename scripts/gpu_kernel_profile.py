@@ -8,6 +8,15 @@ so every kernel is its own launch; the kernels are the ones a graph replays) and
 these are the kernels' own durations without launch or sync overhead (unlike ``bench
 --profile``). Prints per-kernel tables (calls per step, mean us, total us per step, share) and
 the sum of kernel time per decode step; writes ``kernel_profile.json``.
+
+``--graph`` profiles ``--steps`` replays of a captured decode graph instead (with the build's
+programmatic edges, as ``bench`` decodes; the context must stay within one graph key, e.g.
+``--prompt-len 4032``: lengths 4,033-4,096 share one). There the kernels overlap (a kernel's
+blocks start while its predecessor runs), so the sum of their durations is not a step's time;
+the report adds the chain view (:func:`chain_table`): each kernel's *increment*, how far its end
+moves the step's frontier past every earlier end (the increments of a step add up to its span,
+first start to last end), and its *gap*, its start minus its predecessor's end (negative:
+overlap), per kernel name and per step.
 """
 
 from __future__ import annotations
@@ -40,6 +49,53 @@ def _table(events: list[tuple[str, float]], per: int) -> list[dict]:
     return sorted(rows, key=lambda r: -r["total_us_per"])
 
 
+def chain_table(events: list[tuple[str, float, float]], steps: int) -> dict:
+    """The chain view of ``steps`` consecutive decode steps: ``events`` are every GPU activity
+    ``(name, start_us, end_us)`` of them, the same sequence each step. Per kernel name: calls
+    per step, mean duration, mean increment (``end - max(earlier ends of its step)``, at least
+    0; a step's first activity: its duration) and total per step, mean gap to its predecessor
+    (``start - previous end``; None for a step's first); and the span of each step."""
+    if steps < 1 or len(events) % steps:
+        raise ValueError(f"{len(events)} activities do not split into {steps} equal steps")
+    events = sorted(events, key=lambda e: (e[1], e[2]))
+    per = len(events) // steps
+    agg: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    spans = []
+    for k in range(steps):
+        step = events[k * per : (k + 1) * per]
+        frontier = step[0][1]
+        for i, (name, start, end) in enumerate(step):
+            a = agg[name]
+            a["dur"].append(end - start)
+            a["inc"].append(max(end - frontier, 0.0))
+            if i:
+                a["gap"].append(start - step[i - 1][2])
+            frontier = max(frontier, end)
+        spans.append(frontier - step[0][1])
+    rows = [
+        {
+            "kernel": name,
+            "calls_per": len(a["dur"]) / steps,
+            "mean_us": float(np.mean(a["dur"])),
+            "mean_increment_us": float(np.mean(a["inc"])),
+            "increment_us_per": sum(a["inc"]) / steps,
+            "mean_gap_us": float(np.mean(a["gap"])) if a["gap"] else None,
+        }
+        for name, a in agg.items()
+    ]
+    rows.sort(key=lambda r: -r["increment_us_per"])
+    return {"rows": rows, "span_us": spans, "activities_per_step": per}
+
+
+def _timeline(prof) -> list[tuple[str, float, float]]:
+    out = []
+    for evt in prof.events():
+        if str(getattr(evt, "device_type", None)).endswith("CUDA") and evt.device_time_total > 0:
+            name = evt.name.split(" ")[0] if evt.name.startswith(("Memcpy", "Memset")) else evt.name
+            out.append((name, float(evt.time_range.start), float(evt.time_range.end)))
+    return out
+
+
 def _kernels(prof) -> list[tuple[str, float]]:
     out = []
     for evt in prof.events():
@@ -62,13 +118,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--prefill-len", type=int, default=4096)
     p.add_argument("--top", type=int, default=40)
+    p.add_argument("--graph", action="store_true", help="profile decode graph replays")
     args = p.parse_args(argv)
     from dsv2_mlc.runtime.engine import Engine  # before torch: ours is the tvm_ffi in use
 
     ctx = max(args.prompt_len + args.steps + 8, args.prefill_len + 8)
     eng = Engine(args.build, context_window=ctx, max_batch_size=1, kv_capacity=ctx,
                  prefill_chunk_size=args.prefill_len, lib_dir=args.lib_dir, random_weights=0,
-                 cuda_graph=False)  # fmt: skip
+                 cuda_graph=args.graph)  # fmt: skip
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -76,9 +133,10 @@ def main(argv: list[str] | None = None) -> int:
     vocab = eng.config.vocab_size
     seq = eng.add_sequence()
     token = int(eng.prefill([seq], [rng.integers(0, vocab, args.prompt_len).tolist()])[0].argmax())
-    for _ in range(3):  # warm: kernels loaded
+    for _ in range(3):  # warm: kernels loaded (and with --graph: this key's graph captured)
         token = int(eng.decode([seq], [token])[0].argmax())
     torch.cuda.synchronize()
+    before = eng.cuda_graph_stats
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(args.steps):
             token = int(eng.decode([seq], [token])[0].argmax())
@@ -86,6 +144,18 @@ def main(argv: list[str] | None = None) -> int:
     decode = _table(_kernels(prof), args.steps)
     eng.remove_sequence(seq)
     report: dict = {"build": args.build, "prompt_len": args.prompt_len, "steps": args.steps}
+    if args.graph:
+        after = eng.cuda_graph_stats or {}
+        replays = after.get("replays", 0) - (before or {}).get("replays", 0)
+        if replays != args.steps or after.get("captures") != (before or {}).get("captures"):
+            print(
+                f"--graph: {replays} replays and new captures in {args.steps} steps: keep the "
+                "context within one graph key (e.g. --prompt-len 4032)",
+                file=sys.stderr,
+            )
+            return 1
+        report["graph"] = after
+        report["chain"] = chain_table(_timeline(prof), args.steps)
     report["decode"] = decode
     report["decode_kernel_us_per_step"] = sum(r["total_us_per"] for r in decode)
     report["decode_launches_per_step"] = sum(r["calls_per"] for r in decode)
@@ -108,6 +178,16 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "kernel_profile.json").write_text(json.dumps(report, indent=1))
 
+    if args.graph:
+        chain = report["chain"]
+        print(f"\n== decode graph replay: span {np.median(chain['span_us']):,.1f} us (median of "
+              f"{args.steps}), {chain['activities_per_step']} activities; increment / gap / "
+              "duration, us")  # fmt: skip
+        for r in chain["rows"][: args.top]:
+            gap = "" if r["mean_gap_us"] is None else f"{r['mean_gap_us']:7.2f}"
+            print(f"{r['increment_us_per']:10.1f} us  {r['calls_per']:6.1f} x "
+                  f"{r['mean_increment_us']:7.2f} {gap:>7} {r['mean_us']:7.2f}  "
+                  f"{r['kernel'][:80]}")  # fmt: skip
     for phase, rows, per in (("decode step", decode, "step"), ("prefill", prefill, "call")):
         total = sum(r["total_us_per"] for r in rows)
         launches = sum(r["calls_per"] for r in rows)
