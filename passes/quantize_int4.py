@@ -29,7 +29,12 @@ from ..model.moe import (
 )
 from ..quantization import Quantization, packed_shape, quantize_int4
 from ..schedules.dequantize_cuda import DEQUANTIZE_ATTR
-from ..schedules.moe_decode_cuda import MoeDecodeShape, moe_down_decode, moe_gate_up_decode
+from ..schedules.moe_decode_cuda import (
+    DOWN_TILES,
+    MoeDecodeShape,
+    moe_down_decode,
+    moe_gate_up_decode,
+)
 
 # (DEQUANTIZE_ATTR, the dequantize kernels' tag, is the kernel lab's: schedules/dequantize_cuda.py)
 
@@ -172,10 +177,12 @@ class GroupQuantExperts(nn.Module):
                 Tensor.placeholder((n, k), "int32"),
             ],
         )
+        # the down kernel routes again from the logits itself in its early_route variant
+        routing = [logits] if DOWN_TILES.early_route else [weights, idx]
         return op.tensor_ir_op(
-            moe_down_decode(shape),
+            moe_down_decode(shape, DOWN_TILES),
             "moe_decode_down",
-            args=[hidden, weights, idx, self.down_q_weight, self.down_q_scale, sd.q_weight,
+            args=[hidden, *routing, self.down_q_weight, self.down_q_scale, sd.q_weight,
                   sd.q_scale],
             out=Tensor.placeholder((n, shape.hidden), x.dtype),
         )  # fmt: skip

@@ -52,13 +52,13 @@ def grid_wait_source() -> str:
 
     Also ``dsv2_griddepcontrol_launch_dependents()`` (``griddepcontrol.launch_dependents``, a
     no-op before sm_90): the next kernel of a programmatic edge may be launched once every block
-    of this one has called it or exited, instead of once all have exited. The hand kernels call
-    it right after their wait (:data:`WAIT_THEN_RELEASE`), so the next kernel's blocks take the
-    SM room this kernel's blocks leave and issue their own weight loads while it runs: on the
-    H200 a V2-Lite decode graph's replay went 1,271 -> 1,233 us (docs/benchmarks.md; releasing
-    TVM's kernels too, or the MoE kernels only after their last loads, gained less). Since a
-    kernel releases only after its wait, a kernel's pre-wait code runs only once the kernel two
-    launches back has completed."""
+    of this one has called it or exited, instead of once all have exited. The model's hand
+    kernels call it right after their wait (:data:`WAIT_THEN_RELEASE`; the lab-only variants
+    do not), so the next kernel's blocks take the SM room this kernel's blocks leave and issue
+    their own weight loads while it runs: on the H200 a V2-Lite decode graph's replay went
+    1,271 -> 1,233 us (docs/benchmarks.md; releasing TVM's kernels too, or the MoE kernels only
+    after their last loads, gained less). Since a kernel releases only after its wait, a
+    kernel's pre-wait code runs only once the kernel two launches back has completed."""
     return (
         f"#ifndef DSV2_GRID_WAIT\n#define DSV2_GRID_WAIT\n"
         f"__forceinline__ __device__ void {GRID_WAIT}() {{\n"

@@ -25,6 +25,16 @@ Here, after the router's logits GEMV:
    ``out[o] = sum_j w_j * (down_{ids[j]}[o] . h_j) + shared_down[o] . h_s`` over one flattened
    range of 32-element chunks (``top_k * I / 32`` routed, then ``Is / 32`` shared).
 
+**Routing again in the down kernel, lab variant** (``DecodeTiles.early_route``, off by default):
+the down kernel takes the router's logits instead of kernel 1's ids and weights, routes them
+itself (the same warp router, so the same experts) and issues *every* weight load before its PDL
+wait, not only the shared experts'. The logits are two kernels back, complete before the kernel
+starts (kernel 1 releases its dependents only after its own wait:
+:func:`~dsv2_mlc.schedules.cuda_call.grid_wait_source`), so this is safe; whether it pays depends
+on how early the down blocks start while kernel 1 runs (one fits next to one gate/up block on an
+SM at 157 registers, the default kernel's; this variant takes 164 with the loads live across
+the staging of ``h``, 159 with that loop not unrolled). Unmeasured on the GPU yet.
+
 **L2 prefetches, lab variants** (``GateUpTiles.l2_rows`` / ``l2_down``, off by default;
 ``cp.async.bulk.prefetch`` through :func:`~dsv2_mlc.schedules.cuda_call.l2_prefetch_source`):
 ``l2_rows`` has each gate/up warp ask L2 for its later shared-expert rows before its PDL wait and,
@@ -127,6 +137,7 @@ class DecodeTiles:
     rows: int
     run: int = 16
     min_blocks: int = 0  # __launch_bounds__ blocks an SM (caps the registers), 0: none
+    early_route: bool = False  # down: route from the logits and load every row before the wait
 
     @property
     def outputs_per_block(self) -> int:
@@ -135,7 +146,8 @@ class DecodeTiles:
     @property
     def name(self) -> str:
         bound = f"_m{self.min_blocks}" if self.min_blocks else ""
-        return f"w{self.warps}_l{self.lanes}_r{self.rows}_h{self.run}{bound}"
+        early = "_er" if self.early_route else ""
+        return f"w{self.warps}_l{self.lanes}_r{self.rows}_h{self.run}{bound}{early}"
 
 
 @dataclass(frozen=True)
@@ -389,9 +401,11 @@ __device__ __forceinline__ void {name}(const half* __restrict__ x,
 
 
 def down_source(s: MoeDecodeShape, tiles: DecodeTiles) -> tuple[str, str]:
-    """(device function name, CUDA source) of kernel 2 (module docstring)."""
+    """(device function name, CUDA source) of kernel 2 (module docstring); with
+    ``tiles.early_route`` it takes the router's ``logits`` instead of kernel 1's routing."""
     _check_tiles(tiles)
     H, NI, IS, K, G, TOT = s.hidden, s.inter, s.shared_inter, s.top_k, s.group, s.total
+    E = s.experts
     L, R, W = tiles.lanes, tiles.rows, tiles.warps
     ci = NI // _CHUNK  # chunks of one routed slot
     kci = K * ci
@@ -399,50 +413,15 @@ def down_source(s: MoeDecodeShape, tiles: DecodeTiles) -> tuple[str, str]:
     cpl = -(-nc // L)
     exact = "true" if nc % L == 0 else "false"
     threads = W * 32
-    tag = f"h{H}_i{NI}_s{IS}_k{K}_g{G}_{tiles.name}"
+    early = tiles.early_route
+    route_name, route_src = _route_call(s) if early else ("", "")
+    tag = f"h{H}_i{NI}_s{IS}_k{K}_g{G}_{route_name + '_' if early else ''}{tiles.name}"
     name = f"dsv2_moe_dn_{tag}"
-    src = f"""
-#ifndef DSV2_MOE_DN_{tag}
-#define DSV2_MOE_DN_{tag}
-__device__ __forceinline__ void {name}(const half* __restrict__ h,
-    const float* __restrict__ wts, const int* __restrict__ ids,
-    const unsigned* __restrict__ dw, const half* __restrict__ ds,
-    const unsigned* __restrict__ sdw, const half* __restrict__ sds, half* __restrict__ out,
-    long long t, int blk, int tid) {{
-  // h of the token: 16-byte piece p of chunk c at dsv2_swz(c, p)
-  __shared__ __align__(16) uint4 hs[{TOT // 8}];
-  __shared__ float s_w[{K}];
-  __shared__ int s_ids[{K}];
-  const int warp = tid >> 5, lane = tid & 31;
-  const int grp = lane / {L}, gl = lane % {L};
-  const int o0 = ((blk * {W} + warp) * {32 // L} + grp) * {R};
-  uint4 wq[{cpl}][{R}];
-  half sc[{cpl}][{R}];
-  // the shared experts' chunks need no expert id: in flight while h is staged
-#pragma unroll
-  for (int j = 0; j < {cpl}; ++j) {{
-    const int q = gl + {L} * j;
-    if (q >= {kci} && ({exact} || q < {nc})) {{
-      const int col = q - {kci};
-#pragma unroll
-      for (int r = 0; r < {R}; ++r) {{
-        const long long o = min(o0 + r, {H - 1});
-        wq[j][r] = reinterpret_cast<const uint4*>(sdw + o * {IS // 8})[col];
-        sc[j][r] = sds[o * {IS // G} + col * {_CHUNK} / {G}];
-      }}
-    }}
-  }}
-  {WAIT_THEN_RELEASE}  // (PDL) the loads above overlap the previous kernel, which wrote h
-  const uint4* hrow = reinterpret_cast<const uint4*>(h + t * {TOT});
-  for (int v = tid; v < {TOT // 8}; v += {threads}) {{
-    const int c = v >> 2, p = v & 3;
-    hs[dsv2_swz(c, p)] = dsv2_pair8(hrow[v]);  // pair order, once
-  }}
-  if (tid < {K}) {{
-    s_w[tid] = wts[t * {K} + tid];
-    s_ids[tid] = ids[t * {K} + tid];
-  }}
-  __syncthreads();
+    routing_in = (
+        "const float* __restrict__ logits," if early
+        else "const float* __restrict__ wts, const int* __restrict__ ids,"
+    )  # fmt: skip
+    routed_loads = f"""
 #pragma unroll
   for (int j = 0; j < {cpl}; ++j) {{
     const int q = gl + {L} * j;
@@ -459,7 +438,65 @@ __device__ __forceinline__ void {name}(const half* __restrict__ h,
         sc[j][r] = sbase[o * {NI // G} + col * {_CHUNK} / {G}];
       }}
     }}
-  }}
+  }}"""
+    scratch = f"\n  __shared__ float s_p[{E}];  // the router's scratch" if early else ""
+    if early:
+        # The logits are two kernels back (router -> gate/up -> down): complete before this
+        # kernel starts, since gate/up releases its dependents only after its own wait
+        # (cuda_call.grid_wait_source). The routing is the same function on the same logits as
+        # kernel 1's, so the same experts and weights.
+        route_first = f"""
+  // routed first (no weight in flight yet: fewer registers live than around the loads)
+  if (warp == 0) {route_name}(logits + t * {E}, s_w, s_ids, lane, s_p);
+  __syncthreads();"""
+        before_wait = routed_loads
+        after_stage, after_sync = "", ""
+    else:
+        route_first, before_wait = "", ""
+        after_stage = f"""
+  if (tid < {K}) {{
+    s_w[tid] = wts[t * {K} + tid];
+    s_ids[tid] = ids[t * {K} + tid];
+  }}"""
+        after_sync = routed_loads
+    src = f"""
+#ifndef DSV2_MOE_DN_{tag}
+#define DSV2_MOE_DN_{tag}
+__device__ __forceinline__ void {name}(const half* __restrict__ h,
+    {routing_in}
+    const unsigned* __restrict__ dw, const half* __restrict__ ds,
+    const unsigned* __restrict__ sdw, const half* __restrict__ sds, half* __restrict__ out,
+    long long t, int blk, int tid) {{
+  // h of the token: 16-byte piece p of chunk c at dsv2_swz(c, p)
+  __shared__ __align__(16) uint4 hs[{TOT // 8}];
+  __shared__ float s_w[{K}];
+  __shared__ int s_ids[{K}];{scratch}
+  const int warp = tid >> 5, lane = tid & 31;
+  const int grp = lane / {L}, gl = lane % {L};
+  const int o0 = ((blk * {W} + warp) * {32 // L} + grp) * {R};
+  uint4 wq[{cpl}][{R}];
+  half sc[{cpl}][{R}];{route_first}
+  // the shared experts' chunks need no expert id: in flight while h is staged
+#pragma unroll
+  for (int j = 0; j < {cpl}; ++j) {{
+    const int q = gl + {L} * j;
+    if (q >= {kci} && ({exact} || q < {nc})) {{
+      const int col = q - {kci};
+#pragma unroll
+      for (int r = 0; r < {R}; ++r) {{
+        const long long o = min(o0 + r, {H - 1});
+        wq[j][r] = reinterpret_cast<const uint4*>(sdw + o * {IS // 8})[col];
+        sc[j][r] = sds[o * {IS // G} + col * {_CHUNK} / {G}];
+      }}
+    }}
+  }}{before_wait}
+  {WAIT_THEN_RELEASE}  // (PDL) the loads above overlap the previous kernel, which wrote h
+  const uint4* hrow = reinterpret_cast<const uint4*>(h + t * {TOT});
+  for (int v = tid; v < {TOT // 8}; v += {threads}) {{
+    const int c = v >> 2, p = v & 3;
+    hs[dsv2_swz(c, p)] = dsv2_pair8(hrow[v]);  // pair order, once
+  }}{after_stage}
+  __syncthreads();{after_sync}
   float acc[{R}];
 #pragma unroll
   for (int r = 0; r < {R}; ++r) acc[r] = 0.f;
@@ -487,7 +524,7 @@ __device__ __forceinline__ void {name}(const half* __restrict__ h,
 }}
 #endif
 """
-    return name, grid_wait_source() + dot32_source(tiles.run) + src
+    return name, grid_wait_source() + dot32_source(tiles.run) + route_src + src
 
 
 def _blocks(outputs: int, tiles: DecodeTiles) -> int:
@@ -539,7 +576,8 @@ def gate_up_params(s: MoeDecodeShape, down: bool = False) -> list[tuple]:
 def moe_down_decode(s: MoeDecodeShape, tiles: DecodeTiles = DOWN_TILES) -> tirx.PrimFunc:
     """``f(h [n, K I + Is] f16, weights [n, K] f32, ids [n, K] i32, w [E, H, I/8] u32,
     s [E, H, I/g] f16, shared_w [H, Is/8] u32, shared_s [H, Is/g] f16) -> out [n, H] f16``
-    (module docstring, kernel 2)."""
+    (module docstring, kernel 2); with ``tiles.early_route``, ``logits [n, E] f32`` (the
+    router's, as kernel 1 takes them) instead of ``weights`` and ``ids``."""
     why = s.unsupported()
     if why:
         raise ValueError(f"moe_down_decode: {why}")
@@ -547,14 +585,18 @@ def moe_down_decode(s: MoeDecodeShape, tiles: DecodeTiles = DOWN_TILES) -> tirx.
     NB, THREADS = _blocks(H, tiles), tiles.warps * 32
     fname, src = down_source(s, tiles)
 
+    routing = (
+        [("logits", (TOKENS, E), "float32")]
+        if tiles.early_route
+        else [("wts", (TOKENS, K), "float32"), ("ids", (TOKENS, K), "int32")]
+    )
     return token_grid_call(
         "moe_down",
         fname,
         src,
         [
             ("h", (TOKENS, K * NI + IS), "float16"),
-            ("wts", (TOKENS, K), "float32"),
-            ("ids", (TOKENS, K), "int32"),
+            *routing,
             ("w", (E, H, NI // 8), "uint32"),
             ("sc", (E, H, NI // G), "float16"),
             ("sw", (H, IS // 8), "uint32"),

@@ -73,6 +73,7 @@ DOWN_VARIANTS = (
     (8, 32, 1, 8, 2),
     (4, 32, 2, 8, 4),
     (4, 32, 1, 8, 4),
+    (8, 32, 2, 8, 0, True),  # early_route: routes from the logits, every row before the wait
 )
 BAD_REL = 5e-3  # relative L2 above this is flagged "!"
 NS = (1, 4)
@@ -253,7 +254,9 @@ def run(args: argparse.Namespace) -> int:
                     ok = errs["ids_equal"] and errs["rel_l2"] < BAD_REL
                 else:
                     out = torch.empty(n, shape["hidden"], dtype=torch.float16, device="cuda")
-                    call = ffi(ref["h"].half(), ref["weights"].contiguous(), ref["ids"],
+                    early = len(k["tiles"]) > 5 and k["tiles"][5]  # routes from the logits
+                    routing = (d["logits"],) if early else (ref["weights"].contiguous(), ref["ids"])
+                    call = ffi(ref["h"].half(), *routing,
                                d["dn_w"].view(u32), d["dn_s"], d["sdn_w"].view(u32), d["sdn_s"],
                                out)  # fmt: skip
                     fn(*call)

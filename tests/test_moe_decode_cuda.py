@@ -77,8 +77,9 @@ def test_sources_carry_the_routing_and_the_tiling():
 @pytest.mark.parametrize("shape", [LITE, V2, TINY_B, TINY_RENORM], ids=["lite", "v2", "B", "C"])
 def test_kernels_compile_for_sm90(shape: MoeDecodeShape):
     target = make_target("cuda", "sm_90")
-    gate_up = [GateUpTiles(8, 264), GateUpTiles(4, 132, 8), GateUpTiles(16, 7)]
-    down = [DecodeTiles(4, 16, 2), DecodeTiles(4, 32, 1), DecodeTiles(8, 32, 2, 8)]
+    gate_up = [GateUpTiles(8, 264), GateUpTiles(4, 132, 8), GateUpTiles(16, 7), GateUpTiles(8, 9)]
+    down = [DecodeTiles(4, 16, 2), DecodeTiles(4, 32, 1), DecodeTiles(8, 32, 2, 8),
+            DecodeTiles(8, 32, 2, 8, early_route=True)]  # fmt: skip
     tilings = list(zip(gate_up, down, strict=True))
     funcs = {}
     for i, (gu, dn) in enumerate(tilings):

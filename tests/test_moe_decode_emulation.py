@@ -155,8 +155,11 @@ def _gate_up_prefetch_bytes(s: MoeDecodeShape, gu: GateUpTiles, n: int) -> int:
         (MEDIUM, GateUpTiles(8, 4, 16), DecodeTiles(8, 32, 2, 8), 2, False),
         (MEDIUM, GateUpTiles(4, 7, 8, l2_down=True), DecodeTiles(4, 16, 3, 16), 1, False),
         (LONG, GateUpTiles(4, 3, 16, l2_rows=True), DecodeTiles(2, 4, 4, 8), 2, False),
+        # the down kernel's early_route variant routes from the logits itself
+        (LIMITED, GateUpTiles(2, 3, 16), DecodeTiles(4, 32, 3, 16, early_route=True), 2, False),
+        (RENORM, GateUpTiles(1, 5, 4), DecodeTiles(2, 8, 2, 8, early_route=True), 3, False),
     ],
-    ids=["greedy", "limited", "renorm", "medium", "medium-b", "long"],
+    ids=["greedy", "limited", "renorm", "medium", "medium-b", "long", "limited-er", "renorm-er"],
 )
 def test_moe_decode_kernels_match_numpy(
     tmp_path: Path, shape: MoeDecodeShape, gu: GateUpTiles, dn: DecodeTiles, n: int, waits: bool
@@ -186,8 +189,9 @@ def test_moe_decode_kernels_match_numpy(
     # kernel 2: down projections + weighted sum, on kernel 1's h and routing
     out = np.full((n, H), np.nan, np.float16)
     arrays = {"h": h, "w": dw, "sc": ds, "sw": sdw, "ss": sds, "out": out}
+    routing = {"logits": logits} if dn.early_route else {"wts": weights, "ids": ids}
     emulate(moe_down_decode(s, dn), tmp_path, "down")(
-        n * -(-H // dn.outputs_per_block), {**arrays, "wts": weights, "ids": ids}, n
+        n * -(-H // dn.outputs_per_block), {**arrays, **routing}, n
     )
     hf = h.astype(np.float64)
     ref = np.empty((n, H))
