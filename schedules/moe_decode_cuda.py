@@ -206,6 +206,8 @@ def gate_up_source(s: MoeDecodeShape, tiles: GateUpTiles) -> tuple[str, str]:
     exact = "true" if nch % 32 == 0 else "false"
     items = s.total  # outputs: the shared experts' first, then the routed slots'
     stride = NB * W
+    tag = f"h{H}_i{NI}_s{IS}_k{K}_g{G}_{route_name}_{tiles.name}"
+    name = f"dsv2_moe_gu_{tag}"
     L2R = "true" if tiles.l2_rows else "false"
     srow_ok = "true" if (H // G * 2) % 16 == 0 else "false"
     # l2_down: after its last row, each warp asks L2 for its 16-byte-aligned piece of each
@@ -216,8 +218,7 @@ def gate_up_source(s: MoeDecodeShape, tiles: GateUpTiles) -> tuple[str, str]:
         f"""
   // after its last row, the next kernel's routed down rows: warp w takes part w of this
   // block's slice of each selected expert's weights (q < K) and scales (q >= K), lane q
-  while (*ready == 0) __nanosleep(20);
-  __threadfence_block();
+  dsv2_gu_routed_{tag}(ready);
   for (int q = lane; q < {2 * K}; q += 32) {{
     const bool sc = q >= {K};
     const long long e = s_ids[sc ? q - {K} : q];
@@ -237,8 +238,6 @@ def gate_up_source(s: MoeDecodeShape, tiles: GateUpTiles) -> tuple[str, str]:
         if tiles.l2_down
         else ""
     )
-    tag = f"h{H}_i{NI}_s{IS}_k{K}_g{G}_{route_name}_{tiles.name}"
-    name = f"dsv2_moe_gu_{tag}"
     src = f"""
 #ifndef DSV2_MOE_GU_{tag}
 #define DSV2_MOE_GU_{tag}
@@ -249,6 +248,11 @@ struct dsv2_gu_buf_{tag} {{
 // item i: output o = K*I + i (shared expert row i) for i < Is, else o = i - Is (routed slot row)
 __device__ __forceinline__ int dsv2_gu_out_{tag}(int i) {{
   return i < {IS} ? {K * NI} + i : i - {IS};
+}}
+// until warp 0 has routed the block's token (s_ids / s_w written, then the flag)
+__device__ __forceinline__ void dsv2_gu_routed_{tag}(volatile int* ready) {{
+  while (*ready == 0) __nanosleep(20);
+  __threadfence_block();
 }}
 // the gate row of item i (shared expert row i < Is, else routed slot row i - Is, after waiting
 // for the block's routing if `wait`) and the offsets of its up row
@@ -268,10 +272,7 @@ __device__ __forceinline__ dsv2_gu_row_{tag} dsv2_gu_row_at_{tag}(int i,
     p.up_w = (long long){IS} * {H // 8};
     p.up_s = (long long){IS} * {H // G};
   }} else {{
-    if (wait) {{
-      while (*ready == 0) __nanosleep(20);
-      __threadfence_block();
-    }}
+    if (wait) dsv2_gu_routed_{tag}(ready);
     const int o = i - {IS};
     const int j = o / {NI}, r = o - j * {NI};
     const long long row = (long long)ids[j] * {2 * NI} + r;
@@ -380,8 +381,7 @@ __device__ __forceinline__ void {name}(const half* __restrict__ x,
   while (i < {items}) {{
     const int i1 = i + {stride};
     if (!routed_pf && i1 >= {IS}) {{
-      while (*ready == 0) __nanosleep(20);
-      __threadfence_block();
+      dsv2_gu_routed_{tag}(ready);
       dsv2_gu_prefetch_{tag}(i1, lane, false, w, s, sw, ss, s_ids);
       routed_pf = true;
     }}

@@ -88,6 +88,8 @@ def chain_table(events: list[tuple[str, float, float]], steps: int) -> dict:
 
 
 def _timeline(prof) -> list[tuple[str, float, float]]:
+    """Every GPU activity of ``prof``: (kernel name, or ``Memcpy`` / ``Memset``, start us, end
+    us)."""
     out = []
     for evt in prof.events():
         if str(getattr(evt, "device_type", None)).endswith("CUDA") and evt.device_time_total > 0:
@@ -97,16 +99,8 @@ def _timeline(prof) -> list[tuple[str, float, float]]:
 
 
 def _kernels(prof) -> list[tuple[str, float]]:
-    out = []
-    for evt in prof.events():
-        if getattr(evt, "device_type", None) is None:
-            continue
-        if str(evt.device_type).endswith("CUDA") and evt.device_time_total > 0:
-            name = evt.name
-            if name.startswith("Memcpy") or name.startswith("Memset"):
-                name = name.split(" ")[0]
-            out.append((name, float(evt.device_time_total)))
-    return out
+    # (a device event's device_time_total is its time range)
+    return [(name, end - start) for name, start, end in _timeline(prof)]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,7 +9,6 @@ on an H200 by ``scripts/kernel_lab_mla.py run`` (schedules/results/mla_attention
 
 from __future__ import annotations
 
-import importlib.util
 import re
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import pytest
 import tvm
 from cuda_builds import needs_nvcc  # noqa: E402
 from mla_cache_module import create_script
+from scripts_module import load_script
 
 from dsv2_mlc.schedules.mla_attention_cuda import mla_attention_cuda, mla_attention_cuda_supports
 
@@ -47,11 +47,7 @@ def test_kernel_compiles_to_sm90(tmp_path: Path, heads, latent, rope, dtype) -> 
 
 
 def _lab_variants() -> dict:
-    path = Path(__file__).resolve().parent.parent / "scripts" / "kernel_lab_mla.py"
-    spec = importlib.util.spec_from_file_location("kernel_lab_mla", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.VARIANTS
+    return load_script("kernel_lab_mla").VARIANTS
 
 
 @needs_nvcc

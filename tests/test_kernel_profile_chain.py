@@ -3,20 +3,13 @@ of overlapping decode-graph kernels), on synthetic timelines; the profile itself
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import numpy as np
 import pytest
-
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_kernel_profile.py"
+from scripts_module import load_script
 
 
 def _chain_table():
-    spec = importlib.util.spec_from_file_location("gpu_kernel_profile", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.chain_table
+    return load_script("gpu_kernel_profile").chain_table
 
 
 def _step(t0: float) -> list[tuple[str, float, float]]:

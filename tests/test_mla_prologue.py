@@ -7,7 +7,6 @@ Hugging Face by test_e2e_hf.py."""
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import sys
 from pathlib import Path
@@ -20,6 +19,7 @@ from dsv2_mlc.schedules.mla_prologue_cuda import mla_prologue_cuda
 sys.path.insert(0, str(Path(__file__).parent))
 from cuda_builds import entry_ir, needs_nvcc  # noqa: E402
 from hf_reference import CONFIG_A, CONFIG_B  # noqa: E402
+from scripts_module import load_script  # noqa: E402
 
 
 def _compiles(func, tmp_path: Path) -> None:
@@ -33,11 +33,7 @@ def _compiles(func, tmp_path: Path) -> None:
 
 
 def _lab_variants() -> dict:
-    path = Path(__file__).resolve().parent.parent / "scripts" / "kernel_lab_absorb.py"
-    spec = importlib.util.spec_from_file_location("kernel_lab_absorb", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.VARIANTS
+    return load_script("kernel_lab_absorb").VARIANTS
 
 
 @needs_nvcc
