@@ -8,7 +8,8 @@ rows first and only then calls ``griddepcontrol.wait``
 (:func:`dsv2_mlc.schedules.cuda_call.grid_wait_source`): in a ``--pdl`` build, whose decode
 graphs launch a kernel before its predecessor ends, the weight loads overlap the predecessor.
 
-* :func:`gemv_q4_decode`: ``y[t] = W x[t]`` for an INT4 group weight ``W [N, K]`` (``o_proj``).
+* :func:`gemv_q4_decode`: ``y[t] = W x[t]`` for an INT4 group weight ``W [N, K]`` (``o_proj``,
+  the dense MLP's ``down_proj``, the first layer's ``qkv_a``: :mod:`dsv2_mlc.model.decode_linear`).
   ``ceil(N / warps)`` blocks (at most ``max_blocks``), a warp per output row (strided over the
   grid when there are more rows than warps); the block stages ``x[t]`` in shared memory (16-byte
   pieces XOR-swizzled as in :mod:`~dsv2_mlc.schedules.norm_gemv_cuda`) for each token in turn,
@@ -43,8 +44,8 @@ _RUN = 16  # products per fp16 partial sum
 
 def gemv_q4_unsupported(out_dim: int, in_dim: int, group: int) -> str | None:
     """Why :func:`gemv_q4_decode` cannot take this shape (None: it can)."""
-    if in_dim % _CHUNK or group % _CHUNK or in_dim % group:
-        return f"K={in_dim}, group={group}: not whole 32-element chunks and groups"
+    if in_dim % _CHUNK or group % _CHUNK:
+        return f"K={in_dim}, group={group}: not whole 32-element chunks"
     if in_dim * 2 > _SHARED_LIMIT - 1024:
         return f"K={in_dim}: x does not fit in shared memory"
     if out_dim < 1:
@@ -62,7 +63,7 @@ def _gemv_q4_source(tag: str, N: int, K: int, G: int, W: int, NB: int) -> str:
 __device__ __forceinline__ void dsv2_pf_gemv_load_{tag}(uint4 (&q)[{cpl}], half (&sc)[{cpl}],
     int o, int lane, const unsigned* __restrict__ qw, const half* __restrict__ qs) {{
   const uint4* row = reinterpret_cast<const uint4*>(qw + (long long)o * {K // 8});
-  const half* srow = qs + (long long)o * {K // G};
+  const half* srow = qs + (long long)o * {-(-K // G)};
 #pragma unroll
   for (int j = 0; j < {cpl}; ++j) {{
     const int c = lane + 32 * j;
@@ -117,8 +118,8 @@ __device__ __forceinline__ void dsv2_pf_gemv_{tag}(const half* __restrict__ x,
 
 
 def gemv_q4_decode(out_dim: int, in_dim: int, group: int) -> tirx.PrimFunc:
-    """``f(x [n, K] f16, qw [N, K/8] u32, qs [N, K/g] f16) -> y [n, N] f16``, ``y = x @
-    dequant(W)^T`` (module docstring). Raises ``ValueError`` for shapes it does not take."""
+    """``f(x [n, K] f16, qw [N, K/8] u32, qs [N, ceil(K/g)] f16) -> y [n, N] f16``, ``y = x
+    @ dequant(W)^T`` (module docstring). Raises ``ValueError`` for shapes it does not take."""
     why = gemv_q4_unsupported(out_dim, in_dim, group)
     if why:
         raise ValueError(f"gemv_q4_decode: {why}")
@@ -129,7 +130,7 @@ def gemv_q4_decode(out_dim: int, in_dim: int, group: int) -> tirx.PrimFunc:
     params = [
         ("x", (TOKENS, K), "float16"),
         ("qw", (N, K // 8), "uint32"),
-        ("qs", (N, K // G), "float16"),
+        ("qs", (N, -(-K // G)), "float16"),  # the last group partial where G does not divide K
         ("y", (TOKENS, N), "float16"),
     ]
     return token_grid_call(

@@ -448,15 +448,17 @@ def random_int4(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """A random INT4 group weight ``[*rows, k]`` as ``passes/quantize_int4.py`` stores it:
     (packed ``[*rows, k / 8]`` uint32, nibble ``i`` of word ``j`` element ``8 j + i``; fp16
-    scales ``[*rows, k / group]``; the float64 values ``(q - 8) * scale[k // group]``). The
-    scales vary by a factor 3 between groups and are sized for dot products of order 1 with
-    standard normal activations."""
+    scales ``[*rows, ceil(k / group)]``, the last group partial where ``group`` does not divide
+    ``k``; the float64 values ``(q - 8) * scale[k // group]``). The scales vary by a factor 3
+    between groups and are sized for dot products of order 1 with standard normal activations."""
     q = rng.integers(0, 16, (*rows, k), dtype=np.uint32)
-    scale = (rng.uniform(0.5, 1.5, (*rows, k // group)) / (4.6 * np.sqrt(k))).astype(np.float16)
+    groups = -(-k // group)
+    scale = (rng.uniform(0.5, 1.5, (*rows, groups)) / (4.6 * np.sqrt(k))).astype(np.float16)
     packed = np.zeros((*rows, k // 8), np.uint32)
     for i in range(8):
         packed |= q[..., i::8] << np.uint32(4 * i)
-    values = (q.astype(np.float64) - 8) * np.repeat(scale.astype(np.float64), group, axis=-1)
+    per_value = np.repeat(scale.astype(np.float64), group, axis=-1)[..., :k]
+    values = (q.astype(np.float64) - 8) * per_value
     return packed, scale, values
 
 

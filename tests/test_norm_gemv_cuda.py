@@ -5,6 +5,7 @@ against NumPy) and, on the H200, scripts/gpu_numerics.py (tiny models vs HF)."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -60,7 +61,7 @@ def test_kernels_compile_for_sm90():
 
 @needs_nvcc
 @pytest.mark.parametrize("cfg", [CONFIG_A, CONFIG_B], ids=["A", "B"])
-def test_cuda_decode_folds_the_norms_into_the_kernels(tmp_path: Path, cfg: dict):
+def test_cuda_decode_folds_the_norms_and_prefetches_the_gemvs(tmp_path: Path, cfg: dict):
     (decode,) = entry_ir(tmp_path, cfg, "q4f16_g32", "cuda", ("batch_decode",))
     layers, dense = cfg["num_hidden_layers"], cfg["first_k_dense_replace"]
     # every layer after the first: qkv_a with its input norm; every MoE layer: the router with
@@ -69,6 +70,16 @@ def test_cuda_decode_folds_the_norms_into_the_kernels(tmp_path: Path, cfg: dict)
     assert decode.count("cls.add_norm_router,") == layers - dense
     assert decode.count("cls.fused_add_rms_norm,") == dense + 1
     assert "moe_gate_logits" not in decode
+    # the INT4 linears no fused kernel covers: GEMVs that load their weights before they wait
+    # (identical PrimFuncs are shared, so a call may name another layer's; q_b_proj's 24-wide
+    # rows are not whole 32-element chunks: it stays a TIR GEMV)
+    prefetch = {"qkv_a_decode", "o_proj_decode", "mlp_down_decode"}
+    calls = re.findall(r"R\.call_tir\(cls\.(\w+), \([^)]*?(model_layers_\w+?)_q_weight", decode)
+    gemvs = sorted(w for f, w in calls if f in prefetch)
+    expect = [f"model_layers_{i}_self_attn_o_proj" for i in range(layers)]
+    expect += ["model_layers_0_self_attn_qkv_a_proj"]
+    expect += [f"model_layers_{i}_mlp_down_proj" for i in range(dense)]
+    assert gemvs == sorted(expect)
 
 
 @pytest.mark.parametrize("quantization, device", [("q4f16_g32", "cpu"), ("q0f16", "cuda")])
@@ -78,4 +89,6 @@ def test_other_builds(tmp_path: Path, quantization: str, device: str):
     (decode,) = entry_ir(tmp_path, CONFIG_A, quantization, device, ("batch_decode",))
     # q0f16 on CUDA: the router keeps its norm folded in (fp32 gate), qkv_a is not INT4
     assert "add_norm_qkv_a" not in decode
+    for name in ("qkv_a_decode", "o_proj_decode", "mlp_down_decode"):
+        assert f"cls.{name}," not in decode  # no INT4 prefetch GEMV (CPU; float weights)
     assert ("cls.add_norm_router," in decode) == (device == "cuda")

@@ -5,7 +5,7 @@ References: ``y = x @ dequant(W)^T`` in float64 (the kernel's fp16 partial sums 
 bound the error), and ``y[t, h V + v] = o[t, h] . W_UV[h, v]`` in float64 (the kernel sums
 float32 products: within float32 rounding before its one fp16 rounding). Shapes cover fewer
 rows than warps, rows left over for a second pass of the grid, several tokens (the weights are
-read once for all of them), and K not a multiple of 32 lanes' chunks.
+read once for all of them), K not a multiple of 32 lanes' chunks, and a partial last group.
 """
 
 from __future__ import annotations
@@ -40,6 +40,8 @@ def _blocks(rows: int) -> int:
         (5, 256, 64, 1, 1024),  # fewer rows than warps
         (70, 1280, 128, 2, 3),  # 3 blocks x 8 warps for 70 rows: three passes; 40 chunks
         (16, 2048, 128, 1, 1024),  # the o_proj row length of V2-Lite
+        (24, 10944, 128, 2, 1024),  # V2-Lite's dense down_proj rows: 11 chunks a lane, and a
+        # last group of 64 (128 does not divide 10944)
     ],
 )
 def test_gemv_q4_decode_matches_numpy(
@@ -84,6 +86,7 @@ def test_unsupported_shapes_are_named() -> None:
     assert "group" in gemv_q4_unsupported(16, 100, 32)
     assert "shared memory" in gemv_q4_unsupported(16, 32768, 128)
     assert gemv_q4_unsupported(2048, 2048, 128) is None
+    assert gemv_q4_unsupported(2048, 10944, 128) is None  # a partial last group
     assert "multiple of 8" in absorb_v_unsupported(16, 128, 500)
     with pytest.raises(ValueError, match="gemv_q4_decode"):
         gemv_q4_decode(16, 100, 32)

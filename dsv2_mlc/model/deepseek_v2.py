@@ -35,9 +35,9 @@ from tvm.target import Target
 from ..passes._rewrite import ENTRY_KIND_ATTR
 from ..schedules.argmax import greedy_argmax
 from ..schedules.norm_gemv_cuda import add_norm_gemv_q4, add_norm_router, add_norm_unsupported
-from ..schedules.prefetch_gemv_cuda import gemv_q4_decode, gemv_q4_unsupported
 from ..schedules.rms_norm_cuda import RMS_NORM_ATTR  # the RMSNorm kernels' tag (epsilon)
 from .config import DeepseekV2Config
+from .decode_linear import int4_decode_gemv
 from .kv_cache import MLAPagedKVCache
 from .mla_ops import (
     absorb_query,
@@ -145,7 +145,9 @@ class DeepseekV2Attention(nn.Module):
         if cfg.q_lora_rank is None:
             q_src = qkv  # the query heads at columns [0, H * (nope + R))
         else:
-            q_src = self.q_b_proj(self.q_a_layernorm(qkv, cols=cfg.q_lora_rank))
+            q_a = self.q_a_layernorm(qkv, cols=cfg.q_lora_rank)
+            q_src = int4_decode_gemv(self.q_b_proj, q_a, "q_b_decode") if mode == "decode" else None
+            q_src = self.q_b_proj(q_a) if q_src is None else q_src
         norm_w = self.kv_a_layernorm.weight
         fused = mode != "prefill" and has_prologue_kernel(Target.current(allow_none=True))
         if fused:  # the latent-space query and the cached latent in one kernel (mla_ops)
@@ -184,18 +186,8 @@ class DeepseekV2Attention(nn.Module):
             else:
                 out, _ = cache.merge_attn_output_inplace(out, lse, o_cross, lse_lat)
         out = op.reshape(out, (n, heads * v_dim))
-        o_proj, h_out = self.o_proj, cfg.hidden_size
-        group = _int4_linear(o_proj) if mode == "decode" and fused else None
-        if group is None or gemv_q4_unsupported(h_out, heads * v_dim, group):
-            return o_proj(out), cache
-        # CUDA decode: the INT4 GEMV whose weights load before it waits (prefetch_gemv_cuda)
-        proj = op.tensor_ir_op(
-            gemv_q4_decode(h_out, heads * v_dim, group),
-            "o_proj_decode",
-            args=[out, o_proj.q_weight, o_proj.q_scale],
-            out=Tensor.placeholder((n, h_out), out.dtype),
-        )
-        return proj, cache
+        proj = int4_decode_gemv(self.o_proj, out, "o_proj_decode") if mode == "decode" else None
+        return (self.o_proj(out) if proj is None else proj), cache
 
 
 class DeepseekV2DecoderLayer(nn.Module):
@@ -240,7 +232,9 @@ class DeepseekV2DecoderLayer(nn.Module):
             )
         else:
             s = r if d is None else r + d
-            qkv = proj(norm(s))
+            xn = norm(s)
+            qkv = int4_decode_gemv(proj, xn, "qkv_a_decode")
+            qkv = proj(xn) if qkv is None else qkv
         attn, cache = self.self_attn(s, rope, cache, "decode", qkv=qkv)
         mlp, post = self.mlp, self.post_attention_layernorm
         if not isinstance(mlp, DeepseekV2MoE):

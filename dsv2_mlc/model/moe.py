@@ -22,6 +22,7 @@ from ..schedules import moe_grouped_cuda as grouped
 from ..schedules.decode_gemv_cuda import DECODE_GEMV
 from ..schedules.moe_routing import moe_route
 from .config import DeepseekV2Config
+from .decode_linear import int4_decode_gemv
 
 WeightReader = Callable[[list[te.Tensor], Expr, Expr, Expr], Expr]
 
@@ -190,9 +191,16 @@ class DeepseekV2MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False, dtype=dtype)
 
     def forward(self, x: Tensor, mode: str | None = None) -> Tensor:
-        """``mode`` (the entry point's, see ``DeepseekV2MoE``) does not change a dense MLP."""
+        """``mode``: the entry point's (see ``DeepseekV2MoE``). A CUDA decode step runs the INT4
+        ``down_proj`` as the GEMV that loads its weights before it waits
+        (:mod:`.decode_linear`: V2-Lite's 2048 x 10944, 7.2 us a step against the TIR GEMV's
+        10.2 on the H200); ``gate_up_proj`` (21888 x 2048) stays on the TIR GEMV, which was the
+        faster of the two there (10.3 against 10.9 us; schedules/results/decode_kernels.md)."""
         gate, up = op.split(self.gate_up_proj(x), 2, axis=-1)
-        return self.down_proj(op.silu(gate) * up)
+        hidden = op.silu(gate) * up
+        gemv = mode == "decode"
+        down = int4_decode_gemv(self.down_proj, hidden, "mlp_down_decode") if gemv else None
+        return self.down_proj(hidden) if down is None else down
 
 
 class DeepseekV2Gate(nn.Module):
