@@ -33,13 +33,25 @@ from tvm import tirx
 from .cuda_call import TOKENS, WAIT_THEN_RELEASE, grid_wait_source, token_grid_call
 from .decode_gemv_cuda import dot32_source
 
-__all__ = ["absorb_v_decode", "absorb_v_unsupported", "gemv_q4_decode", "gemv_q4_unsupported"]
+__all__ = [
+    "absorb_v_decode",
+    "absorb_v_unsupported",
+    "gemv_q4_decode",
+    "gemv_q4_rows_per_pass",
+    "gemv_q4_unsupported",
+]
 
 _CHUNK = 32  # INT4 values per 16-byte load
 _SHARED_LIMIT = 48 * 1024
 _WARPS = 8
 _MAX_BLOCKS = 1024
 _RUN = 16  # products per fp16 partial sum
+
+
+def gemv_q4_rows_per_pass() -> int:
+    """The output rows :func:`gemv_q4_decode` covers in one pass of its grid (a warp a row);
+    taller weights take several passes, each waiting for its own loads."""
+    return _WARPS * _MAX_BLOCKS
 
 
 def gemv_q4_unsupported(out_dim: int, in_dim: int, group: int) -> str | None:

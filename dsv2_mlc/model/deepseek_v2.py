@@ -37,7 +37,7 @@ from ..schedules.argmax import greedy_argmax
 from ..schedules.norm_gemv_cuda import add_norm_gemv_q4, add_norm_router, add_norm_unsupported
 from ..schedules.rms_norm_cuda import RMS_NORM_ATTR  # the RMSNorm kernels' tag (epsilon)
 from .config import DeepseekV2Config
-from .decode_linear import int4_decode_gemv
+from .decode_linear import int4_decode_gemv, int4_group
 from .kv_cache import MLAPagedKVCache
 from .mla_ops import (
     absorb_query,
@@ -145,9 +145,7 @@ class DeepseekV2Attention(nn.Module):
         if cfg.q_lora_rank is None:
             q_src = qkv  # the query heads at columns [0, H * (nope + R))
         else:
-            q_a = self.q_a_layernorm(qkv, cols=cfg.q_lora_rank)
-            q_src = int4_decode_gemv(self.q_b_proj, q_a, "q_b_decode") if mode == "decode" else None
-            q_src = self.q_b_proj(q_a) if q_src is None else q_src
+            q_src = self.q_b_proj(self.q_a_layernorm(qkv, cols=cfg.q_lora_rank))
         norm_w = self.kv_a_layernorm.weight
         fused = mode != "prefill" and has_prologue_kernel(Target.current(allow_none=True))
         if fused:  # the latent-space query and the cached latent in one kernel (mla_ops)
@@ -219,7 +217,9 @@ class DeepseekV2DecoderLayer(nn.Module):
         before the first layer); returns ``(r', d', cache)``, the next layer's."""
         proj, norm = self.self_attn.qkv_a_proj, self.input_layernorm
         n, h = r.shape
-        q4 = _int4_linear(proj)
+        q4 = int4_group(proj)
+        if q4 is not None and add_norm_unsupported(proj.in_features, q4):
+            q4 = None  # the add + RMSNorm GEMV does not take this row length
         if d is not None and q4 is not None:
             qkv, s = op.tensor_ir_op(
                 add_norm_gemv_q4(h, proj.out_features, q4, norm.eps),
@@ -252,17 +252,6 @@ class DeepseekV2DecoderLayer(nn.Module):
             ],
         )
         return s, mlp.forward_with_logits(xn, logits, "decode"), cache
-
-
-def _int4_linear(linear: nn.Module) -> int | None:
-    """The group size of ``linear`` if it is an INT4 group-quantised linear layer with fp16
-    scales that :func:`add_norm_gemv_q4` takes (else None)."""
-    from ..passes.quantize_int4 import GroupQuantLinear  # (passes import this module)
-
-    if not isinstance(linear, GroupQuantLinear) or linear.q_scale.dtype != "float16":
-        return None
-    ok = add_norm_unsupported(linear.in_features, linear.group_size) is None
-    return linear.group_size if ok else None
 
 
 class DeepseekV2Model(nn.Module):
