@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from tvm import tirx
 
+from ..quantization import packed_shape
 from .cuda_call import TOKENS, WAIT_THEN_RELEASE, grid_wait_source, token_grid_call
 from .decode_gemv_cuda import dot32_source
 
@@ -65,7 +66,7 @@ def gemv_q4_unsupported(out_dim: int, in_dim: int, group: int) -> str | None:
     return None
 
 
-def _gemv_q4_source(tag: str, N: int, K: int, G: int, W: int, NB: int) -> str:
+def _gemv_q4_source(tag: str, N: int, K: int, G: int, W: int, NB: int, groups: int) -> str:
     nch = K // _CHUNK
     cpl = -(-nch // 32)  # chunks per lane
     stride = NB * W
@@ -75,7 +76,7 @@ def _gemv_q4_source(tag: str, N: int, K: int, G: int, W: int, NB: int) -> str:
 __device__ __forceinline__ void dsv2_pf_gemv_load_{tag}(uint4 (&q)[{cpl}], half (&sc)[{cpl}],
     int o, int lane, const unsigned* __restrict__ qw, const half* __restrict__ qs) {{
   const uint4* row = reinterpret_cast<const uint4*>(qw + (long long)o * {K // 8});
-  const half* srow = qs + (long long)o * {-(-K // G)};
+  const half* srow = qs + (long long)o * {groups};
 #pragma unroll
   for (int j = 0; j < {cpl}; ++j) {{
     const int c = lane + 32 * j;
@@ -138,11 +139,13 @@ def gemv_q4_decode(out_dim: int, in_dim: int, group: int) -> tirx.PrimFunc:
     N, K, G, W = out_dim, in_dim, group, _WARPS
     NB = min(-(-N // W), _MAX_BLOCKS)
     tag = f"n{N}_k{K}_g{G}_w{W}_b{NB}"
-    src = grid_wait_source() + dot32_source(_RUN) + _gemv_q4_source(tag, N, K, G, W, NB)
+    w_shape, s_shape = packed_shape((N, K), G)  # the last group partial where G does not divide K
+    gemv = _gemv_q4_source(tag, N, K, G, W, NB, s_shape[-1])
+    src = grid_wait_source() + dot32_source(_RUN) + gemv
     params = [
         ("x", (TOKENS, K), "float16"),
-        ("qw", (N, K // 8), "uint32"),
-        ("qs", (N, -(-K // G)), "float16"),  # the last group partial where G does not divide K
+        ("qw", w_shape, "uint32"),
+        ("qs", s_shape, "float16"),
         ("y", (TOKENS, N), "float16"),
     ]
     return token_grid_call(

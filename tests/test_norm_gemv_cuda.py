@@ -59,6 +59,10 @@ def test_kernels_compile_for_sm90():
     assert "1e-05f" in src and "1e-06f" in src
 
 
+# the model's calls of the prefetch INT4 GEMV (dsv2_mlc/model/decode_linear.py), by kernel name
+PREFETCH_GEMVS = ("qkv_a_decode", "o_proj_decode", "mlp_down_decode")
+
+
 @needs_nvcc
 @pytest.mark.parametrize("cfg", [CONFIG_A, CONFIG_B], ids=["A", "B"])
 def test_cuda_decode_folds_the_norms_and_prefetches_the_gemvs(tmp_path: Path, cfg: dict):
@@ -73,9 +77,8 @@ def test_cuda_decode_folds_the_norms_and_prefetches_the_gemvs(tmp_path: Path, cf
     # the INT4 linears no fused kernel covers: GEMVs that load their weights before they wait
     # (identical PrimFuncs are shared, so a call may name another layer's; q_b_proj's 24-wide
     # rows are not whole 32-element chunks: it stays a TIR GEMV)
-    prefetch = {"qkv_a_decode", "o_proj_decode", "mlp_down_decode"}
     calls = re.findall(r"R\.call_tir\(cls\.(\w+), \([^)]*?(model_layers_\w+?)_q_weight", decode)
-    gemvs = sorted(w for f, w in calls if f in prefetch)
+    gemvs = sorted(w for f, w in calls if f in PREFETCH_GEMVS)
     expect = [f"model_layers_{i}_self_attn_o_proj" for i in range(layers)]
     expect += ["model_layers_0_self_attn_qkv_a_proj"]
     expect += [f"model_layers_{i}_mlp_down_proj" for i in range(dense)]
@@ -89,6 +92,6 @@ def test_other_builds(tmp_path: Path, quantization: str, device: str):
     (decode,) = entry_ir(tmp_path, CONFIG_A, quantization, device, ("batch_decode",))
     # q0f16 on CUDA: the router keeps its norm folded in (fp32 gate), qkv_a is not INT4
     assert "add_norm_qkv_a" not in decode
-    for name in ("qkv_a_decode", "o_proj_decode", "mlp_down_decode"):
+    for name in PREFETCH_GEMVS:
         assert f"cls.{name}," not in decode  # no INT4 prefetch GEMV (CPU; float weights)
     assert ("cls.add_norm_router," in decode) == (device == "cuda")
