@@ -125,6 +125,7 @@ def mla_attention_cuda(
     stages: int = 3,
     merge_prefetch: bool = False,
     l2_prefetch: bool = False,
+    partials: str = "float32",
 ) -> tirx.PrimFunc:
     """The split-KV MLA attention PrimFunc (module docstring) for ``num_heads`` query heads.
 
@@ -143,7 +144,10 @@ def mla_attention_cuda(
     of all ``smax`` slots without waiting for ``ws_n``, one dependent global round trip less),
     ``l2_prefetch`` (pipelined path: before its PDL wait each split block asks L2 for its pages,
     :func:`_prefetch_wait_source`; off: no change in the model on the H200, with or without
-    ``--pdl-launch-dependents``, schedules/results/mla_attention.md, fourth round).
+    ``--pdl-launch-dependents``, schedules/results/mla_attention.md, fourth round),
+    ``partials`` (the workspace's partial outputs, ``"float32"`` or ``"float16"``: half the
+    bytes the split writes and the merge reads; float16 needs the pipelined path and the
+    parallel merge; the split lse stay float32).
     """
     if dtype not in _ELEM_BYTES:
         raise ValueError(f"mla_attention_cuda supports {sorted(_ELEM_BYTES)}, got {dtype}")
@@ -194,9 +198,14 @@ def mla_attention_cuda(
     PS = 24  # p_s row stride (halves): conflict-free A-fragment loads
     tag = f"{H}_{DL}_{D}"
     use_pipe = use_mma and stages >= 2
+    if partials not in ("float32", "float16"):
+        raise ValueError(f"partials must be 'float32' or 'float16', got {partials!r}")
+    half_ws = partials == "float16"
+    if half_ws and not (use_pipe and merge == "parallel"):
+        raise ValueError("float16 partials need the pipelined split block and the parallel merge")
     mma_src = mma_source(tag, KS, KSW, NTW, SROW, PS) if use_mma and not use_pipe else ""
-    ptag = f"{tag}_s{stages}"
-    pipe_src = pipe_source(ptag, D, DL, stages) if use_pipe else ""
+    ptag = f"{tag}_s{stages}" + ("_p16" if half_ws else "")
+    pipe_src = pipe_source(ptag, D, DL, stages, partials=partials) if use_pipe else ""
     use_l2 = use_pipe and l2_prefetch
     pf_src = _prefetch_wait_source(tag, P * D * _ELEM_BYTES[dtype], NT) if use_l2 else ""
     SMEM_N = pipe_shared_halves(D, stages) if use_pipe else 1  # pipelined path: one buffer
@@ -301,7 +310,7 @@ def mla_attention_cuda(
                     max_splits(total_len) > 1, total_len * max_splits(total_len) * H * DL, 1
                 ),
             ),
-            "float32",
+            partials,
             scope="global",
         )
         ws_lse = T.alloc_buffer((total_len * max_splits(total_len) * H,), "float32", scope="global")
@@ -732,9 +741,14 @@ def mla_attention_cuda(
                                         if ms < msplit:
                                             mw: T.let[T.float32] = T.exp2(lse_sh[ms] - gmax)
                                             for v in T.vectorized(MV):
-                                                vld[v] = ws_o[
-                                                    ((mrow * mmax_s + ms) * H + mh) * DL + mcol + v
-                                                ]
+                                                vld[v] = T.Cast(
+                                                    "float32",
+                                                    ws_o[
+                                                        ((mrow * mmax_s + ms) * H + mh) * DL
+                                                        + mcol
+                                                        + v
+                                                    ],
+                                                )
                                             for v in T.unroll(MV):
                                                 vacc[v] = vacc[v] + mw * vld[v]
                             for v in T.unroll(MV):

@@ -172,7 +172,7 @@ __device__ __forceinline__ void mlap_page_${tag}(unsigned dst, const half* src, 
 __device__ __forceinline__ void mla_split_pipe_${tag}(
     const half* __restrict__ q, const half* __restrict__ pages, const int* __restrict__ ids,
     int npg, int tok0, int n_vis, float scale, int final_, half* __restrict__ out,
-    float* __restrict__ lse, float* __restrict__ ws_o, float* __restrict__ ws_lse, int ws_row,
+    float* __restrict__ lse, ${wt}* __restrict__ ws_o, float* __restrict__ ws_lse, int ws_row,
     half* smem, const half* smem_last, int tx) {
   ws_o += (size_t)ws_row * ${dl};  // this block's 16 heads (row ws_row of the workspace)
   ws_lse += ws_row;
@@ -317,9 +317,9 @@ __device__ __forceinline__ void mla_split_pipe_${tag}(
       *reinterpret_cast<__half2*>(out + (g + 8) * ${dl} + col) =
           __floats2half2_rn(o[2] * i1, o[3] * i1);
     } else {
-      *reinterpret_cast<float2*>(ws_o + g * ${dl} + col) = make_float2(o[0] * i0, o[1] * i0);
-      *reinterpret_cast<float2*>(ws_o + (g + 8) * ${dl} + col) =
-          make_float2(o[2] * i1, o[3] * i1);
+      *reinterpret_cast<${wt2}*>(ws_o + g * ${dl} + col) = ${wpack}(o[0] * i0, o[1] * i0);
+      *reinterpret_cast<${wt2}*>(ws_o + (g + 8) * ${dl} + col) =
+          ${wpack}(o[2] * i1, o[3] * i1);
     }
   }
   if (tx < 16) {
@@ -330,12 +330,26 @@ __device__ __forceinline__ void mla_split_pipe_${tag}(
 """
 
 
-def pipe_source(tag: str, D: int, DL: int, stages: int, prims: bool = True) -> str:
+# workspace partial type -> CUDA element type, its pair type, the pair from two floats
+_PARTIALS = {
+    "float32": ("float", "float2", "make_float2"),
+    "float16": ("half", "__half2", "__floats2half2_rn"),
+}
+
+
+def pipe_source(
+    tag: str, D: int, DL: int, stages: int, prims: bool = True, partials: str = "float32"
+) -> str:
     """CUDA source of ``mla_split_pipe_<tag>`` (module docstring), the split block of the
     pipelined tensor-core path for 16 heads, rows of ``D`` (latent + rope) halves, ``DL``
     output columns (``D % 16 == 0``, ``DL % 64 == 0``) and ``stages`` (>= 2) page buffers.
     ``prims=False`` leaves out the PTX primitives (``mlap_{mma,ldsm,ldsm_t,ldsm_t2,cp,commit,
-    wait}_<tag>``) and the include guard, for a CPU emulation."""
+    wait}_<tag>``) and the include guard, for a CPU emulation. ``partials``: the type of the
+    partial outputs in the workspace (``"float32"`` or ``"float16"``; the split lse stay
+    float32)."""
+    if partials not in _PARTIALS:
+        raise ValueError(f"partials must be one of {sorted(_PARTIALS)}, got {partials!r}")
+    wt, wt2, wpack = _PARTIALS[partials]
     srow = D + 8
     dv = D // 8
     ks = D // 16
@@ -344,6 +358,9 @@ def pipe_source(tag: str, D: int, DL: int, stages: int, prims: bool = True) -> s
         body = f"\n#ifndef MLA_SPLIT_PIPE_{tag}\n#define MLA_SPLIT_PIPE_{tag}{body}#endif\n"
     return Template(body).substitute(
         tag=tag,
+        wt=wt,
+        wt2=wt2,
+        wpack=wpack,
         d=D,
         dl=DL,
         srow=srow,

@@ -16,7 +16,8 @@ blocks start while its predecessor runs), so the sum of their durations is not a
 the report adds the chain view (:func:`chain_table`): each kernel's *increment*, how far its end
 moves the step's frontier past every earlier end (the increments of a step add up to its span,
 first start to last end), and its *gap*, its start minus its predecessor's end (negative:
-overlap), per kernel name and per step.
+overlap), per kernel name and per step. ``--greedy`` decodes with ``Engine.decode_greedy``: the
+step's arg-max kernel and its token copies (the greedy graph, what ``bench`` replays) included.
 """
 
 from __future__ import annotations
@@ -113,6 +114,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefill-len", type=int, default=4096)
     p.add_argument("--top", type=int, default=40)
     p.add_argument("--graph", action="store_true", help="profile decode graph replays")
+    p.add_argument(
+        "--greedy", action="store_true", help="greedy steps (the arg-max in the step's graph)"
+    )
     args = p.parse_args(argv)
     from dsv2_mlc.runtime.engine import Engine  # before torch: ours is the tvm_ffi in use
 
@@ -127,17 +131,24 @@ def main(argv: list[str] | None = None) -> int:
     vocab = eng.config.vocab_size
     seq = eng.add_sequence()
     token = int(eng.prefill([seq], [rng.integers(0, vocab, args.prompt_len).tolist()])[0].argmax())
+
+    def step(token: int) -> int:
+        if args.greedy:
+            return int(eng.decode_greedy([seq], [token])[0])
+        return int(eng.decode([seq], [token])[0].argmax())
+
     for _ in range(3):  # warm: kernels loaded (and with --graph: this key's graph captured)
-        token = int(eng.decode([seq], [token])[0].argmax())
+        token = step(token)
     torch.cuda.synchronize()
     before = eng.cuda_graph_stats
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(args.steps):
-            token = int(eng.decode([seq], [token])[0].argmax())
+            token = step(token)
         torch.cuda.synchronize()
     decode = _table(_kernels(prof), args.steps)
     eng.remove_sequence(seq)
-    report: dict = {"build": args.build, "prompt_len": args.prompt_len, "steps": args.steps}
+    report: dict = {"build": args.build, "prompt_len": args.prompt_len, "steps": args.steps,
+                    "greedy": args.greedy}  # fmt: skip
     if args.graph:
         after = eng.cuda_graph_stats or {}
         replays = after.get("replays", 0) - (before or {}).get("replays", 0)

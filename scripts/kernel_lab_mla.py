@@ -69,6 +69,15 @@ VARIANTS: dict[str, dict] = {
     # Fourth round: ours with the split's pages asked of L2 before the PDL wait (in the model:
     # no change; a lab call cannot show it, its launches have no programmatic predecessor)
     "ours_l2": dict(l2_prefetch=True),
+    # Fifth round: the partial outputs in the workspace as float16 (half the bytes the split
+    # writes and the merge reads), on ours' grid and on the 128 / 264 grid and 4-page splits
+    "ours_p16": dict(partials="float16"),
+    "pipe3_pp2_p16": dict(
+        stages=3, min_pages_per_split=2, max_split=128, target_blocks=264, partials="float16"
+    ),
+    "pipe5_pp4_p16": dict(
+        stages=5, min_pages_per_split=4, max_split=128, target_blocks=264, partials="float16"
+    ),
 }
 BAD_REL, BAD_LSE = 2e-3, 1e-3  # a result worse than this is flagged "!"
 

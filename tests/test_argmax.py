@@ -2,11 +2,12 @@
 
 The LLVM kernel is built and run as it is. The CUDA kernel is built for sm_90 (nvcc, as a model
 build does), then TVM's CUDA source of it is compiled as C++20 with g++ and run one block at a
-time, one ``std::thread`` per CUDA thread, ``__syncthreads`` a ``std::barrier`` and
-``__shfl_xor_sync`` a barrier-separated exchange within the warp; rows are given both 16-byte
-aligned (the ``float4`` path) and not (the scalar path). Cases: random rows, ties (first index
-wins), NaN (the first NaN wins, as in NumPy), infinities, ``-0.0 == +0.0``, denormals, one-element
-rows and vocabulary sizes around the block's 1024 threads and V2's 102,400.
+time (the chunks of a row in a shuffled order, so any block can take the last ticket), one
+``std::thread`` per CUDA thread, ``__syncthreads`` a ``std::barrier`` and ``__shfl_xor_sync`` a
+barrier-separated exchange within the warp; rows are given both 16-byte aligned (the ``float4``
+path) and not (the scalar path), and more rows than have a ticket counter. Cases: random rows,
+ties (first index wins), NaN (the first NaN wins, as in NumPy), infinities, ``-0.0 == +0.0``,
+denormals, one-element rows and vocabulary sizes around a chunk and V2's 102,400.
 """
 
 from __future__ import annotations
@@ -21,9 +22,18 @@ import pytest
 import tvm
 
 from dsv2_mlc.compiler.cuda import cuda_codegen, make_cuda_target
-from dsv2_mlc.schedules.argmax import GPU_THREADS, argmax_cpu, argmax_gpu, greedy_argmax
+from dsv2_mlc.schedules.argmax import (
+    CHUNK,
+    GPU_THREADS,
+    MAX_CHUNKS,
+    MAX_ROWS,
+    argmax_chunks,
+    argmax_cpu,
+    argmax_gpu,
+    greedy_argmax,
+)
 
-VOCABS = [1, 3, 4, 31, 1023, 1024, 1025, 4097, 8192, 102400]
+VOCABS = [1, 3, 4, 31, 1023, 1024, 1025, 2049, 4097, 8192, 102400]
 
 
 def _rows(vocab: int, seed: int) -> np.ndarray:
@@ -86,12 +96,15 @@ needs_cuda_tools = pytest.mark.skipif(
 )
 
 _PRELUDE = r"""
+#include <algorithm>
 #include <barrier>
 #include <cstdint>
 #include <cstring>
 #include <thread>
 #include <vector>
-struct dim3_ { int x; };
+using std::max;
+using std::min;
+struct dim3_ { int x, y; };
 struct float4 { float x, y, z, w; };
 thread_local dim3_ threadIdx, blockIdx;
 static std::barrier<>* g_bar;
@@ -103,6 +116,12 @@ static unsigned long long g_lanes[1024];
 #define __device__
 #define __shared__ static
 #define __syncthreads() g_bar->arrive_and_wait()
+#define __threadfence()
+static inline unsigned atomicAdd(unsigned* p, unsigned v) {  // one block at a time
+  const unsigned o = *p;
+  *p = o + v;
+  return o;
+}
 static inline unsigned __float_as_uint(float v) { unsigned u; memcpy(&u, &v, 4); return u; }
 static inline unsigned long long __shfl_xor_sync(unsigned, unsigned long long v, int o) {
   const int t = threadIdx.x, w = t >> 5;
@@ -115,16 +134,20 @@ static inline unsigned long long __shfl_xor_sync(unsigned, unsigned long long v,
 """
 
 _LAUNCH = r"""
-extern "C" void launch(int64_t rows, int threads, float* x, int* out, int64_t vocab) {
+extern "C" void launch(int64_t rows, int threads, float* x, int* out, int64_t vocab,
+                       const int* order, int chunks) {
   for (int64_t b = 0; b < rows; ++b) {
-    std::barrier<> bar(threads);
-    g_bar = &bar;
-    for (int w = 0; w < threads / 32; ++w) g_warp_bar[w] = new std::barrier<>(32);
-    std::vector<std::thread> ts;
-    for (int t = 0; t < threads; ++t)
-      ts.emplace_back([=]() { blockIdx.x = (int)b; threadIdx.x = t; CALL; });
-    for (auto& t : ts) t.join();
-    for (int w = 0; w < threads / 32; ++w) delete g_warp_bar[w];
+    for (int k = 0; k < chunks; ++k) {
+      std::barrier<> bar(threads);
+      g_bar = &bar;
+      for (int w = 0; w < threads / 32; ++w) g_warp_bar[w] = new std::barrier<>(32);
+      std::vector<std::thread> ts;
+      const int c = order[b * chunks + k];
+      for (int t = 0; t < threads; ++t)
+        ts.emplace_back([=]() { blockIdx.x = c; blockIdx.y = (int)b; threadIdx.x = t; CALL; });
+      for (auto& t : ts) t.join();
+      for (int w = 0; w < threads / 32; ++w) delete g_warp_bar[w];
+    }
   }
 }
 """
@@ -140,9 +163,10 @@ def cuda_source() -> str:
 
 
 @needs_cuda_tools
-def test_cuda_kernel_builds_for_sm90_with_one_block_per_row(cuda_source):
+def test_cuda_kernel_builds_for_sm90_with_chunks_of_a_row_per_block(cuda_source):
     assert f"__launch_bounds__({GPU_THREADS})" in cuda_source
     assert "__shfl_xor_sync" in cuda_source and "float4" in cuda_source
+    assert "atomicAdd" in cuda_source and "__threadfence" in cuda_source
 
 
 @pytest.fixture(scope="module")
@@ -178,11 +202,11 @@ def cuda_kernel_on_cpu(cuda_source, tmp_path_factory):
         capture_output=True,
     )
     lib = ctypes.CDLL(str(so))
-    lib.launch.argtypes = [
-        ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64
-    ]  # fmt: skip
+    lib.launch.argtypes = [ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                           ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]  # fmt: skip
     threads = int(head.group(1))
     assert threads == GPU_THREADS
+    rng = np.random.default_rng(0)
 
     def run(x: np.ndarray, misalign: bool = False) -> np.ndarray:
         n, _, vocab = x.shape
@@ -192,7 +216,9 @@ def cuda_kernel_on_cpu(cuda_source, tmp_path_factory):
         buf = raw[start : start + n * vocab]
         buf[:] = x.reshape(-1)
         out = np.full(n, -7, np.int32)
-        lib.launch(n, threads, buf.ctypes.data, out.ctypes.data, vocab)
+        chunks = argmax_chunks(vocab)[0]  # the kernel's grid, in a shuffled order per row
+        order = np.stack([rng.permutation(chunks) for _ in range(n)]).astype(np.int32)
+        lib.launch(n, threads, buf.ctypes.data, out.ctypes.data, vocab, order.ctypes.data, chunks)
         return out
 
     return run
@@ -203,6 +229,25 @@ def cuda_kernel_on_cpu(cuda_source, tmp_path_factory):
 @pytest.mark.parametrize("vocab", VOCABS)
 def test_cuda_kernel_equals_numpy_argmax(cuda_kernel_on_cpu, vocab, misalign):
     _check(lambda x: cuda_kernel_on_cpu(x, misalign), vocab, seed=vocab + 1)
+
+
+@pytest.mark.parametrize("vocab", [*VOCABS, 2048 * 128, 2048 * 128 + 1, 10**6])
+def test_chunks_cover_a_row_in_aligned_pieces(vocab):
+    chunks, chunk = argmax_chunks(vocab)
+    assert 1 <= chunks <= MAX_CHUNKS and chunk % 4 == 0
+    assert (chunks - 1) * chunk < vocab <= chunks * chunk  # every block has logits to scan
+    assert chunks == MAX_CHUNKS or chunk <= CHUNK
+
+
+@needs_cuda_tools
+def test_cuda_kernel_rows_past_the_ticket_counters(cuda_kernel_on_cpu):
+    """Rows past ``MAX_ROWS`` are scanned by one block each; the counters of the others are
+    back at 0 after every launch (the next one would pick no or a wrong last block)."""
+    vocab = 2049  # two chunks a row
+    x = np.concatenate([_rows(vocab, seed) for seed in range(MAX_ROWS // 8 + 1)])
+    assert x.shape[0] > MAX_ROWS
+    for _ in range(2):
+        np.testing.assert_array_equal(cuda_kernel_on_cpu(x), x[:, 0].argmax(-1))
 
 
 def test_kernel_choice_follows_the_target():

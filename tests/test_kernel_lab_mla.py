@@ -152,6 +152,12 @@ def test_kernel_rejects_bad_variant_arguments() -> None:
         mla_attention_cuda(16, 512, 64, min_pages_per_split=0)
     with pytest.raises(ValueError, match="stages"):
         mla_attention_cuda(16, 512, 64, stages=0)
+    with pytest.raises(ValueError, match="partials"):
+        mla_attention_cuda(16, 512, 64, partials="bfloat16")
+    with pytest.raises(ValueError, match="float16 partials"):  # only the pipelined path has them
+        mla_attention_cuda(16, 512, 64, stages=1, partials="float16")
+    with pytest.raises(ValueError, match="float16 partials"):
+        mla_attention_cuda(16, 512, 64, merge="serial", partials="float16")
 
 
 def test_kernel_rejects_unsupported_shapes() -> None:

@@ -162,7 +162,8 @@ int main(int argc, char** argv) {
   auto jobs = load<int>((dir + "/jobs").c_str(), (size_t)n_jobs * 7);
   std::vector<half> out((size_t)n_rows * 16 * $dl, (half)7.f);
   std::vector<float> lse((size_t)n_rows * 16, 7.f);
-  std::vector<float> ws_o((size_t)n_ws * $dl, NAN), ws_lse(n_ws, NAN);
+  std::vector<$wt> ws_o((size_t)n_ws * $dl, ($wt)NAN);
+  std::vector<float> ws_lse(n_ws, NAN);
   const size_t smem_bytes = $smem_halves * 2;
   char* smem = (char*)aligned_alloc(64, (smem_bytes + 63) / 64 * 64);
   for (int j = 0; j < n_jobs; ++j) {
@@ -199,7 +200,7 @@ int main(int argc, char** argv) {
 SCALE = 0.25  # sm_scale * log2(e) of the test (any value)
 
 
-def _build(tmp: Path, d: int, dl: int, stages: int) -> Path:
+def _build(tmp: Path, d: int, dl: int, stages: int, partials: str = "float32") -> Path:
     from string import Template
 
     tag = "emu"
@@ -207,9 +208,14 @@ def _build(tmp: Path, d: int, dl: int, stages: int) -> Path:
         TYPES
         + _PRELUDE
         + Template(_PRIMS).substitute(tag=tag, wait=stages - 2)
-        + pipe_source(tag, d, dl, stages, prims=False)
+        + pipe_source(tag, d, dl, stages, prims=False, partials=partials)
         + Template(_MAIN).substitute(
-            tag=tag, d=d, dl=dl, smem_halves=pipe_shared_halves(d, stages), scale=f"{SCALE}f"
+            tag=tag,
+            d=d,
+            dl=dl,
+            smem_halves=pipe_shared_halves(d, stages),
+            scale=f"{SCALE}f",
+            wt="half" if partials == "float16" else "float",
         )
     )
     return compile_cpp(src, tmp / "emu")
@@ -233,7 +239,7 @@ def _plan(n_vis: list[int], min_pps: int, smax: int) -> tuple[list, list, int]:
 
 
 def _run(tmp: Path, exe: Path, d: int, dl: int, n_vis: list[int], min_pps: int, smax: int,
-         late: int) -> None:  # fmt: skip
+         late: int, partials: str = "float32") -> None:  # fmt: skip
     rng = np.random.default_rng(7 + late)
     jobs, rows, n_ws = _plan(n_vis, min_pps, smax)
     n_ids = sum(max(-(-n // P), 1) for n in n_vis)
@@ -254,7 +260,7 @@ def _run(tmp: Path, exe: Path, d: int, dl: int, n_vis: list[int], min_pps: int, 
     subprocess.run(args + [str(len(jobs)), str(n_ws)], check=True, timeout=600)
     out = np.fromfile(tmp / "out", np.float16).reshape(len(n_vis), H, dl).astype(np.float64)
     lse = np.fromfile(tmp / "lse", np.float32).reshape(len(n_vis), H).astype(np.float64)
-    ws_o = np.fromfile(tmp / "ws_o", np.float32).reshape(len(n_vis), smax, H, dl)
+    ws_o = np.fromfile(tmp / "ws_o", partials).reshape(len(n_vis), smax, H, dl).astype(np.float64)
     ws_lse = np.fromfile(tmp / "ws_lse", np.float32).reshape(len(n_vis), smax, H)
     for r, ((_, nsplit), n) in enumerate(zip(rows, n_vis, strict=True)):
         if nsplit > 1:  # the merge kernel's arithmetic
@@ -289,3 +295,11 @@ def test_pipelined_split_block(tmp_path: Path, d: int, dl: int, stages: int, min
     n_vis = [0, 1, 16, 17, 100, 300] if d < 200 else [0, 33, 200]
     for late in (0, 1):
         _run(tmp_path, exe, d, dl, n_vis, min_pps, smax, late)
+
+
+def test_pipelined_split_block_with_float16_partials(tmp_path: Path) -> None:
+    """The workspace's partial outputs as float16 (``partials="float16"``), merged in float64
+    as the merge kernel does in float32: the same tolerance as the float32 workspace."""
+    exe = _build(tmp_path, 576, 512, 3, partials="float16")
+    for late in (0, 1):
+        _run(tmp_path, exe, 576, 512, [0, 33, 200], 2, 4, late, partials="float16")
