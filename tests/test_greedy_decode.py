@@ -114,14 +114,86 @@ def test_a_step_begun_ahead_is_taken_or_undone_by_the_next_call(then, engines):
             eng.remove_sequence(s)
 
 
+@pytest.mark.parametrize("batch", [1, 2])
+def test_followed_steps_match_decode_greedy(batch, engines):
+    eng = engines["B"]
+    a, tok_a = _prefilled(eng, _prompts(batch))
+    b, tok_b = _prefilled(eng, _prompts(batch))
+    try:
+        for i in range(7):
+            ref = eng.decode_greedy(a, tok_a.tolist())
+            follow = i != 4  # a step taken without following in the middle of the chain
+            pending = eng.launch_greedy(b, tok_b.tolist(), follow=follow)
+            got = pending.result()
+            np.testing.assert_array_equal(got, ref)
+            # the next step runs already on ``got``; it is not counted until asked for
+            assert (eng._followed is not None) == follow
+            assert [eng.sequence_length(s) for s in a] == [eng.sequence_length(s) for s in b]
+            tok_a, tok_b = ref, got
+        np.testing.assert_array_equal(eng.decode(a, tok_a.tolist()), eng.decode(b, tok_b.tolist()))
+        assert eng._followed is None and eng._ahead is None
+    finally:
+        for s in a + b:
+            eng.remove_sequence(s)
+
+
+@pytest.mark.parametrize("then", ["other_tokens", "decode", "popn", "prefill_other", "generate"])
+def test_a_followed_step_is_taken_or_undone_by_the_next_call(then, engines):
+    eng = engines["A"]
+    (a,), tok_a = _prefilled(eng, [PROMPT])
+    (b,), tok_b = _prefilled(eng, [PROMPT])
+    extra = []
+    try:
+        ref_tok = eng.decode_greedy([a], tok_a.tolist())
+        got_tok = eng.launch_greedy([b], tok_b.tolist(), follow=True).result()
+        np.testing.assert_array_equal(got_tok, ref_tok)
+        assert eng._followed is not None
+        if then == "other_tokens":  # a step on other tokens than the device picked
+            ref_tok = got_tok = (got_tok + 1) % eng.config.vocab_size
+            ref = eng.decode_greedy([a], ref_tok.tolist())
+            got = eng.launch_greedy([b], got_tok.tolist(), follow=True).result()
+            np.testing.assert_array_equal(got, ref)
+            ref_tok, got_tok = ref, got
+        elif then == "popn":
+            for s in (a, b):
+                eng.popn(s, 2)
+            ref_tok = got_tok = np.array([PROMPT[-2]])
+        elif then == "prefill_other":
+            extra = [eng.add_sequence()]
+            eng.prefill(extra, [PROMPT[:5]])
+        elif then == "generate":
+            eng.generate(PROMPT[:4], 3, stop_token_ids=[])
+        if then not in ("other_tokens", "decode"):  # "decode" undoes it below
+            assert eng._followed is None and eng._ahead is None
+        assert eng.sequence_length(a) == eng.sequence_length(b)
+        got = eng.decode([b], got_tok.tolist())
+        np.testing.assert_array_equal(got, eng.decode([a], ref_tok.tolist()))
+        assert eng._followed is None
+    finally:
+        for s in [a, b, *extra]:
+            eng.remove_sequence(s)
+
+
+def test_follow_needs_next_step(engines):
+    eng = engines["A"]
+    (seq,), tokens = _prefilled(eng, [PROMPT])
+    try:
+        with pytest.raises(ValueError, match="next_step"):
+            eng.launch_greedy([seq], tokens.tolist(), next_step=False, follow=True)
+        assert eng.sequence_length(seq) == len(PROMPT)
+    finally:
+        eng.remove_sequence(seq)
+
+
 def test_no_step_is_begun_ahead_past_the_context_window(compiled):
     from dsv2_mlc.runtime.engine import ContextLengthError, Engine
 
     eng = Engine(compiled["A"], context_window=len(PROMPT) + 2)
     (seq,), tokens = _prefilled(eng, [PROMPT])
     for _ in range(2):
-        tokens = eng.launch_greedy([seq], tokens.tolist(), next_step=True).result()
-    assert eng._ahead is None and eng.sequence_length(seq) == len(PROMPT) + 2
+        tokens = eng.launch_greedy([seq], tokens.tolist(), follow=True).result()
+    assert eng._ahead is None and eng._followed is None
+    assert eng.sequence_length(seq) == len(PROMPT) + 2
     with pytest.raises(ContextLengthError, match="context window"):
         eng.launch_greedy([seq], tokens.tolist())
     eng.popn(seq, 1)  # the cache is as the two steps left it
@@ -139,8 +211,10 @@ def test_greedy_generation_that_stops_undoes_the_step_begun_ahead(compiled):
     params = SamplingParams(max_tokens=8)
     result = run_generation(eng, seq, PROMPT, 0, params, None, [stop], 8).collect()
     assert result.token_ids == ref[: ref.index(stop) + 1] and result.finish_reason == "stop"
-    # the prompt and every token but the stop token went through the model, nothing more
-    assert eng._ahead is None and eng.sequence_length(seq) == len(PROMPT) + ref.index(stop)
+    # the prompt and every token but the stop token went through the model, nothing more (the
+    # step that followed the stop token is undone)
+    assert eng._ahead is None and eng._followed is None
+    assert eng.sequence_length(seq) == len(PROMPT) + ref.index(stop)
     other = eng.add_sequence()  # the same tokens through plain steps
     eng.prefill([other], [PROMPT])
     for token in ref[: ref.index(stop)]:
@@ -245,6 +319,28 @@ def test_greedy_generation_picks_on_the_device_with_the_same_tokens(compiled, mo
     calls = _spy(eng, monkeypatch)
     assert eng.generate(PROMPT, 8, stop_token_ids=[]).token_ids == host
     assert calls == {"decode": 0, "decode_greedy": 0, "launch_greedy": 7}
+
+
+def test_generation_overlaps_its_steps_unless_told_not_to(compiled, monkeypatch):
+    from dsv2_mlc.runtime.engine import Engine
+
+    eng = Engine(compiled["A"], context_window=64)
+    assert eng.overlap_steps
+    ref = eng.generate(PROMPT, 8, stop_token_ids=[]).token_ids
+    follows: list[bool] = []
+    real = eng.launch_greedy
+
+    def spy(*args, **kwargs):
+        follows.append(kwargs.get("follow", False))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(eng, "launch_greedy", spy)
+    assert eng.generate(PROMPT, 8, stop_token_ids=[]).token_ids == ref
+    assert follows == [True] * 6 + [False]  # no step is launched past max_new_tokens
+    eng.overlap_steps = False
+    follows.clear()
+    assert eng.generate(PROMPT, 8, stop_token_ids=[]).token_ids == ref
+    assert follows == [False] * 7 and eng._followed is None
 
 
 @pytest.mark.parametrize(

@@ -66,11 +66,13 @@ class PromptError(ValueError):
 
 class PendingTokens:
     """The tokens of a greedy step from :meth:`Engine.launch_greedy`: :meth:`result` waits for
-    the device where the step's graph is still running."""
+    the device where the step's graph is still running. A step launched with ``follow`` launches
+    the next one on these tokens inside :meth:`result`, right after the wait."""
 
     def __init__(self, wait: Callable[[], np.ndarray]) -> None:
         self._wait: Callable[[], np.ndarray] | None = wait
         self._tokens: np.ndarray | None = None
+        self._then: Callable[[np.ndarray], None] | None = None
 
     @property
     def done(self) -> bool:
@@ -83,7 +85,16 @@ class PendingTokens:
             wait, self._wait = self._wait, None
             self._tokens = wait()
         assert self._tokens is not None
+        then, self._then = self._then, None
+        if then is not None:
+            then(self._tokens)
         return self._tokens
+
+    def _follow(self, then: Callable[[np.ndarray], None] | None) -> None:
+        """Call ``then(tokens)`` once they are known (now, if they are); None: do not."""
+        self._then = then
+        if then is not None and self.done:
+            self.result()
 
 
 def _same_logits(a: Any, b: Any) -> bool:
@@ -135,6 +146,7 @@ class Engine:
         random_weights: int | None = None,
         cuda_graph: bool = True,
         pdl: str | None = None,
+        overlap_steps: bool = True,
     ):
         """``random_weights=SEED`` creates deterministic random weights on the device instead of
         reading ``params/`` (required for builds made with ``--random-weights``; see
@@ -147,8 +159,14 @@ class Engine:
 
         ``pdl``: how the kernels of a decode graph are linked in a build compiled with ``--pdl``
         (:mod:`dsv2_mlc.runtime.pdl`): ``"programmatic"`` (the default for such builds),
-        ``"launch-completion"``, or ``"off"`` (plain edges, the only choice for other builds)."""
+        ``"launch-completion"``, or ``"off"`` (plain edges, the only choice for other builds).
+
+        ``overlap_steps``: greedy generation (:meth:`generate`, :meth:`stream`, chat, the HTTP
+        server) launches each decode step as soon as the previous step's token is known
+        (:meth:`launch_greedy` with ``follow``), so the host's per-token work (detokenizing,
+        stop checks, streaming the text) overlaps the device; False: each step waits for it."""
         self.path = Path(model)
+        self.overlap_steps = overlap_steps
         self.build = BuildConfig.read(self.path)
         self.config = DeepseekV2Config.from_dict(self.build.model)
         self.device = self.build.device
@@ -214,6 +232,8 @@ class Engine:
         self._shared: set[int] = set()  # sequences that share pages (forks): no graphs
         self._inflight: PendingTokens | None = None  # a launched greedy step (launch_greedy)
         self._ahead: list[int] | None = None  # sequences whose next step was begun ahead
+        # a step launched by a ``follow`` before its caller asked for it: (seq_ids, ids, tokens)
+        self._followed: tuple[list[int], np.ndarray, PendingTokens] | None = None
         use_graphs = cuda_graph and self.device == "cuda"
         self._graphs = DecodeGraphs(self.device, pdl_port=port) if use_graphs else None
         self._query_positions = global_func("vm.builtin.attention_kv_cache_get_query_positions")
@@ -358,8 +378,9 @@ class Engine:
         self._seq_len[seq] -= n
 
     def sequence_length(self, seq: int) -> int:
-        """Tokens cached for ``seq``."""
-        return self._seq_len[seq]
+        """Tokens cached for ``seq`` (a followed step nobody has asked for yet not counted)."""
+        ahead = self._followed is not None and seq in self._followed[0]
+        return self._seq_len[seq] - int(ahead)
 
     def reset(self) -> None:
         """Remove every sequence."""
@@ -369,22 +390,33 @@ class Engine:
         self._shared.clear()
 
     def settle(self) -> None:
-        """Wait for a greedy step launched by :meth:`launch_greedy` and undo a next step begun
-        ahead (every other call that touches the cache or the device does this first)."""
+        """Wait for a greedy step launched by :meth:`launch_greedy`, undo a next step begun
+        ahead and a followed step nobody asked for (every other call that touches the cache or
+        the device does this first)."""
         self._wait_inflight()
         if self._ahead is not None:
             seqs, self._ahead = self._ahead, None
             for seq in seqs:  # begun, never run: the reserved slot goes back
                 self._kv_state["popn"](self._cache, seq, 1)
+        if self._followed is not None:
+            seqs = self._followed[0]
+            self._followed = None
+            for seq in seqs:  # run on a token its caller did not keep: its KV entry goes
+                self._kv_state["popn"](self._cache, seq, 1)
+                self._seq_len[seq] -= 1
 
     def _wait_inflight(self) -> None:
-        """Wait for a launched greedy step, if any (its tokens stay with its PendingTokens)."""
+        """Wait for a launched greedy step, if any (its tokens stay with its PendingTokens;
+        it launches no followed step any more)."""
         if self._inflight is not None:
             pending, self._inflight = self._inflight, None
+            pending._follow(None)
             pending.result()
 
     # -- forward --------------------------------------------------------------------------------
     def _check_room(self, seq_ids: Sequence[int], lengths: Sequence[int]) -> None:
+        if self._followed is not None:
+            self.settle()  # the step asked for is not the followed one: undo that first
         for seq, n in zip(seq_ids, lengths, strict=True):
             if self._seq_len[seq] + n > self.context_window:
                 raise ContextLengthError(
@@ -464,6 +496,8 @@ class Engine:
     def _begin(self, seq_ids: list[int], lengths: list[int]) -> None:
         """``begin_forward`` for one chunk per sequence: after :meth:`settle`, or nothing when
         this very step (one token for each of ``seq_ids``) was begun ahead."""
+        if self._followed is not None:
+            self.settle()  # a step other than the followed one: undo that first
         if self._ahead == seq_ids and all(n == 1 for n in lengths):
             self._wait_inflight()  # the cache copies this step's page tables after it
             self._ahead = None
@@ -621,7 +655,11 @@ class Engine:
         return self._forward(seq_ids, [[int(t)] for t in tokens], all_logits=False, greedy=True)
 
     def launch_greedy(
-        self, seq_ids: Sequence[int], tokens: Sequence[int], next_step: bool = True
+        self,
+        seq_ids: Sequence[int],
+        tokens: Sequence[int],
+        next_step: bool = True,
+        follow: bool = False,
     ) -> PendingTokens:
         """:meth:`decode_greedy`, returning as soon as the step runs on the device: its
         :meth:`~PendingTokens.result` waits for the tokens. Meanwhile the host may do its own
@@ -629,15 +667,48 @@ class Engine:
         the KV cache's host bookkeeping of that step is done now too, overlapping the device.
         Any other call that touches the cache waits for the step first and undoes a next step
         begun ahead (:meth:`settle`). Only a replay of a verified CUDA graph runs on; other
-        steps (CPU, eager, first replays) complete before this returns."""
+        steps (CPU, eager, first replays) complete before this returns.
+
+        ``follow`` (with ``next_step``): moreover, :meth:`~PendingTokens.result` launches that
+        next step on the tokens it returns, right after its wait, before the caller's own work
+        (streaming the text, checking stop conditions) delays the device. The caller's next
+        ``launch_greedy`` with exactly those tokens returns the running step; anything else
+        (other tokens or sequences, any call that touches the cache) first undoes it."""
         seq_ids = list(seq_ids)
+        if follow and not next_step:
+            raise ValueError("follow launches the next step: it needs next_step")
         if self._greedy is None or len(seq_ids) > MAX_DECODE_GROUP:
             tokens_now = self.decode_greedy(seq_ids, tokens)
             return PendingTokens(lambda: tokens_now)
-        if self._ahead != seq_ids:  # a step begun ahead was checked for room then
-            self._check_room(seq_ids, [1] * len(seq_ids))
-        ids = self._checked_ids([int(t) for t in tokens])
-        return self._greedy_step(seq_ids, ids, ahead=next_step)
+        pending = self._claim_followed(seq_ids, tokens)
+        if pending is None:
+            if self._ahead != seq_ids:  # a step begun ahead was checked for room then
+                self._check_room(seq_ids, [1] * len(seq_ids))
+            ids = self._checked_ids([int(t) for t in tokens])
+            pending = self._greedy_step(seq_ids, ids, ahead=next_step)
+        if follow:
+            pending._follow(functools.partial(self._launch_followed, seq_ids))
+        return pending
+
+    def _claim_followed(self, seq_ids: list[int], tokens: Sequence[int]) -> PendingTokens | None:
+        """The followed step, if it is the one asked for (same sequences, same tokens); else
+        None, the followed step (if any) undone."""
+        if self._followed is None:
+            return None
+        seqs, ids, pending = self._followed
+        if seqs != seq_ids or ids.tolist() != [int(t) for t in tokens]:
+            self.settle()
+            return None
+        self._followed = None
+        return pending
+
+    def _launch_followed(self, seq_ids: list[int], tokens: np.ndarray) -> None:
+        """Launch the step begun ahead on ``tokens`` (the device's arg-max of the step that
+        just completed, so within the vocabulary); it begins its own next step ahead."""
+        if self._ahead != seq_ids:  # it did not fit, or the caller did something else
+            return
+        ids = tokens.astype(np.int32)
+        self._followed = (seq_ids, ids, self._greedy_step(seq_ids, ids, ahead=True))
 
     # -- convenience ----------------------------------------------------------------------------
     def logits(self, prompt_ids: Sequence[int]) -> np.ndarray:

@@ -187,9 +187,11 @@ def _generate(
                 yield StreamDelta(out, [token])
                 logits = engine.decode([seq], [token])[0]
             else:  # greedy: the arg-max on the device, only the token comes back; the step is
-                # launched first, so the device runs while the text goes out
+                # launched first, so the device runs while the text goes out, and the next one
+                # as soon as its token is known (``follow``; undone if that token stops here)
                 more = len(tokens) + 1 < max_tokens  # another step may follow this one
-                pending = engine.launch_greedy([seq], [token], next_step=more)
+                follow = more and engine.overlap_steps
+                pending = engine.launch_greedy([seq], [token], next_step=more, follow=follow)
                 yield StreamDelta(out, [token])
                 picked = int(pending.result()[0])
             decode_s = time.perf_counter() - t1
