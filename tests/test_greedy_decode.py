@@ -61,40 +61,63 @@ def test_decode_greedy_splits_large_batches_like_decode(compiled):
     np.testing.assert_array_equal(eng.decode_greedy(seqs, tokens.tolist()), ref)
 
 
+@pytest.mark.parametrize("follow", [False, True], ids=["begun_ahead", "followed"])
 @pytest.mark.parametrize("batch", [1, 2])
-def test_launched_steps_with_the_next_begun_ahead_match_decode_greedy(batch, engines):
+def test_launched_steps_match_decode_greedy(batch, follow, engines):
+    """Steps with the next one begun ahead (some without), or with ``follow`` already running on
+    the picked tokens (one in the middle without): the tokens and caches of plain steps."""
     eng = engines["B"]
     a, tok_a = _prefilled(eng, _prompts(batch))
     b, tok_b = _prefilled(eng, _prompts(batch))
+    refs = []  # a's steps first: a call on a would undo a step of b run ahead
+    for _ in range(7):
+        refs.append(tok_a := eng.decode_greedy(a, tok_a.tolist()))
+    start = [eng.sequence_length(s) for s in b]
     try:
-        for i in range(7):
-            ref = eng.decode_greedy(a, tok_a.tolist())
-            pending = eng.launch_greedy(b, tok_b.tolist(), next_step=i % 3 != 2)
+        for i, ref in enumerate(refs):
+            ahead = i % 3 != 2 or follow
+            run_on = follow and i != 4
+            pending = eng.launch_greedy(b, tok_b.tolist(), next_step=ahead, follow=run_on)
             got = pending.result()
             assert pending.done and got.dtype == np.int64 and got is pending.result()
             np.testing.assert_array_equal(got, ref)
-            tok_a, tok_b = ref, got
-        # a next step is begun ahead for b; decoding a undoes it, and the caches agree
+            # a followed step runs already on ``got``; it is not counted until asked for
+            assert (eng._followed is not None) == run_on
+            assert [eng.sequence_length(s) for s in b] == [n + i + 1 for n in start]
+            tok_b = got
+        # the next step is begun ahead (or running) for b; decoding a undoes it, the caches agree
         assert eng._ahead == b
         assert [eng.sequence_length(s) for s in a] == [eng.sequence_length(s) for s in b]
         np.testing.assert_array_equal(eng.decode(a, tok_a.tolist()), eng.decode(b, tok_b.tolist()))
-        assert eng._ahead is None
+        assert eng._ahead is None and eng._followed is None
     finally:
         for s in a + b:
             eng.remove_sequence(s)
 
 
-@pytest.mark.parametrize("then", ["decode", "popn", "prefill_other", "fork", "generate"])
-def test_a_step_begun_ahead_is_taken_or_undone_by_the_next_call(then, engines):
+@pytest.mark.parametrize("follow", [False, True], ids=["begun_ahead", "followed"])
+@pytest.mark.parametrize(
+    "then", ["decode", "other_tokens", "popn", "prefill_other", "fork", "generate"]
+)
+def test_a_step_begun_or_run_ahead_is_taken_or_undone_by_the_next_call(then, follow, engines):
+    """After a greedy step, the next one is begun ahead (host bookkeeping) or, with ``follow``,
+    already running on the picked token: the next call takes it or undoes it first."""
     eng = engines["A"]
     (a,), tok_a = _prefilled(eng, [PROMPT])
     (b,), tok_b = _prefilled(eng, [PROMPT])
     extra = []
     try:
         ref_tok = eng.decode_greedy([a], tok_a.tolist())
-        got_tok = eng.launch_greedy([b], tok_b.tolist(), next_step=True).result()
+        got_tok = eng.launch_greedy([b], tok_b.tolist(), follow=follow).result()
         np.testing.assert_array_equal(got_tok, ref_tok)
-        if then == "popn":
+        assert eng._ahead == [b] and (eng._followed is not None) == follow
+        if then == "other_tokens":  # a step on other tokens than the device picked
+            other = (got_tok + 1) % eng.config.vocab_size
+            got = eng.launch_greedy([b], other.tolist(), follow=follow).result()
+            ref = eng.decode_greedy([a], other.tolist())  # (undoes b's next step)
+            np.testing.assert_array_equal(got, ref)
+            ref_tok, got_tok = ref, got
+        elif then == "popn":
             for s in (a, b):
                 eng.popn(s, 2)
             ref_tok = got_tok = np.array([PROMPT[-2]])
@@ -105,68 +128,10 @@ def test_a_step_begun_ahead_is_taken_or_undone_by_the_next_call(then, engines):
             extra = [eng.fork_sequence(b)]
         elif then == "generate":
             eng.generate(PROMPT[:4], 3, stop_token_ids=[])
-        assert eng._ahead is None if then != "decode" else eng._ahead == [b]
+        if then not in ("decode", "other_tokens"):  # those leave it for the decode below
+            assert eng._ahead is None and eng._followed is None
         assert eng.sequence_length(a) == eng.sequence_length(b)
-        got = eng.decode([b], got_tok.tolist())  # "decode": the step begun ahead, taken
-        np.testing.assert_array_equal(got, eng.decode([a], ref_tok.tolist()))
-    finally:
-        for s in [a, b, *extra]:
-            eng.remove_sequence(s)
-
-
-@pytest.mark.parametrize("batch", [1, 2])
-def test_followed_steps_match_decode_greedy(batch, engines):
-    eng = engines["B"]
-    a, tok_a = _prefilled(eng, _prompts(batch))
-    b, tok_b = _prefilled(eng, _prompts(batch))
-    try:
-        for i in range(7):
-            ref = eng.decode_greedy(a, tok_a.tolist())
-            follow = i != 4  # a step taken without following in the middle of the chain
-            pending = eng.launch_greedy(b, tok_b.tolist(), follow=follow)
-            got = pending.result()
-            np.testing.assert_array_equal(got, ref)
-            # the next step runs already on ``got``; it is not counted until asked for
-            assert (eng._followed is not None) == follow
-            assert [eng.sequence_length(s) for s in a] == [eng.sequence_length(s) for s in b]
-            tok_a, tok_b = ref, got
-        np.testing.assert_array_equal(eng.decode(a, tok_a.tolist()), eng.decode(b, tok_b.tolist()))
-        assert eng._followed is None and eng._ahead is None
-    finally:
-        for s in a + b:
-            eng.remove_sequence(s)
-
-
-@pytest.mark.parametrize("then", ["other_tokens", "decode", "popn", "prefill_other", "generate"])
-def test_a_followed_step_is_taken_or_undone_by_the_next_call(then, engines):
-    eng = engines["A"]
-    (a,), tok_a = _prefilled(eng, [PROMPT])
-    (b,), tok_b = _prefilled(eng, [PROMPT])
-    extra = []
-    try:
-        ref_tok = eng.decode_greedy([a], tok_a.tolist())
-        got_tok = eng.launch_greedy([b], tok_b.tolist(), follow=True).result()
-        np.testing.assert_array_equal(got_tok, ref_tok)
-        assert eng._followed is not None
-        if then == "other_tokens":  # a step on other tokens than the device picked
-            ref_tok = got_tok = (got_tok + 1) % eng.config.vocab_size
-            ref = eng.decode_greedy([a], ref_tok.tolist())
-            got = eng.launch_greedy([b], got_tok.tolist(), follow=True).result()
-            np.testing.assert_array_equal(got, ref)
-            ref_tok, got_tok = ref, got
-        elif then == "popn":
-            for s in (a, b):
-                eng.popn(s, 2)
-            ref_tok = got_tok = np.array([PROMPT[-2]])
-        elif then == "prefill_other":
-            extra = [eng.add_sequence()]
-            eng.prefill(extra, [PROMPT[:5]])
-        elif then == "generate":
-            eng.generate(PROMPT[:4], 3, stop_token_ids=[])
-        if then not in ("other_tokens", "decode"):  # "decode" undoes it below
-            assert eng._followed is None and eng._ahead is None
-        assert eng.sequence_length(a) == eng.sequence_length(b)
-        got = eng.decode([b], got_tok.tolist())
+        got = eng.decode([b], got_tok.tolist())  # takes a step begun ahead, undoes a run one
         np.testing.assert_array_equal(got, eng.decode([a], ref_tok.tolist()))
         assert eng._followed is None
     finally:
