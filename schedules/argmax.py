@@ -28,6 +28,9 @@ one element; any vocabulary size is fine.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from tvm import tirx
 from tvm.script import tirx as T
 from tvm.target import Target
@@ -49,12 +52,13 @@ MAX_CHUNKS = 128  # blocks a row at most (one key per thread in the last block's
 MAX_ROWS = 64  # rows with a ticket counter; rows past it are scanned by one block each
 
 
-def argmax_chunks(vocab: int) -> tuple[int, int]:
+def argmax_chunks(vocab: Any, lo: Callable = min, hi: Callable = max) -> tuple[Any, Any]:
     """``(chunks, chunk)``: the blocks of a row of ``vocab`` logits and the floats each scans
-    (a multiple of 4, so every chunk of an aligned row starts aligned)."""
-    chunks = min(max(-(-vocab // CHUNK), 1), MAX_CHUNKS)
-    per = -(-vocab // chunks)
-    return chunks, -(-per // 4) * 4
+    (a multiple of 4, so every chunk of an aligned row starts aligned). ``vocab`` an int, or a
+    TIR expression with ``lo, hi = T.min, T.max`` (the kernel's grid: the same arithmetic)."""
+    chunks = lo(hi((vocab + CHUNK - 1) // CHUNK, 1), MAX_CHUNKS)
+    per = (vocab + chunks - 1) // chunks
+    return chunks, (per + 3) // 4 * 4
 
 
 def argmax_cpu() -> tirx.PrimFunc:
@@ -193,11 +197,10 @@ def argmax_gpu() -> tirx.PrimFunc:
     ``T.cuda.func_call``)."""
 
     def chunks_of(vocab):
-        return T.min(T.max(T.floordiv(vocab + (CHUNK - 1), CHUNK), 1), MAX_CHUNKS)
+        return argmax_chunks(vocab, T.min, T.max)[0]
 
     def chunk_of(vocab):
-        per = T.floordiv(vocab + chunks_of(vocab) - 1, chunks_of(vocab))
-        return T.floordiv(per + 3, 4) * 4
+        return argmax_chunks(vocab, T.min, T.max)[1]
 
     @T.prim_func(private=True, s_tir=True)
     def argmax(var_logits: T.handle, var_out: T.handle):

@@ -82,7 +82,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from .cuda_call import GRID_WAIT, L2_PREFETCH, grid_wait_source, l2_prefetch_source
-from .mla_cuda_helpers import mma_source, pipe_shared_halves, pipe_source
+from .mla_cuda_helpers import PARTIAL_TYPES, mma_source, pipe_shared_halves, pipe_source
 from .mla_paging import find_sequence, kv_length, visible_length
 
 __all__ = ["MLA_CUDA_PAGE_SIZE", "mla_attention_cuda", "mla_attention_cuda_supports"]
@@ -198,8 +198,8 @@ def mla_attention_cuda(
     PS = 24  # p_s row stride (halves): conflict-free A-fragment loads
     tag = f"{H}_{DL}_{D}"
     use_pipe = use_mma and stages >= 2
-    if partials not in ("float32", "float16"):
-        raise ValueError(f"partials must be 'float32' or 'float16', got {partials!r}")
+    if partials not in PARTIAL_TYPES:
+        raise ValueError(f"partials must be one of {PARTIAL_TYPES}, got {partials!r}")
     half_ws = partials == "float16"
     if half_ws and not (use_pipe and merge == "parallel"):
         raise ValueError("float16 partials need the pipelined split block and the parallel merge")

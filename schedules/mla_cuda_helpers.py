@@ -10,7 +10,7 @@ of shared page buffers, K/V fragments by ``ldmatrix``, and writes the final or p
 
 from string import Template
 
-__all__ = ["mma_source", "pipe_shared_halves", "pipe_source"]
+__all__ = ["PARTIAL_TYPES", "mma_source", "pipe_shared_halves", "pipe_source"]
 
 P = 16  # page size (tokens)
 PS = 24  # P tile row stride (halves): conflict-free ldmatrix rows
@@ -335,6 +335,7 @@ _PARTIALS = {
     "float32": ("float", "float2", "make_float2"),
     "float16": ("half", "__half2", "__floats2half2_rn"),
 }
+PARTIAL_TYPES = tuple(_PARTIALS)  # what ``pipe_source(partials=...)`` takes
 
 
 def pipe_source(
@@ -348,7 +349,7 @@ def pipe_source(
     partial outputs in the workspace (``"float32"`` or ``"float16"``; the split lse stay
     float32)."""
     if partials not in _PARTIALS:
-        raise ValueError(f"partials must be one of {sorted(_PARTIALS)}, got {partials!r}")
+        raise ValueError(f"partials must be one of {PARTIAL_TYPES}, got {partials!r}")
     wt, wt2, wpack = _PARTIALS[partials]
     srow = D + 8
     dv = D // 8

@@ -415,16 +415,15 @@ class Engine:
 
     # -- forward --------------------------------------------------------------------------------
     def _check_room(self, seq_ids: Sequence[int], lengths: Sequence[int]) -> None:
-        if self._followed is not None:
-            self.settle()  # the step asked for is not the followed one: undo that first
+        # (a followed step nobody asked for is not counted: the step that is asked for undoes it)
         for seq, n in zip(seq_ids, lengths, strict=True):
-            if self._seq_len[seq] + n > self.context_window:
+            if self.sequence_length(seq) + n > self.context_window:
                 raise ContextLengthError(
-                    f"sequence {seq} would hold {self._seq_len[seq] + n} tokens, more than the "
-                    f"context window of {self.context_window}; shorten the prompt or raise "
+                    f"sequence {seq} would hold {self.sequence_length(seq) + n} tokens, more than "
+                    f"the context window of {self.context_window}; shorten the prompt or raise "
                     "context_window"
                 )
-        if sum(self._seq_len.values()) + sum(lengths) > self.kv_capacity:
+        if sum(map(self.sequence_length, self._seq_len)) + sum(lengths) > self.kv_capacity:
             raise ContextLengthError(
                 f"the KV cache holds {self.kv_capacity} tokens in all; remove finished sequences "
                 "or raise kv_capacity"
@@ -497,7 +496,7 @@ class Engine:
         """``begin_forward`` for one chunk per sequence: after :meth:`settle`, or nothing when
         this very step (one token for each of ``seq_ids``) was begun ahead."""
         if self._followed is not None:
-            self.settle()  # a step other than the followed one: undo that first
+            self.settle()  # a step other than the followed one (which is taken, never begun)
         if self._ahead == seq_ids and all(n == 1 for n in lengths):
             self._wait_inflight()  # the cache copies this step's page tables after it
             self._ahead = None
