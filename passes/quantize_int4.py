@@ -166,7 +166,7 @@ class GroupQuantExperts(nn.Module):
         if shape is None:
             return None
         n, k = x.shape[0], shape.top_k
-        su, sd = shared.gate_up_proj, shared.down_proj
+        su = shared.gate_up_proj
         hidden, weights, idx = op.tensor_ir_op(
             moe_gate_up_decode(shape),
             "moe_decode_gate_up",
@@ -177,15 +177,38 @@ class GroupQuantExperts(nn.Module):
                 Tensor.placeholder((n, k), "int32"),
             ],
         )
+        return self._down(hidden, (weights, idx, logits), shape, shared)
+
+    def fused_decode_routed(
+        self, x: Tensor, routing: tuple[Tensor, Tensor, Tensor], shape: MoeDecodeShape,
+        shared: DeepseekV2MLP,
+    ) -> Tensor:  # fmt: skip
+        """:meth:`fused_decode` for a token already routed (``routing``: weights, ids and
+        logits, from ``oproj_router_cuda``): the gate/up kernel reads the ids."""
+        su = shared.gate_up_proj
+        hidden = op.tensor_ir_op(
+            moe_gate_up_decode(shape, routed=True),
+            "moe_decode_gate_up_routed",
+            args=[x, routing[1], self.gate_up_q_weight, self.gate_up_q_scale, su.q_weight,
+                  su.q_scale],
+            out=Tensor.placeholder((x.shape[0], shape.total), x.dtype),
+        )  # fmt: skip
+        return self._down(hidden, routing, shape, shared)
+
+    def _down(
+        self, hidden: Tensor, routing: tuple[Tensor, Tensor, Tensor], shape: MoeDecodeShape,
+        shared: DeepseekV2MLP,
+    ) -> Tensor:  # fmt: skip
+        weights, idx, logits = routing
+        sd = shared.down_proj
         # the down kernel routes again from the logits itself in its early_route variant
-        routing = [logits] if DOWN_TILES.early_route else [weights, idx]
+        args = [logits] if DOWN_TILES.early_route else [weights, idx]
         return op.tensor_ir_op(
             moe_down_decode(shape, DOWN_TILES),
             "moe_decode_down",
-            args=[hidden, *routing, self.down_q_weight, self.down_q_scale, sd.q_weight,
-                  sd.q_scale],
-            out=Tensor.placeholder((n, shape.hidden), x.dtype),
-        )  # fmt: skip
+            args=[hidden, *args, self.down_q_weight, self.down_q_scale, sd.q_weight, sd.q_scale],
+            out=Tensor.placeholder((hidden.shape[0], shape.hidden), hidden.dtype),
+        )
 
     def forward(self, x: Tensor, weights: Tensor, idx: Tensor, mode: str | None = None) -> Tensor:
         """As ``DeepseekV2Experts.forward``: grouped GEMMs for prefill / extend on CUDA."""

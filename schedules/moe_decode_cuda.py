@@ -25,6 +25,13 @@ Here, after the router's logits GEMV:
    ``out[o] = sum_j w_j * (down_{ids[j]}[o] . h_j) + shared_down[o] . h_s`` over one flattened
    range of 32-element chunks (``top_k * I / 32`` routed, then ``Is / 32`` shared).
 
+**Routed elsewhere, lab variant** (``moe_gate_up_decode(..., routed=True)``, off): kernel 1
+takes the expert ids ``[n, top_k]`` of :mod:`dsv2_mlc.schedules.oproj_router_cuda` (``o_proj``
+with the router folded in) instead of the logits, no block routes, and warp 0 too loads its
+first shared row before the wait; it writes ``h`` alone. On the H200 it took 9.1 us of a
+replayed step against 10.8, but the kernel that routes for it cost more than that
+(schedules/results/moe_decode.md, round 8).
+
 **Routing again in the down kernel, lab variant** (``DecodeTiles.early_route``, off by default):
 the down kernel takes the router's logits instead of kernel 1's ids and weights, routes them
 itself (the same warp router, so the same experts) and issues *every* weight load before its PDL
@@ -196,8 +203,9 @@ def _reduce(var: str, lanes: int) -> str:
     return " ".join(steps)
 
 
-def gate_up_source(s: MoeDecodeShape, tiles: GateUpTiles) -> tuple[str, str]:
-    """(device function name, CUDA source) of kernel 1 (module docstring)."""
+def gate_up_source(s: MoeDecodeShape, tiles: GateUpTiles, routed: bool = False) -> tuple[str, str]:
+    """(device function name, CUDA source) of kernel 1 (module docstring); ``routed``: it reads
+    the expert ids instead of routing the logits (:func:`moe_gate_up_decode`)."""
     route_name, route_src = _route_call(s)
     H, NI, IS, K, G, E = s.hidden, s.inter, s.shared_inter, s.top_k, s.group, s.experts
     W, NB = tiles.warps, tiles.blocks
@@ -206,7 +214,7 @@ def gate_up_source(s: MoeDecodeShape, tiles: GateUpTiles) -> tuple[str, str]:
     exact = "true" if nch % 32 == 0 else "false"
     items = s.total  # outputs: the shared experts' first, then the routed slots'
     stride = NB * W
-    tag = f"h{H}_i{NI}_s{IS}_k{K}_g{G}_{route_name}_{tiles.name}"
+    tag = f"h{H}_i{NI}_s{IS}_k{K}_g{G}_{'ri' if routed else route_name}_{tiles.name}"
     name = f"dsv2_moe_gu_{tag}"
     L2R = "true" if tiles.l2_rows else "false"
     srow_ok = "true" if (H // G * 2) % 16 == 0 else "false"
@@ -237,6 +245,30 @@ def gate_up_source(s: MoeDecodeShape, tiles: GateUpTiles) -> tuple[str, str]:
         "const unsigned* __restrict__ dw, const half* __restrict__ ds,\n    "
         if tiles.l2_down
         else ""
+    )
+    # routed: the ids come from the kernel before (oproj_router_cuda), which also writes the
+    # weights the down kernel reads; else warp 0 of every block routes the logits
+    routing_in = "const int* __restrict__ rids" if routed else "const float* __restrict__ logits"
+    routing_out = "" if routed else ", float* __restrict__ wout, int* __restrict__ iout"
+    shared_routing = (
+        f"__shared__ int s_ids[{K}];"
+        if routed
+        else f"__shared__ float s_w[{K}];\n  __shared__ int s_ids[{K}];\n"
+        f"  __shared__ float s_p[{E}];"
+    )
+    # routed, warp 0 too loads its first shared row before the wait (it has no routing to do)
+    early = f"i < {IS}" if routed else f"i < {IS} && warp != 0"
+    warp0_late = "!early && " if routed else ""
+    route_body = (
+        f"""
+    if (lane < {K}) s_ids[lane] = rids[t * {K} + lane];"""
+        if routed
+        else f"""
+    {route_name}(logits + t * {E}, s_w, s_ids, lane, s_p);
+    if (blk == 0 && lane < {K}) {{
+      wout[t * {K} + lane] = s_w[lane];
+      iout[t * {K} + lane] = s_ids[lane];
+    }}"""
     )
     src = f"""
 #ifndef DSV2_MOE_GU_{tag}
@@ -332,13 +364,11 @@ __device__ __forceinline__ void dsv2_gu_store_{tag}(const dsv2_gu_buf_{tag}& b, 
   if (lane == 0) hrow[dsv2_gu_out_{tag}(i)] = __float2half(g / (1.f + __expf(-g)) * u);
 }}
 __device__ __forceinline__ void {name}(const half* __restrict__ x,
-    const float* __restrict__ logits, const unsigned* __restrict__ w,
+    {routing_in}, const unsigned* __restrict__ w,
     const half* __restrict__ s, const unsigned* __restrict__ sw, const half* __restrict__ ss,
-    {down_params}half* __restrict__ hout, float* __restrict__ wout, int* __restrict__ iout,
+    {down_params}half* __restrict__ hout{routing_out},
     long long t, int blk, int tid) {{
-  __shared__ float s_w[{K}];
-  __shared__ int s_ids[{K}];
-  __shared__ float s_p[{E}];
+  {shared_routing}
   __shared__ int s_ready;
   const int warp = tid >> 5, lane = tid & 31;
   if (tid == 0) s_ready = 0;
@@ -350,22 +380,17 @@ __device__ __forceinline__ void {name}(const half* __restrict__ x,
   int i = blk * {W} + warp;
   // a first row of a shared expert needs no routing: but for warp 0 (which routes) its weights
   // load before the wait (PDL: overlapping the previous kernel), the logits are read after it
-  const bool early = i < {IS} && warp != 0;
+  const bool early = {early};
   if (early) dsv2_gu_load_{tag}(a, i, lane, w, s, sw, ss, s_ids, ready);
   if ({L2R}) dsv2_gu_prefetch_{tag}(i + {stride}, lane, true, w, s, sw, ss, s_ids);
   {WAIT_THEN_RELEASE}
   if (warp != 0 && !early && i < {items})
     dsv2_gu_load_{tag}(a, i, lane, w, s, sw, ss, s_ids, ready);
-  if (warp == 0) {{
-    {route_name}(logits + t * {E}, s_w, s_ids, lane, s_p);
-    if (blk == 0 && lane < {K}) {{
-      wout[t * {K} + lane] = s_w[lane];
-      iout[t * {K} + lane] = s_ids[lane];
-    }}
+  if (warp == 0) {{{route_body}
     __threadfence_block();
     __syncwarp();
     if (lane == 0) *((volatile int*)&s_ready) = 1;
-    if (i < {items}) dsv2_gu_load_{tag}(a, i, lane, w, s, sw, ss, s_ids, ready);
+    if ({warp0_late}i < {items}) dsv2_gu_load_{tag}(a, i, lane, w, s, sw, ss, s_ids, ready);
   }}
   uint4 xv[{cpl}][4];
 #pragma unroll
@@ -397,7 +422,7 @@ __device__ __forceinline__ void {name}(const half* __restrict__ x,
 #endif
 """
     pre = grid_wait_source() + l2_prefetch_source() + dot32_source(tiles.run)
-    return name, pre + route_src + src
+    return name, pre + ("" if routed else route_src) + src
 
 
 def down_source(s: MoeDecodeShape, tiles: DecodeTiles) -> tuple[str, str]:
@@ -531,45 +556,53 @@ def _blocks(outputs: int, tiles: DecodeTiles) -> int:
     return -(-outputs // tiles.outputs_per_block)
 
 
-def moe_gate_up_decode(s: MoeDecodeShape, tiles: GateUpTiles = GATE_UP_TILES) -> tirx.PrimFunc:
+def moe_gate_up_decode(
+    s: MoeDecodeShape, tiles: GateUpTiles = GATE_UP_TILES, routed: bool = False
+) -> tirx.PrimFunc:
     """``f(x [n, H] f16, logits [n, E] f32, w [E, 2I, H/8] u32, s [E, 2I, H/g] f16,
     shared_w [2 Is, H/8] u32, shared_s [2 Is, H/g] f16[, down_w [E, H, I/8] u32, down_s [E, H,
     I/g] f16]) -> (h [n, K I + Is] f16, weights [n, K] f32, ids [n, K] i32)`` (module docstring,
-    kernel 1; the down rows only with ``tiles.l2_down``)."""
+    kernel 1; the down rows only with ``tiles.l2_down``). With ``routed`` it takes the expert
+    ids ``[n, K] i32`` of the kernel before (:mod:`~dsv2_mlc.schedules.oproj_router_cuda`)
+    instead of the logits and returns ``h`` alone: no block routes, and warp 0 too loads its
+    first shared row before the PDL wait."""
     why = s.unsupported()
     if why:
         raise ValueError(f"moe_gate_up_decode: {why}")
     if tiles.warps < 1 or tiles.blocks < 1:
         raise ValueError(f"bad tiles {tiles}")
     NB, THREADS = tiles.blocks, tiles.warps * 32
-    fname, src = gate_up_source(s, tiles)
+    fname, src = gate_up_source(s, tiles, routed)
 
     return token_grid_call(
         "moe_gate_up",
         fname,
         src,
-        gate_up_params(s, tiles.l2_down),
+        gate_up_params(s, tiles.l2_down, routed),
         NB,
         THREADS,
         min_blocks=tiles.min_blocks,
     )
 
 
-def gate_up_params(s: MoeDecodeShape, down: bool = False) -> list[tuple]:
+def gate_up_params(s: MoeDecodeShape, down: bool = False, routed: bool = False) -> list[tuple]:
     """The buffers of a gate/up kernel (``token_grid_call`` parameters), see
-    :func:`moe_gate_up_decode`; ``down``: with the down rows' (``GateUpTiles.l2_down``)."""
+    :func:`moe_gate_up_decode`; ``down``: with the down rows' (``GateUpTiles.l2_down``);
+    ``routed``: the expert ids in, ``h`` alone out."""
     H, NI, IS, E, K, G = s.hidden, s.inter, s.shared_inter, s.experts, s.top_k, s.group
+    routing_out = (
+        [] if routed else [("wout", (TOKENS, K), "float32"), ("iout", (TOKENS, K), "int32")]
+    )
     return [
         ("x", (TOKENS, H), "float16"),
-        ("logits", (TOKENS, E), "float32"),
+        ("ids", (TOKENS, K), "int32") if routed else ("logits", (TOKENS, E), "float32"),
         ("w", (E, 2 * NI, H // 8), "uint32"),
         ("sc", (E, 2 * NI, H // G), "float16"),
         ("sw", (2 * IS, H // 8), "uint32"),
         ("ss", (2 * IS, H // G), "float16"),
         *([("dw", (E, H, NI // 8), "uint32"), ("ds", (E, H, NI // G), "float16")] if down else []),
         ("hout", (TOKENS, K * NI + IS), "float16"),
-        ("wout", (TOKENS, K), "float32"),
-        ("iout", (TOKENS, K), "int32"),
+        *routing_out,
     ]
 
 

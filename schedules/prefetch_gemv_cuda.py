@@ -38,6 +38,7 @@ __all__ = [
     "absorb_v_decode",
     "absorb_v_unsupported",
     "gemv_q4_decode",
+    "gemv_q4_load_source",
     "gemv_q4_rows_per_pass",
     "gemv_q4_unsupported",
 ]
@@ -66,13 +67,17 @@ def gemv_q4_unsupported(out_dim: int, in_dim: int, group: int) -> str | None:
     return None
 
 
-def _gemv_q4_source(tag: str, N: int, K: int, G: int, W: int, NB: int, groups: int) -> str:
+def gemv_q4_load_source(tag: str, N: int, K: int, G: int, groups: int) -> str:
+    """CUDA: ``dsv2_pf_gemv_load_<tag>(q, sc, o, lane, qw, qs)``: lane ``lane``'s 16-byte
+    pieces (chunks ``lane + 32 j``) of row ``o`` of an INT4 group weight ``[N, K]`` and their
+    scales, into registers (``groups`` scales a row); ``dsv2_pf_gemv_dot_<tag>(q, sc, xs,
+    lane)``: the lane's share of that row's dot product with ``x`` staged in shared memory (the
+    sum of the warp's lanes is the output; needs ``dot32_source(16)`` and ``dsv2_swz``)."""
     nch = K // _CHUNK
     cpl = -(-nch // 32)  # chunks per lane
-    stride = NB * W
     return f"""
-#ifndef DSV2_PF_GEMV_{tag}
-#define DSV2_PF_GEMV_{tag}
+#ifndef DSV2_PF_GEMV_LOAD_{tag}
+#define DSV2_PF_GEMV_LOAD_{tag}
 __device__ __forceinline__ void dsv2_pf_gemv_load_{tag}(uint4 (&q)[{cpl}], half (&sc)[{cpl}],
     int o, int lane, const unsigned* __restrict__ qw, const half* __restrict__ qs) {{
   const uint4* row = reinterpret_cast<const uint4*>(qw + (long long)o * {K // 8});
@@ -86,6 +91,36 @@ __device__ __forceinline__ void dsv2_pf_gemv_load_{tag}(uint4 (&q)[{cpl}], half 
     }}
   }}
 }}
+// lane's share of the dot product of the row in (q, sc) with x staged in shared memory by
+// 16-byte pieces, piece p of chunk c at xs[dsv2_swz(c, p)] (pair order)
+__device__ __forceinline__ float dsv2_pf_gemv_dot_{tag}(const uint4 (&q)[{cpl}],
+    const half (&sc)[{cpl}], const uint4* xs, int lane) {{
+  float acc = 0.f;
+#pragma unroll
+  for (int j = 0; j < {cpl}; ++j) {{
+    const int c = lane + 32 * j;
+    if (c < {nch}) {{
+      uint4 xv[4];
+#pragma unroll
+      for (int p = 0; p < 4; ++p) xv[p] = xs[dsv2_swz(c, p)];
+      acc += dsv2_dot32p_int4_h{_RUN}(reinterpret_cast<const unsigned*>(&q[j]), xv, sc[j]);
+    }}
+  }}
+  return acc;
+}}
+#endif
+"""
+
+
+def _gemv_q4_source(tag: str, N: int, K: int, G: int, W: int, NB: int, groups: int) -> str:
+    nch = K // _CHUNK
+    cpl = -(-nch // 32)  # chunks per lane
+    stride = NB * W
+    return (
+        gemv_q4_load_source(tag, N, K, G, groups)
+        + f"""
+#ifndef DSV2_PF_GEMV_{tag}
+#define DSV2_PF_GEMV_{tag}
 __device__ __forceinline__ void dsv2_pf_gemv_{tag}(const half* __restrict__ x,
     const unsigned* __restrict__ qw, const half* __restrict__ qs, half* __restrict__ y,
     long long n, int blk, int tid) {{
@@ -107,18 +142,7 @@ __device__ __forceinline__ void dsv2_pf_gemv_{tag}(const half* __restrict__ x,
         xs[dsv2_swz(v >> 2, v & 3)] = dsv2_pair8(xrow[v]);  // pair order
       __syncthreads();
       if (o < {N}) {{
-        float acc = 0.f;
-#pragma unroll
-        for (int j = 0; j < {cpl}; ++j) {{
-          const int c = lane + 32 * j;
-          if (c < {nch}) {{
-            uint4 xv[4];
-#pragma unroll
-            for (int p = 0; p < 4; ++p) xv[p] = xs[dsv2_swz(c, p)];
-            acc += dsv2_dot32p_int4_h{_RUN}(reinterpret_cast<const unsigned*>(&q[j]), xv,
-                                            sc[j]);
-          }}
-        }}
+        float acc = dsv2_pf_gemv_dot_{tag}(q, sc, xs, lane);
 #pragma unroll
         for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
         if (lane == 0) y[t * {N} + o] = __float2half(acc);
@@ -128,6 +152,7 @@ __device__ __forceinline__ void dsv2_pf_gemv_{tag}(const half* __restrict__ x,
 }}
 #endif
 """
+    )
 
 
 def gemv_q4_decode(out_dim: int, in_dim: int, group: int) -> tirx.PrimFunc:

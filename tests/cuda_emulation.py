@@ -8,7 +8,8 @@ in double, then converted), :data:`THREADS` the rest: ``__syncthreads`` is a ``s
 the block, every warp collective (``__syncwarp``, ``__shfl_sync``, ``__shfl_xor_sync``,
 ``__shfl_down_sync``, ``__ballot_sync``; full-warp masks only) a barrier of the warp's 32
 threads around an exchange of the lanes' values; ``__nanosleep`` sleeps 1 ms (and is counted),
-``__threadfence_block`` is a sequentially consistent fence. ``__shared__`` variables become
+``__threadfence_block`` (and ``__threadfence``) a sequentially consistent fence, ``atomicAdd`` on
+unsigned words an atomic ``fetch_add``. ``__shared__`` variables become
 function statics, filled with 0xff bytes (NaN halves and floats, -1 integers) before every block,
 so a read of shared memory the block has not written shows. The threads are kept from one block to
 the next (a barrier between blocks).
@@ -89,6 +90,7 @@ static inline half emu_h(double v) { return (half)v; }
 static inline __half2 __hadd2(__half2 a, __half2 b) {
   return {emu_h((double)a.x + b.x), emu_h((double)a.y + b.y)};
 }
+static inline half __hadd(half a, half b) { return emu_h((double)a + b); }
 static inline __half2 __hsub2(__half2 a, __half2 b) {
   return {emu_h((double)a.x - b.x), emu_h((double)a.y - b.y)};
 }
@@ -109,6 +111,7 @@ static inline float emu_expf(float x) { return std::exp(x); }
 #define __expf(x) emu_expf(x)  // (glibc declares an __expf of its own)
 static inline float __fdividef(float a, float b) { return a / b; }
 template <class T> static inline T __ldg(const T* p) { return *p; }
+template <class T> static inline T __ldcg(const T* p) { return *p; }
 template <class A, class B> static inline std::common_type_t<A, B> min(A a, B b) {
   return a < b ? a : b;
 }
@@ -140,6 +143,9 @@ static bool emu_shared(void* p, size_t n) {
 static inline void __syncthreads() { g_block_bar->arrive_and_wait(); }
 static inline void __threadfence_block() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 static inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+static inline unsigned atomicAdd(unsigned* p, unsigned v) {
+  return std::atomic_ref<unsigned>(*p).fetch_add(v);
+}
 // an L2 prefetch (cp.async.bulk.prefetch): checked for alignment, and for bounds by reading its
 // first and last byte (AddressSanitizer), then counted
 static inline void dsv2_emu_l2_prefetch(const void* p, unsigned bytes) {
@@ -266,30 +272,36 @@ template <class F> static void emu_run_grid(long long grid, int threads, F call)
 """
 
 _MAIN = r"""
-// argv: dir grid slow_warp scalars...; buffer i is the file dir/a<i>, read and written back
+// argv: dir grid slow_warp launches scalars...; buffer i is the file dir/a<i>, read before every
+// launch (each starts from the arrays as given) and written back after the last; __device__
+// variables persist from one launch to the next, as on a GPU
 int main(int argc, char** argv) {
-  if (argc != 4 + $n_scalars) emu_fail("arguments");
+  if (argc != 5 + $n_scalars) emu_fail("arguments");
   const std::string dir = argv[1];
   const long long grid = atoll(argv[2]);
   g_slow_warp = atoi(argv[3]);
+  const int launches = atoi(argv[4]);
   long long s[$n_scalars + 1];
-  for (int i = 0; i < $n_scalars; ++i) s[i] = atoll(argv[4 + i]);
+  for (int i = 0; i < $n_scalars; ++i) s[i] = atoll(argv[5 + i]);
   void* a[$n_buffers + 1];
   size_t bytes[$n_buffers + 1];
-  for (int i = 0; i < $n_buffers; ++i) {
-    const std::string path = dir + "/a" + std::to_string(i);
-    FILE* f = fopen(path.c_str(), "rb");
-    if (!f) emu_fail("open buffer");
-    fseek(f, 0, SEEK_END);
-    bytes[i] = ftell(f);
-    fseek(f, 0, SEEK_SET);
-    if (posix_memalign(&a[i], 64, bytes[i] ? bytes[i] : 1)) emu_fail("alloc");
-    if (fread(a[i], 1, bytes[i], f) != bytes[i]) emu_fail("read buffer");
-    fclose(f);
-  }
+  for (int i = 0; i < $n_buffers; ++i) a[i] = nullptr;
   blockDim.x = $threads;
   gridDim.x = grid;
-  emu_run_grid(grid, $threads, [&]() { $call; });
+  for (int l = 0; l < launches; ++l) {
+    for (int i = 0; i < $n_buffers; ++i) {
+      const std::string path = dir + "/a" + std::to_string(i);
+      FILE* f = fopen(path.c_str(), "rb");
+      if (!f) emu_fail("open buffer");
+      fseek(f, 0, SEEK_END);
+      bytes[i] = ftell(f);
+      fseek(f, 0, SEEK_SET);
+      if (a[i] == nullptr && posix_memalign(&a[i], 64, bytes[i] ? bytes[i] : 1)) emu_fail("alloc");
+      if (fread(a[i], 1, bytes[i], f) != bytes[i]) emu_fail("read buffer");
+      fclose(f);
+    }
+    emu_run_grid(grid, $threads, [&]() { $call; });
+  }
   for (int i = 0; i < $n_buffers; ++i) {
     FILE* f = fopen((dir + "/a" + std::to_string(i)).c_str(), "wb");
     fwrite(a[i], 1, bytes[i], f);
@@ -370,10 +382,13 @@ class Emulated:
         *scalars: int,
         slow_warp: int = -1,
         timeout: float = 300,
+        launches: int = 1,
     ) -> dict[str, int]:
         """Run ``grid`` blocks on ``arrays`` (by buffer name; contiguous, updated in place) and
-        the scalar arguments; returns counters (``nanosleep``: ``__nanosleep`` calls,
-        ``prefetches`` / ``prefetch_bytes``: L2 prefetches and their bytes)."""
+        the scalar arguments, ``launches`` times (each launch from the arrays as given, the
+        kernel's ``__device__`` variables kept; the arrays as the last launch left them);
+        returns counters (``nanosleep``: ``__nanosleep`` calls, ``prefetches`` /
+        ``prefetch_bytes``: L2 prefetches and their bytes; over all launches)."""
         assert len(scalars) == len(self.scalars), f"scalars {self.scalars}"
         work = self.exe.parent / f"{self.exe.name}.io"
         work.mkdir(exist_ok=True)
@@ -381,7 +396,8 @@ class Emulated:
             assert arrays[name].flags.c_contiguous, name
             arrays[name].tofile(work / f"a{i}")
         env = {**os.environ, "ASAN_OPTIONS": "detect_leaks=0"}
-        args = [str(self.exe), str(work), str(grid), str(slow_warp), *map(str, scalars)]
+        args = [str(self.exe), str(work), str(grid), str(slow_warp), str(launches)]
+        args += list(map(str, scalars))
         run = subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=env)
         assert run.returncode == 0, f"emulated kernel failed ({run.returncode}):\n{run.stderr}"
         for i, name in enumerate(self.buffers):

@@ -16,6 +16,7 @@ import tvm
 
 from dsv2_mlc.compiler.compile import make_target
 from dsv2_mlc.compiler.cuda import cuda_codegen
+from dsv2_mlc.schedules import oproj_router_cuda
 from dsv2_mlc.schedules.moe_decode_cuda import (
     DecodeTiles,
     GateUpTiles,
@@ -25,6 +26,7 @@ from dsv2_mlc.schedules.moe_decode_cuda import (
     moe_down_decode,
     moe_gate_up_decode,
 )
+from dsv2_mlc.schedules.oproj_router_cuda import RouterShape, oproj_router_decode
 
 sys.path.insert(0, str(Path(__file__).parent))
 from cuda_builds import entry_ir, needs_nvcc  # noqa: E402
@@ -85,14 +87,22 @@ def test_kernels_compile_for_sm90(shape: MoeDecodeShape):
     for i, (gu, dn) in enumerate(tilings):
         funcs[f"gu{i}"] = moe_gate_up_decode(shape, gu).with_attr("global_symbol", f"gu{i}")
         funcs[f"dn{i}"] = moe_down_decode(shape, dn).with_attr("global_symbol", f"dn{i}")
+    # lab variants: the gate/up kernel that reads its ids, and the o_proj kernel that routes
+    routed = moe_gate_up_decode(shape, gate_up[0], routed=True)
+    funcs["gur"] = routed.with_attr("global_symbol", "gur")
+    s = shape
+    route = RouterShape(
+        s.experts, s.top_k, s.n_group, s.topk_group, s.norm_topk_prob, s.routed_scaling_factor
+    )
+    oproj = oproj_router_decode(s.hidden, s.hidden, s.group, route, 1e-6)
+    funcs["opr"] = oproj.with_attr("global_symbol", "opr")
     with target, cuda_codegen():
         lib = tvm.compile(tvm.IRModule(funcs), target=target)
     cuda = [m for m in lib.mod.imports_ if m.kind == "cuda"]
     assert cuda
     src = cuda[0].inspect_source()
-    for i in range(len(tilings)):
-        assert re.search(rf"__global__ void __launch_bounds__\(\d+\) gu{i}_kernel", src)
-        assert re.search(rf"__global__ void __launch_bounds__\(\d+\) dn{i}_kernel", src)
+    for name in [f"{k}{i}" for i in range(len(tilings)) for k in ("gu", "dn")] + ["gur", "opr"]:
+        assert re.search(rf"__global__ void __launch_bounds__\(\d+\) {name}_kernel", src)
 
 
 @needs_nvcc
@@ -106,6 +116,19 @@ def test_int4_cuda_decode_uses_the_fused_kernels_and_prefill_does_not(tmp_path: 
     assert "moe_gate_up_q4" not in decode and "moe_route" not in decode
     # the router logits come with the post-attention norm (norm_gemv_cuda)
     assert decode.count("cls.add_norm_router,") == moe_layers
+    assert "oproj_router" not in decode  # the lab variant below is off
+
+
+@needs_nvcc
+def test_the_routing_in_o_proj_lab_switch_wires_its_kernels(tmp_path: Path, monkeypatch):
+    # oproj_router_cuda.ROUTE_IN_OPROJ (off: measured slower): o_proj, the add + norm and the
+    # routing in one kernel, the gate/up kernel reading its ids, no router kernel
+    monkeypatch.setattr(oproj_router_cuda, "ROUTE_IN_OPROJ", True)
+    decode, _ = entry_ir(tmp_path, CONFIG_B, "q4f16_g32", "cuda")
+    moe_layers = CONFIG_B["num_hidden_layers"] - CONFIG_B["first_k_dense_replace"]
+    for fused in ("oproj_router", "moe_decode_gate_up_routed", "moe_decode_down"):
+        assert decode.count(f"cls.{fused},") == moe_layers, fused
+    assert "add_norm_router" not in decode and "cls.moe_decode_gate_up," not in decode
 
 
 @pytest.mark.parametrize("quantization, device", [("q4f16_g32", "cpu"), ("q0f16", "cuda")])
