@@ -77,7 +77,7 @@ from .cuda_call import (
     token_grid_call,
 )
 from .decode_gemv_cuda import dot32_source
-from .moe_routing import route_warp_source
+from .moe_routing import RouterShape
 
 __all__ = [
     "DOWN_TILES",
@@ -107,6 +107,14 @@ class MoeDecodeShape:
     topk_group: int = 1
     norm_topk_prob: bool = False
     routed_scaling_factor: float = 1.0
+
+    @property
+    def router(self) -> RouterShape:
+        """The router's part of the shape (the warp router's parameters)."""
+        return RouterShape(
+            self.experts, self.top_k, self.n_group, self.topk_group, self.norm_topk_prob,
+            self.routed_scaling_factor,
+        )  # fmt: skip
 
     @property
     def total(self) -> int:
@@ -187,13 +195,6 @@ def _check_tiles(tiles: DecodeTiles) -> None:
         raise ValueError(f"bad tiles {tiles}")
 
 
-def _route_call(s: MoeDecodeShape) -> tuple[str, str]:
-    """(device function name, source) of the warp router for ``s``."""
-    return route_warp_source(
-        s.experts, s.top_k, s.n_group, s.topk_group, s.norm_topk_prob, s.routed_scaling_factor
-    )
-
-
 def _reduce(var: str, lanes: int) -> str:
     """CUDA: sum ``var`` over the ``lanes`` lanes of its group (xor shuffles)."""
     steps, off = [], lanes // 2
@@ -206,7 +207,7 @@ def _reduce(var: str, lanes: int) -> str:
 def gate_up_source(s: MoeDecodeShape, tiles: GateUpTiles, routed: bool = False) -> tuple[str, str]:
     """(device function name, CUDA source) of kernel 1 (module docstring); ``routed``: it reads
     the expert ids instead of routing the logits (:func:`moe_gate_up_decode`)."""
-    route_name, route_src = _route_call(s)
+    route_name, route_src = s.router.warp_source()
     H, NI, IS, K, G, E = s.hidden, s.inter, s.shared_inter, s.top_k, s.group, s.experts
     W, NB = tiles.warps, tiles.blocks
     nch = H // _CHUNK  # chunks of a row
@@ -439,7 +440,7 @@ def down_source(s: MoeDecodeShape, tiles: DecodeTiles) -> tuple[str, str]:
     exact = "true" if nc % L == 0 else "false"
     threads = W * 32
     early = tiles.early_route
-    route_name, route_src = _route_call(s) if early else ("", "")
+    route_name, route_src = s.router.warp_source() if early else ("", "")
     tag = f"h{H}_i{NI}_s{IS}_k{K}_g{G}_{route_name + '_' if early else ''}{tiles.name}"
     name = f"dsv2_moe_dn_{tag}"
     routing_in = (

@@ -15,6 +15,8 @@ renormalised (``norm_topk_prob`` and ``top_k > 1``, denominator + 1e-20) or mult
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from tvm import tirx
 from tvm.script import tirx as T
 from tvm.target import Target
@@ -250,6 +252,25 @@ def route_warp_source(
     tag = f"e{num_experts}_k{top_k}_g{G}_t{TG}_{'n' if renorm else 's' + scale_tag}"
     src = _route_warp_source(tag, num_experts, top_k, G, TG, renorm, float(routed_scaling_factor))
     return f"dsv2_route_{tag}", src
+
+
+@dataclass(frozen=True)
+class RouterShape:
+    """The router of one MoE layer: what the warp router (:func:`route_warp_source`) takes."""
+
+    experts: int  # E
+    top_k: int  # K
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = False
+    routed_scaling_factor: float = 1.0
+
+    def warp_source(self) -> tuple[str, str]:
+        """(name, CUDA source) of the warp router for this router (:func:`route_warp_source`)."""
+        return route_warp_source(
+            self.experts, self.top_k, self.n_group, self.topk_group, self.norm_topk_prob,
+            self.routed_scaling_factor,
+        )  # fmt: skip
 
 
 def moe_route_gpu(

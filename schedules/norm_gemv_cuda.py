@@ -31,7 +31,13 @@ from tvm import tirx
 from .cuda_call import TOKENS, WAIT_THEN_RELEASE, grid_wait_source, token_grid_call
 from .decode_gemv_cuda import dot32_source
 
-__all__ = ["NormGemvTiles", "add_norm_gemv_q4", "add_norm_router", "add_norm_unsupported"]
+__all__ = [
+    "NormGemvTiles",
+    "add_norm_gemv_q4",
+    "add_norm_router",
+    "add_norm_unsupported",
+    "eps_tag",
+]
 
 _CHUNK = 32  # fp16 values of one lane's chunk (one 16-byte load of INT4 weights)
 
@@ -59,7 +65,8 @@ def add_norm_unsupported(hidden: int, group: int | None = None) -> str | None:
     return None
 
 
-def _eps_tag(eps: float) -> str:
+def eps_tag(eps: float) -> str:
+    """The exact epsilon as a name part (kernels of different epsilons differ by name)."""
     return "e" + repr(float(eps)).replace(".", "p").replace("-", "m").replace("+", "")
 
 
@@ -255,7 +262,7 @@ def add_norm_gemv_q4(
         raise ValueError(f"add_norm_gemv_q4: {why}")
     H, N, G = hidden, out_dim, group
     NB, THREADS = tiles.blocks, tiles.warps * 32
-    tag = f"h{H}_n{N}_g{G}_{tiles.name}_{_eps_tag(eps)}"
+    tag = f"h{H}_n{N}_g{G}_{tiles.name}_{eps_tag(eps)}"
     src = grid_wait_source() + dot32_source(tiles.run) + _gemv_source(tag, H, N, G, eps, tiles)
 
     params = [
@@ -341,7 +348,7 @@ def add_norm_router(hidden: int, experts: int, eps: float, warps: int = 4) -> ti
         raise ValueError(f"add_norm_router: {why}")
     H, E, W = hidden, experts, warps
     NB, THREADS = -(-E // W), W * 32
-    tag = f"h{H}_r{E}_w{W}_{_eps_tag(eps)}"
+    tag = f"h{H}_r{E}_w{W}_{eps_tag(eps)}"
     src = grid_wait_source() + _norm_source(tag, H, eps) + _router_source(tag, H, E, W)
 
     params = [

@@ -41,22 +41,16 @@ of the other kernel's. The sums of squares are float32 in another order, so ``in
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from tvm import tirx
 
 from ..quantization import packed_shape
 from .cuda_call import TOKENS, WAIT_THEN_RELEASE, grid_wait_source, token_grid_call
 from .decode_gemv_cuda import dot32_source
-from .moe_routing import route_warp_source
+from .moe_routing import RouterShape
+from .norm_gemv_cuda import eps_tag
 from .prefetch_gemv_cuda import gemv_q4_load_source, gemv_q4_unsupported
 
-__all__ = [
-    "ROUTE_IN_OPROJ",
-    "RouterShape",
-    "oproj_router_decode",
-    "oproj_router_unsupported",
-]
+__all__ = ["ROUTE_IN_OPROJ", "oproj_router_decode", "oproj_router_unsupported"]
 
 _CHUNK = 32  # INT4 values per 16-byte load
 _WARPS = 8  # a warp per output row
@@ -66,18 +60,6 @@ _RUN = 16  # products per fp16 partial sum (as gemv_q4_decode)
 # Whether the model's decode uses this kernel (``DeepseekV2MoE.oproj_router``): off, measured
 # slower (module docstring); the lab switch, as ``DecodeTiles.early_route`` is the down kernel's.
 ROUTE_IN_OPROJ = False
-
-
-@dataclass(frozen=True)
-class RouterShape:
-    """The router of one MoE layer as the kernel sees it (the warp router's parameters)."""
-
-    experts: int  # E
-    top_k: int  # K
-    n_group: int = 1
-    topk_group: int = 1
-    norm_topk_prob: bool = False
-    routed_scaling_factor: float = 1.0
 
 
 def oproj_router_unsupported(hidden: int, in_dim: int, group: int, experts: int) -> str | None:
@@ -92,17 +74,10 @@ def oproj_router_unsupported(hidden: int, in_dim: int, group: int, experts: int)
     return None
 
 
-def _eps_tag(eps: float) -> str:
-    return "e" + repr(float(eps)).replace(".", "p").replace("-", "m").replace("+", "")
-
-
 def _source(
     tag: str, N: int, K: int, G: int, groups: int, route: RouterShape, eps: float
 ) -> tuple[str, str]:
-    route_name, route_src = route_warp_source(
-        route.experts, route.top_k, route.n_group, route.topk_group, route.norm_topk_prob,
-        route.routed_scaling_factor,
-    )  # fmt: skip
+    route_name, route_src = route.warp_source()
     E, TK, W = route.experts, route.top_k, _WARPS
     NB, T = N // W, W * 32
     nch = K // _CHUNK
@@ -289,11 +264,8 @@ def oproj_router_decode(
     N, K, G, E, TK = hidden, in_dim, group, route.experts, route.top_k
     NB = N // _WARPS
     w_shape, s_shape = packed_shape((N, K), G)
-    route_tag = route_warp_source(
-        E, TK, route.n_group, route.topk_group, route.norm_topk_prob,
-        route.routed_scaling_factor,
-    )[0].removeprefix("dsv2_route_")  # fmt: skip
-    tag = f"n{N}_k{K}_g{G}_{route_tag}_{_eps_tag(eps)}"
+    route_tag = route.warp_source()[0].removeprefix("dsv2_route_")
+    tag = f"n{N}_k{K}_g{G}_{route_tag}_{eps_tag(eps)}"
     fname, src = _source(tag, N, K, G, s_shape[-1], route, eps)
     params = [
         ("x", (TOKENS, K), "float16"),

@@ -26,7 +26,7 @@ from dsv2_mlc.schedules.moe_decode_cuda import (
     moe_down_decode,
     moe_gate_up_decode,
 )
-from dsv2_mlc.schedules.oproj_router_cuda import RouterShape, oproj_router_decode
+from dsv2_mlc.schedules.oproj_router_cuda import oproj_router_decode
 
 sys.path.insert(0, str(Path(__file__).parent))
 from cuda_builds import entry_ir, needs_nvcc  # noqa: E402
@@ -90,11 +90,7 @@ def test_kernels_compile_for_sm90(shape: MoeDecodeShape):
     # lab variants: the gate/up kernel that reads its ids, and the o_proj kernel that routes
     routed = moe_gate_up_decode(shape, gate_up[0], routed=True)
     funcs["gur"] = routed.with_attr("global_symbol", "gur")
-    s = shape
-    route = RouterShape(
-        s.experts, s.top_k, s.n_group, s.topk_group, s.norm_topk_prob, s.routed_scaling_factor
-    )
-    oproj = oproj_router_decode(s.hidden, s.hidden, s.group, route, 1e-6)
+    oproj = oproj_router_decode(shape.hidden, shape.hidden, shape.group, shape.router, 1e-6)
     funcs["opr"] = oproj.with_attr("global_symbol", "opr")
     with target, cuda_codegen():
         lib = tvm.compile(tvm.IRModule(funcs), target=target)

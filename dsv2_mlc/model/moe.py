@@ -329,21 +329,16 @@ class DeepseekV2MoE(nn.Module):
         fused decode kernels and ``o_proj`` is an INT4 layer of a shape it takes; else None.
         ``x``: the residual stream (its dtype and the target decide). Off unless the lab switch
         ``oproj_router_cuda.ROUTE_IN_OPROJ`` is on (measured slower on the H200)."""
-        shared = self.shared_experts
-        if not oproj_router.ROUTE_IN_OPROJ:
+        if not oproj_router.ROUTE_IN_OPROJ or self.shared_experts is None:
             return None
-        shape = None if shared is None else self.experts.decode_shape(x, self.gate, shared)
+        shape = self.experts.decode_shape(x, self.gate, self.shared_experts)
         group = int4_group(o_proj)
         if shape is None or group is None:
             return None
         n_out, k_in = o_proj.out_features, o_proj.in_features
         if oproj_router.oproj_router_unsupported(n_out, k_in, group, shape.experts):
             return None
-        route = oproj_router.RouterShape(
-            shape.experts, shape.top_k, shape.n_group, shape.topk_group, shape.norm_topk_prob,
-            shape.routed_scaling_factor,
-        )  # fmt: skip
-        return oproj_router.oproj_router_decode(n_out, k_in, group, route, eps)
+        return oproj_router.oproj_router_decode(n_out, k_in, group, shape.router, eps)
 
     def forward_after_attention(
         self, kernel: tirx.PrimFunc, attn: Tensor, o_proj: nn.Module, r: Tensor, norm_w: Tensor
