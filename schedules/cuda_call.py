@@ -20,6 +20,7 @@ __all__ = [
     "GRID_WAIT",
     "LAUNCH_DEPENDENTS",
     "L2_PREFETCH",
+    "RELEASE_THEN_WAIT",
     "WAIT_THEN_RELEASE",
     "TOKENS",
     "buffer_dims",
@@ -35,6 +36,9 @@ GRID_WAIT = "dsv2_griddepcontrol_wait"  # the device function a kernel calls to 
 LAUNCH_DEPENDENTS = "dsv2_griddepcontrol_launch_dependents"  # ... to release its dependents
 # What a hand kernel's CUDA source calls after issuing its weight loads (grid_wait_source).
 WAIT_THEN_RELEASE = f"{GRID_WAIT}();\n  {LAUNCH_DEPENDENTS}();"
+# What a kernel with nothing to load before its wait may call instead: its dependents' launch and
+# their pre-wait loads then overlap this kernel's wait too (grid_wait_source says when it is safe).
+RELEASE_THEN_WAIT = f"{LAUNCH_DEPENDENTS}();\n  {GRID_WAIT}();"
 L2_PREFETCH = "dsv2_l2_prefetch"  # the device function that asks for bytes in L2
 
 
@@ -58,7 +62,14 @@ def grid_wait_source() -> str:
     their own weight loads while it runs: on the H200 a V2-Lite decode graph's replay went
     1,271 -> 1,233 us (docs/benchmarks.md; releasing TVM's kernels too, or the MoE kernels only
     after their last loads, gained less). Since a kernel releases only after its wait, a
-    kernel's pre-wait code runs only once the kernel two launches back has completed."""
+    kernel's pre-wait code runs only once the kernel two launches back has completed.
+
+    A kernel may also release *before* its wait (:data:`RELEASE_THEN_WAIT`, the KV append of
+    ``mla_append_cuda``): its successor is then launched as soon as this kernel's blocks have
+    started, and the successor's pre-wait code overlaps this kernel's wait on its own
+    predecessor. That stays safe because pre-wait code reads only what no kernel of the step
+    writes (weights, the runtime's page tables) and writes nothing, and the successor's wait
+    returns only once this kernel has completed, hence once this kernel's wait has returned."""
     return (
         f"#ifndef DSV2_GRID_WAIT\n#define DSV2_GRID_WAIT\n"
         f"__forceinline__ __device__ void {GRID_WAIT}() {{\n"

@@ -81,7 +81,13 @@ import math
 from tvm import tirx
 from tvm.script import tirx as T
 
-from .cuda_call import GRID_WAIT, L2_PREFETCH, grid_wait_source, l2_prefetch_source
+from .cuda_call import (
+    GRID_WAIT,
+    L2_PREFETCH,
+    WAIT_THEN_RELEASE,
+    grid_wait_source,
+    l2_prefetch_source,
+)
 from .mla_cuda_helpers import PARTIAL_TYPES, mma_source, pipe_shared_halves, pipe_source
 from .mla_paging import find_sequence, kv_length, visible_length
 
@@ -124,8 +130,10 @@ def mla_attention_cuda(
     merge_cols: int = 64,
     stages: int = 3,
     merge_prefetch: bool = False,
-    l2_prefetch: bool = False,
+    l2_prefetch: bool = True,
     partials: str = "float32",
+    release: bool = True,
+    merge_release: bool = False,
 ) -> tirx.PrimFunc:
     """The split-KV MLA attention PrimFunc (module docstring) for ``num_heads`` query heads.
 
@@ -143,11 +151,19 @@ def mla_attention_cuda(
     dynamic shared memory past 48 KB), ``merge_prefetch`` (parallel merge: read the split lse
     of all ``smax`` slots without waiting for ``ws_n``, one dependent global round trip less),
     ``l2_prefetch`` (pipelined path: before its PDL wait each split block asks L2 for its pages,
-    :func:`_prefetch_wait_source`; off: no change in the model on the H200, with or without
-    ``--pdl-launch-dependents``, schedules/results/mla_attention.md, fourth round),
+    :func:`_prefetch_wait_source`; behind TVM's KV append, which releases at its exit, it changed
+    nothing in the model, schedules/results/mla_attention.md, fourth round; behind
+    :mod:`~.mla_append_cuda`'s append, which releases first, the preamble and the prefetches
+    overlap the MLA prologue: sixth round),
     ``partials`` (the workspace's partial outputs, ``"float32"`` or ``"float16"``: half the
     bytes the split writes and the merge reads; float16 needs the pipelined path and the
-    parallel merge; the split lse stay float32).
+    parallel merge; the split lse stay float32), ``release`` (the split kernel calls the PDL
+    wait itself, after its page-table preamble, which reads only what the runtime writes, and
+    releases its dependents right after it, as the hand decode kernels do; off:
+    ``passes/grid_dependency_control.py`` puts the wait first and it releases at its exit),
+    ``merge_release`` (the same for the merge kernel, its wait first thing). The defaults
+    (``release`` and ``l2_prefetch`` on, ``merge_release`` off) took a V2-Lite decode graph's
+    replay on the H200 from 1,283-1,290 to 1,253-1,257 us (sixth round).
     """
     if dtype not in _ELEM_BYTES:
         raise ValueError(f"mla_attention_cuda supports {sorted(_ELEM_BYTES)}, got {dtype}")
@@ -207,7 +223,8 @@ def mla_attention_cuda(
     ptag = f"{tag}_s{stages}" + ("_p16" if half_ws else "")
     pipe_src = pipe_source(ptag, D, DL, stages, partials=partials) if use_pipe else ""
     use_l2 = use_pipe and l2_prefetch
-    pf_src = _prefetch_wait_source(tag, P * D * _ELEM_BYTES[dtype], NT) if use_l2 else ""
+    pf_src = _prefetch_wait_source(tag, P * D * _ELEM_BYTES[dtype], NT, release)
+    wr_src = _wait_release_source()
     SMEM_N = pipe_shared_halves(D, stages) if use_pipe else 1  # pipelined path: one buffer
     SMEM_SCOPE = "shared.dyn" if SMEM_N * 2 > _MAX_SHARED_BYTES else "shared"
     if use_pipe:
@@ -366,7 +383,7 @@ def mla_attention_cuda(
                             # this split's pages -> L2, then the PDL wait (page tables only
                             # before it: the runtime, not a kernel, writes them)
                             T.cuda.func_call(
-                                f"mla_prefetch_wait_{tag}",
+                                f"mla_prefetch_wait{'_r' if release else ''}_{tag}",
                                 T.address_of(pages[0, 0, 0]),
                                 T.address_of(page_values[page_begin]),
                                 pg_lo,
@@ -374,6 +391,8 @@ def mla_attention_cuda(
                                 tx,
                                 source_code=pf_src,
                             )
+                        elif release:
+                            T.cuda.func_call(_WAIT_RELEASE, source_code=wr_src)
                         if split == 0 and by == 0 and tx == 0:
                             ws_n[row] = nsplit
 
@@ -692,6 +711,8 @@ def mla_attention_cuda(
                     csum = T.sblock_alloc_buffer((1,), "float32", scope="local")
                     lse_sh = T.sblock_alloc_buffer((LSE_SH,), "float32", scope="shared")
                     red = T.sblock_alloc_buffer((RED_N,), "float32", scope="shared")
+                    if merge_release:
+                        T.cuda.func_call(_WAIT_RELEASE, source_code=wr_src)
                     mrow: T.let[T.int32] = mbx // (H * n_merge_blocks)
                     msplit: T.let[T.int32] = ws_n[mrow]
                     mmax_s: T.let[T.int32] = max_splits(total_len)
@@ -816,23 +837,43 @@ def mla_attention_cuda(
     return batch_mla_paged_attention_split_kv
 
 
-def _prefetch_wait_source(tag: str, page_bytes: int, threads: int) -> str:
-    """CUDA: ``mla_prefetch_wait_<tag>(pages, page_ids, first, count, tid)``: the block's
+def _prefetch_wait_source(tag: str, page_bytes: int, threads: int, release: bool) -> str:
+    """CUDA: ``mla_prefetch_wait[_r]_<tag>(pages, page_ids, first, count, tid)``: the block's
     threads ask L2 for pages ``page_ids[first:first + count]`` (``cp.async.bulk.prefetch``, one
-    page of ``page_bytes`` each), then the PDL wait. Safe before the wait: a prefetch reads
-    nothing into the block, and the page the previous kernel appends to is read after it."""
+    page of ``page_bytes`` each), then the PDL wait (``_r``: and the release). Safe before the
+    wait: a prefetch reads nothing into the block, and the page the previous kernel appends to
+    is read after it."""
+    name = f"mla_prefetch_wait{'_r' if release else ''}_{tag}"
     return (
         grid_wait_source()
         + l2_prefetch_source()
         + f"""
-#ifndef MLA_PREFETCH_WAIT_{tag}
-#define MLA_PREFETCH_WAIT_{tag}
-__device__ __forceinline__ void mla_prefetch_wait_{tag}(const half* pages, const int* page_ids,
+#ifndef {name.upper()}
+#define {name.upper()}
+__device__ __forceinline__ void {name}(const half* pages, const int* page_ids,
     int first, int count, int tid) {{
   for (int i = tid; i < count; i += {threads})
     {L2_PREFETCH}(reinterpret_cast<const char*>(pages) + (long long)page_ids[first + i] *
                   {page_bytes}, {page_bytes});
-  {GRID_WAIT}();
+  {WAIT_THEN_RELEASE if release else f"{GRID_WAIT}();"}
+}}
+#endif
+"""
+    )
+
+
+_WAIT_RELEASE = "mla_wait_release"
+
+
+def _wait_release_source() -> str:
+    """CUDA: ``mla_wait_release()``, the PDL wait, then the release of the dependents."""
+    return (
+        grid_wait_source()
+        + f"""
+#ifndef MLA_WAIT_RELEASE
+#define MLA_WAIT_RELEASE
+__device__ __forceinline__ void {_WAIT_RELEASE}() {{
+  {WAIT_THEN_RELEASE}
 }}
 #endif
 """

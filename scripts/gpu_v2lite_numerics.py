@@ -31,6 +31,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="v2lite_numerics.json")
+    ap.add_argument(
+        "--save-logits", default=None, help="also save our logits (.npy), to compare builds"
+    )
     args = ap.parse_args()
 
     t0 = time.perf_counter()
@@ -49,6 +52,8 @@ def main() -> None:
         tokens.append(int(np.argmax(logits[-1])))
         logits.append(eng.decode([seq], [tokens[-1]])[0])
     ours = np.stack(logits[: args.steps])
+    if args.save_logits:
+        np.save(args.save_logits, ours)
     t1 = time.perf_counter()
 
     hf = load_into_hf(eng, device="cuda", dtype="float16")

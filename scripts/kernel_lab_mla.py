@@ -37,7 +37,8 @@ LAB_DIR = ROOT / "build" / "lab"
 HEADS, LATENT, ROPE, PAGE = 16, 512, 64, 16
 # name -> mla_attention_cuda keyword arguments ("ours": the defaults, the model's kernel)
 VARIANTS: dict[str, dict] = {
-    "ours": {},  # the defaults: 3-stage pipelined split block, >= 2 pages per split
+    "ours": {},  # the defaults: 3-stage pipelined split block, >= 2 pages per split, the split
+    # kernel's L2 prefetches, wait and release after its preamble
     "v0": dict(  # the first kernel: 2 pages/split, <= 64 splits, serial merge, SIMT
         mma=False,
         min_pages_per_split=2,
@@ -66,9 +67,10 @@ VARIANTS: dict[str, dict] = {
     "pipe3_pp2_mpf": dict(
         stages=3, min_pages_per_split=2, max_split=128, target_blocks=264, merge_prefetch=True
     ),
-    # Fourth round: ours with the split's pages asked of L2 before the PDL wait (in the model:
-    # no change; a lab call cannot show it, its launches have no programmatic predecessor)
-    "ours_l2": dict(l2_prefetch=True),
+    # Fourth round: the split's pages asked of L2 before the PDL wait (in the model: no change
+    # behind TVM's append; a lab call cannot show it, its launches have no programmatic
+    # predecessor; on by default since the sixth round, with the release)
+    "ours_l2": dict(l2_prefetch=True, release=False),
     # Fifth round: the partial outputs in the workspace as float16 (half the bytes the split
     # writes and the merge reads), on ours' grid and on the 128 / 264 grid and 4-page splits
     "ours_p16": dict(partials="float16"),
@@ -78,6 +80,13 @@ VARIANTS: dict[str, dict] = {
     "pipe5_pp4_p16": dict(
         stages=5, min_pages_per_split=4, max_split=128, target_blocks=264, partials="float16"
     ),
+    # Sixth round (in the model only, like the fourth: a lab call has no programmatic
+    # predecessor): the split kernel waits and releases itself after its preamble and L2
+    # prefetches (now "ours"); without either (the default before), without the prefetches,
+    # with the merge releasing after its wait too
+    "ours_norel": dict(release=False, l2_prefetch=False),
+    "ours_rel_nol2": dict(l2_prefetch=False, merge_release=True),
+    "ours_mrel": dict(merge_release=True),
 }
 BAD_REL, BAD_LSE = 2e-3, 1e-3  # a result worse than this is flagged "!"
 

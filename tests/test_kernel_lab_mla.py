@@ -86,6 +86,44 @@ def test_l2_prefetch_variant_waits_after_its_prefetches() -> None:
     assert starts == [False, True]  # the split kernel waits inside mla_prefetch_wait_*
 
 
+@needs_nvcc
+@pytest.mark.parametrize(("l2", "merge_release"), [(False, True), (True, True), (True, False)])
+def test_release_variant_waits_then_releases_in_both_kernels(l2: bool, merge_release: bool):
+    """``release=True``: the split kernel reads its page tables, (asks L2 for its pages,) then
+    waits and releases before anything else (its first write, ``ws_n``, comes after);
+    ``merge_release=True``: the merge kernel waits and releases before it reads anything; the
+    pass adds no wait of its own to them (without ``merge_release`` it puts its wait first in
+    the merge kernel)."""
+    from dsv2_mlc.compiler.cuda import cuda_codegen, cuda_sources, make_cuda_target
+    from dsv2_mlc.passes.grid_dependency_control import WAIT, kernels_without_wait
+    from dsv2_mlc.passes.pipeline import tir_pipeline
+    from dsv2_mlc.schedules.cuda_call import LAUNCH_DEPENDENTS
+
+    target = make_cuda_target("sm_90")
+    func = mla_attention_cuda(
+        16, 512, 64, release=True, merge_release=merge_release, l2_prefetch=l2
+    )
+    with cuda_codegen(), target:
+        lib = tvm.compile(
+            tvm.IRModule({"m": func.with_attr("global_symbol", "m")}),
+            target=target,
+            tir_pipeline=tir_pipeline(True),
+        )
+    (src,) = cuda_sources(lib.mod)
+    kernels, missing = kernels_without_wait(src)
+    assert len(kernels) == 2 and missing == []
+    # one helper for both kernels (and the prefetching one of the split)
+    assert src.count(f"{WAIT}();\n  {LAUNCH_DEPENDENTS}();") == int(merge_release or not l2) + l2
+    split, merge = (src.split(f" {k}(")[-1].split("{", 1)[1] for k in sorted(kernels))
+    call = "mla_prefetch_wait_r_" if l2 else "mla_wait_release("
+    assert call in split and split.index(call) < split.index("ws_n_ptr[")
+    assert split.index("page_indptr_ptr[") < split.index(call)  # the preamble comes first
+    if merge_release:
+        assert merge.index("mla_wait_release();") < merge.index("ws_n_ptr[")  # its first read
+    else:
+        assert "mla_wait_release" not in merge and merge.lstrip().startswith(f"{WAIT}();")
+
+
 # Names of the PrimFunc's shape variables and buffers besides ``total_len`` (the query rows).
 _CONTEXT_NAMES = (
     "nnz_pages",

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import tvm
 import tvm_ffi
-from mla_cache_module import MLACacheModule, create_spec
+from mla_cache_module import MLACacheModule, create_script, create_spec
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache
 
@@ -460,3 +460,20 @@ def test_cuda_target_constructs() -> None:
     names = {gv.name_hint for gv in mod.get_global_vars()}
     assert "batch_prefill_paged_kv_mla" in names
     assert "paged_attention_kv_cache_create" in mod["create_paged_kv_cache"].script()
+
+
+@pytest.mark.parametrize("append_kernel", ["release_first", "tvm"])
+def test_cuda_cache_append_slot(append_kernel: str) -> None:
+    """On CUDA the latent append is ours (``mla_append_cuda``) unless TVM's is asked for; the
+    cache's create call takes exactly one of them."""
+    names, script = create_script({"kind": "cuda", "arch": "sm_90"}, append_kernel=append_kernel)
+    ours, tvms = "mla_append_release_first", "tir_kv_cache_transpose_append_mla"
+    used, unused = (ours, tvms) if append_kernel == "release_first" else (tvms, ours)
+    assert used in names and (ours in names) == (append_kernel == "release_first")
+    create = next(line for line in script.splitlines() if "kv_cache_create" in line)
+    assert f" {used}," in create and f" {unused}," not in create
+
+
+def test_cuda_cache_rejects_unknown_append_kernel() -> None:
+    with pytest.raises(ValueError, match="append_kernel"):
+        create_script({"kind": "cuda", "arch": "sm_90"}, append_kernel="fast")

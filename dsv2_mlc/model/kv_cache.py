@@ -14,7 +14,10 @@ Only the latent is cached: per token and layer one row ``[compressed_kv (kv_lora
   ``self_attention``) likewise gets the tensor-core flash-attention kernel of
   :mod:`dsv2_mlc.schedules.prefill_attention_cuda` (``prefill_kernel="flash"``, the default;
   0.37 ms instead of 16.2 ms per layer at a 4K prompt on an H200); ``prefill_kernel="tvm"``
-  keeps TVM's ``batch_prefill_ragged_kv`` (the baseline).
+  keeps TVM's ``batch_prefill_ragged_kv`` (the baseline). Its latent append
+  (``f_transpose_append_mla``) is :mod:`dsv2_mlc.schedules.mla_append_cuda`'s, which lets the
+  split-KV kernel start while it waits (``append_kernel="release_first"``, the default; ``"tvm"``
+  keeps TVM's).
 
 Use it through the fine-grained ``PagedKVCache`` API (the model applies RoPE itself):
 
@@ -40,6 +43,7 @@ Runtime rules (read from ``paged_kv_cache.cc``, checked in ``tests/test_mla_kv_c
   CUDA, TVM's kernels need ``page_size == 16``. ``support_sliding_window`` must be 0.
 """
 
+from collections.abc import Mapping
 from typing import Any
 
 import tvm
@@ -56,6 +60,7 @@ from tvm.relax.frontend.nn.llm.kv_cache import (
 from tvm.relax.frontend.nn.llm.position_embedding import llama_rope_with_position_map
 from tvm.target import Target
 
+from dsv2_mlc.schedules.mla_append_cuda import mla_append_cuda, mla_append_cuda_supports
 from dsv2_mlc.schedules.mla_attention_cuda import (
     mla_attention_cuda,
     mla_attention_cuda_supports,
@@ -72,11 +77,19 @@ from dsv2_mlc.schedules.prefill_attention_cuda import (
     prefill_attention_cuda_supports,
 )
 
-__all__ = ["MLA_KERNELS", "PREFILL_KERNELS", "PREFILL_KERNEL_DEFAULT", "MLAPagedKVCache"]
+__all__ = [
+    "APPEND_KERNELS",
+    "MLA_KERNELS",
+    "PREFILL_KERNELS",
+    "PREFILL_KERNEL_DEFAULT",
+    "MLAPagedKVCache",
+]
 
 IntLike = int | tvm.ir.Expr
 # CUDA kernels for the MLA attention slot: ours (split-KV) or TVM's prefill kernel (baseline).
 MLA_KERNELS = ("split_kv", "tvm")
+# CUDA kernels for the latent append: ours (releases the next kernel before its wait) or TVM's.
+APPEND_KERNELS = ("release_first", "tvm")
 # CUDA kernels for the ragged-prefill slot (self_attention): ours (tensor-core flash attention)
 # or TVM's batch_prefill_ragged_kv (baseline).
 PREFILL_KERNELS = ("flash", "tvm")
@@ -84,13 +97,17 @@ PREFILL_KERNEL_DEFAULT = "flash"
 # The names TIRPagedKVCache gives the kernels of the slots we replace.
 _TVM_MLA_SLOT_FUNC = "tir_attention_prefill_mla"
 _TVM_RAGGED_SLOT_FUNC = "tir_attention_prefill_ragged"
+_TVM_APPEND_FUNC = "kv_cache_transpose_append_mla"  # f_transpose_append_mla (a bare function)
 
 
-def _replace_slot(create: rx.Call, slot_func: str, slot: rx.Tuple) -> rx.Call:
+def _replace_slot(create: rx.Call, slot_func: str, slot: rx.Tuple | rx.GlobalVar) -> rx.Call:
     """``create`` (the ``paged_attention_kv_cache_create`` call of ``TIRPagedKVCache``) with its
-    kernel slot ``("tirx", <slot_func>)`` replaced by ``slot``."""
+    kernel slot ``("tirx", <slot_func>)`` (or its bare function argument ``<slot_func>``, given
+    a GlobalVar) replaced by ``slot``."""
 
     def is_slot(arg: rx.Expr) -> bool:
+        if isinstance(slot, rx.GlobalVar):
+            return isinstance(arg, rx.GlobalVar) and arg.name_hint == slot_func
         return (
             isinstance(arg, rx.Tuple)
             and len(arg.fields) == 2
@@ -109,7 +126,7 @@ def _replace_slot(create: rx.Call, slot_func: str, slot: rx.Tuple) -> rx.Call:
     return rx.Call(create.op, args, create.attrs, create.ty_args)
 
 
-def _tir_cache_class(slots: dict[str, rx.Tuple]) -> type[TIRPagedKVCache]:
+def _tir_cache_class(slots: dict[str, rx.Tuple | rx.GlobalVar]) -> type[TIRPagedKVCache]:
     """``TIRPagedKVCache``, or with ``slots`` (TVM's slot function name -> our slot): a subclass
     whose create call gets those slots. ``TIRPagedKVCache.__init__`` ends in
     ``super().__init__(_expr=<create call>)``; the hook class sits next in the MRO, so it sees
@@ -141,7 +158,11 @@ class MLAPagedKVCache(PagedKVCache):  # pylint: disable=too-few-public-methods
     a row width that is not a whole number of 16-byte vectors). ``prefill_kernel`` (CUDA target
     only) picks the kernel of the causal ragged self-attention, one of :data:`PREFILL_KERNELS`;
     ``"flash"`` falls back to TVM's kernel where it does not apply (not float16, head dims not
-    multiples of 16).
+    multiples of 16). ``append_kernel`` (CUDA only) picks the latent append, one of
+    :data:`APPEND_KERNELS`: ``"release_first"`` is :mod:`dsv2_mlc.schedules.mla_append_cuda`'s
+    (it lets the attention's split kernel start while it waits), ``"tvm"`` TVM's
+    ``tir_kv_cache_transpose_append_mla``. ``split_kv_options``: keyword arguments of
+    :func:`~dsv2_mlc.schedules.mla_attention_cuda.mla_attention_cuda` (its lab variants).
     """
 
     def __init__(  # pylint: disable=too-many-arguments,too-many-locals
@@ -163,16 +184,22 @@ class MLAPagedKVCache(PagedKVCache):  # pylint: disable=too-few-public-methods
         name: str = "paged_kv_cache",
         mla_kernel: str = "split_kv",
         prefill_kernel: str = PREFILL_KERNEL_DEFAULT,
+        append_kernel: str = "release_first",
+        split_kv_options: Mapping[str, Any] | None = None,
     ) -> None:
         d_qk = kv_lora_rank + qk_rope_head_dim
         if mla_kernel not in MLA_KERNELS:
             raise ValueError(f"mla_kernel must be one of {MLA_KERNELS}, got {mla_kernel!r}")
+        if append_kernel not in APPEND_KERNELS:
+            raise ValueError(
+                f"append_kernel must be one of {APPEND_KERNELS}, got {append_kernel!r}"
+            )
         if prefill_kernel not in PREFILL_KERNELS:
             raise ValueError(
                 f"prefill_kernel must be one of {PREFILL_KERNELS}, got {prefill_kernel!r}"
             )
         if target.kind.name != "llvm":
-            slots: dict[str, rx.Tuple] = {}
+            slots: dict[str, rx.Tuple | rx.GlobalVar] = {}
             d_orig = qk_nope_head_dim + qk_rope_head_dim
             heads = num_attention_heads
             if (
@@ -187,10 +214,23 @@ class MLAPagedKVCache(PagedKVCache):  # pylint: disable=too-few-public-methods
                 num_attention_heads, kv_lora_rank, qk_rope_head_dim, dtype
             ):
                 func = mla_attention_cuda(
-                    num_attention_heads, kv_lora_rank, qk_rope_head_dim, dtype
+                    num_attention_heads,
+                    kv_lora_rank,
+                    qk_rope_head_dim,
+                    dtype,
+                    **(split_kv_options or {}),
                 )
                 gv = rx.BlockBuilder.current().add_func(func, "tir_attention_mla_split_kv")
                 slots[_TVM_MLA_SLOT_FUNC] = rx.Tuple([tvm.ir.StringImm("tirx"), gv])
+            if (
+                target.kind.name == "cuda"
+                and append_kernel == "release_first"
+                and mla_append_cuda_supports(d_qk, dtype)
+            ):
+                # the append that releases the split kernel before its wait (mla_append_cuda)
+                slots[_TVM_APPEND_FUNC] = rx.BlockBuilder.current().add_func(
+                    mla_append_cuda(d_qk, dtype), "mla_append_release_first"
+                )
             tir_cache = _tir_cache_class(slots)(
                 attn_kind="mla",
                 max_batch_size=max_batch_size,
