@@ -223,8 +223,10 @@ def mla_attention_cuda(
     ptag = f"{tag}_s{stages}" + ("_p16" if half_ws else "")
     pipe_src = pipe_source(ptag, D, DL, stages, partials=partials) if use_pipe else ""
     use_l2 = use_pipe and l2_prefetch
-    pf_src = _prefetch_wait_source(tag, P * D * _ELEM_BYTES[dtype], NT, release)
-    wr_src = _wait_release_source()
+    pf_name, pf_src = (
+        _prefetch_wait_source(tag, P * D * _ELEM_BYTES[dtype], NT, release) if use_l2 else ("", "")
+    )
+    wr_src = _wait_release_source() if release or merge_release else ""
     SMEM_N = pipe_shared_halves(D, stages) if use_pipe else 1  # pipelined path: one buffer
     SMEM_SCOPE = "shared.dyn" if SMEM_N * 2 > _MAX_SHARED_BYTES else "shared"
     if use_pipe:
@@ -383,7 +385,7 @@ def mla_attention_cuda(
                             # this split's pages -> L2, then the PDL wait (page tables only
                             # before it: the runtime, not a kernel, writes them)
                             T.cuda.func_call(
-                                f"mla_prefetch_wait{'_r' if release else ''}_{tag}",
+                                pf_name,
                                 T.address_of(pages[0, 0, 0]),
                                 T.address_of(page_values[page_begin]),
                                 pg_lo,
@@ -837,14 +839,16 @@ def mla_attention_cuda(
     return batch_mla_paged_attention_split_kv
 
 
-def _prefetch_wait_source(tag: str, page_bytes: int, threads: int, release: bool) -> str:
-    """CUDA: ``mla_prefetch_wait[_r]_<tag>(pages, page_ids, first, count, tid)``: the block's
-    threads ask L2 for pages ``page_ids[first:first + count]`` (``cp.async.bulk.prefetch``, one
-    page of ``page_bytes`` each), then the PDL wait (``_r``: and the release). Safe before the
-    wait: a prefetch reads nothing into the block, and the page the previous kernel appends to
-    is read after it."""
+def _prefetch_wait_source(
+    tag: str, page_bytes: int, threads: int, release: bool
+) -> tuple[str, str]:
+    """(name, CUDA) of ``mla_prefetch_wait[_r]_<tag>(pages, page_ids, first, count, tid)``:
+    the block's threads ask L2 for pages ``page_ids[first:first + count]``
+    (``cp.async.bulk.prefetch``, one page of ``page_bytes`` each), then the PDL wait (``_r``:
+    and the release). Safe before the wait: a prefetch reads nothing into the block, and the
+    page the previous kernel appends to is read after it."""
     name = f"mla_prefetch_wait{'_r' if release else ''}_{tag}"
-    return (
+    return name, (
         grid_wait_source()
         + l2_prefetch_source()
         + f"""

@@ -250,10 +250,10 @@ class DeepseekV2DecoderLayer(nn.Module):
         mlp, post = self.mlp, self.post_attention_layernorm
         o_proj = self.self_attn.o_proj
         # o_proj, the add + RMSNorm and the routing in one kernel, where it applies
-        kernel = mlp.oproj_router(o_proj, s, post.eps) if isinstance(mlp, DeepseekV2MoE) else None
-        attn, cache = self.self_attn(s, rope, cache, "decode", qkv=qkv, project=kernel is None)
-        if kernel is not None:
-            s, out = mlp.forward_after_attention(kernel, attn, o_proj, s, post.weight)
+        routed = mlp.oproj_router(o_proj, s, post.eps) if isinstance(mlp, DeepseekV2MoE) else None
+        attn, cache = self.self_attn(s, rope, cache, "decode", qkv=qkv, project=routed is None)
+        if routed is not None:
+            s, out = mlp.forward_after_attention(routed, attn, o_proj, s, post.weight)
             return s, out, cache
         if not isinstance(mlp, DeepseekV2MoE):
             s = s + attn

@@ -322,13 +322,16 @@ class DeepseekV2MoE(nn.Module):
         launches), the rest keeps the gather kernels."""
         return self.forward_with_logits(x, self.gate.logits(x), mode)
 
-    def oproj_router(self, o_proj: nn.Module, x: Tensor, eps: float) -> tirx.PrimFunc | None:
+    def oproj_router(
+        self, o_proj: nn.Module, x: Tensor, eps: float
+    ) -> tuple[tirx.PrimFunc, MoeDecodeShape] | None:
         """Decode on CUDA: the kernel that computes the attention's ``o_proj``, the residual
         add, the RMSNorm (``eps``) before this block and the routing in one launch
-        (:mod:`dsv2_mlc.schedules.oproj_router_cuda`), where this layer's experts run the
-        fused decode kernels and ``o_proj`` is an INT4 layer of a shape it takes; else None.
-        ``x``: the residual stream (its dtype and the target decide). Off unless the lab switch
-        ``oproj_router_cuda.ROUTE_IN_OPROJ`` is on (measured slower on the H200)."""
+        (:mod:`dsv2_mlc.schedules.oproj_router_cuda`), with the shape of this layer's fused
+        decode kernels, where the experts have them and ``o_proj`` is an INT4 layer of a shape
+        it takes; else None. ``x``: the residual stream (its dtype and the target decide). Off
+        unless the lab switch ``oproj_router_cuda.ROUTE_IN_OPROJ`` is on (measured slower on the
+        H200)."""
         if not oproj_router.ROUTE_IN_OPROJ or self.shared_experts is None:
             return None
         shape = self.experts.decode_shape(x, self.gate, self.shared_experts)
@@ -338,14 +341,20 @@ class DeepseekV2MoE(nn.Module):
         n_out, k_in = o_proj.out_features, o_proj.in_features
         if oproj_router.oproj_router_unsupported(n_out, k_in, group, shape.experts):
             return None
-        return oproj_router.oproj_router_decode(n_out, k_in, group, shape.router, eps)
+        return oproj_router.oproj_router_decode(n_out, k_in, group, shape.router, eps), shape
 
     def forward_after_attention(
-        self, kernel: tirx.PrimFunc, attn: Tensor, o_proj: nn.Module, r: Tensor, norm_w: Tensor
+        self,
+        routed: tuple[tirx.PrimFunc, MoeDecodeShape],
+        attn: Tensor,
+        o_proj: nn.Module,
+        r: Tensor,
+        norm_w: Tensor,
     ) -> tuple[Tensor, Tensor]:
-        """Decode with :meth:`oproj_router`'s ``kernel``: ``attn [n, heads * v]`` (before
+        """Decode with :meth:`oproj_router`'s ``(kernel, shape)``: ``attn [n, heads * v]`` (before
         ``o_proj``), the residual ``r [n, H]`` and the norm's weight -> ``(s, out)``: the new
         residual ``s = r + o_proj(attn)`` and this block's output for ``RMSNorm(s)``."""
+        kernel, shape = routed
         n, h = r.shape
         e, k = self.gate.weight.shape[0], self.gate.cfg.num_experts_per_tok
         _, s, xn, logits, weights, ids = op.tensor_ir_op(
@@ -362,7 +371,6 @@ class DeepseekV2MoE(nn.Module):
             ],
         )
         shared = self.shared_experts
-        shape = self.experts.decode_shape(xn, self.gate, shared)
         out = self.experts.fused_decode_routed(xn, (weights, ids, logits), shape, shared)
         return s, out
 
