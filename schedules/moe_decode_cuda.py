@@ -204,6 +204,23 @@ def _reduce(var: str, lanes: int) -> str:
     return " ".join(steps)
 
 
+def x_lanes_source(hidden: int) -> str:
+    """CUDA: ``uint4 xv[cpl][4]``, the chunks ``lane + 32 j`` of the token's ``x`` (``x + t * H``)
+    in each lane's registers, in pair order (``dsv2_pair8``; ``cpl`` chunks a lane)."""
+    nch = hidden // _CHUNK
+    cpl, exact = -(-nch // 32), "true" if nch % 32 == 0 else "false"
+    return f"""  uint4 xv[{cpl}][4];
+#pragma unroll
+  for (int j = 0; j < {cpl}; ++j) {{
+    const int c = lane + 32 * j;
+    if ({exact} || c < {nch}) {{
+      const uint4* p = reinterpret_cast<const uint4*>(x + t * {hidden} + c * {_CHUNK});
+#pragma unroll
+      for (int k = 0; k < 4; ++k) xv[j][k] = dsv2_pair8(p[k]);  // pair order, once
+    }}
+  }}"""
+
+
 def gate_up_source(s: MoeDecodeShape, tiles: GateUpTiles, routed: bool = False) -> tuple[str, str]:
     """(device function name, CUDA source) of kernel 1 (module docstring); ``routed``: it reads
     the expert ids instead of routing the logits (:func:`moe_gate_up_decode`)."""
@@ -393,16 +410,7 @@ __device__ __forceinline__ void {name}(const half* __restrict__ x,
     if (lane == 0) *((volatile int*)&s_ready) = 1;
     if ({warp0_late}i < {items}) dsv2_gu_load_{tag}(a, i, lane, w, s, sw, ss, s_ids, ready);
   }}
-  uint4 xv[{cpl}][4];
-#pragma unroll
-  for (int j = 0; j < {cpl}; ++j) {{
-    const int c = lane + 32 * j;
-    if ({exact} || c < {nch}) {{
-      const uint4* p = reinterpret_cast<const uint4*>(x + t * {H} + c * {_CHUNK});
-#pragma unroll
-      for (int k = 0; k < 4; ++k) xv[j][k] = dsv2_pair8(p[k]);  // pair order, once
-    }}
-  }}
+{x_lanes_source(H)}
   bool routed_pf = !{L2R};  // the warp's routed rows: prefetched at its first routed load
   while (i < {items}) {{
     const int i1 = i + {stride};

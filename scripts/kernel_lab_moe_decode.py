@@ -6,7 +6,9 @@ intermediate 1408, 2 shared experts, 64 experts, top-6 greedy, INT4 group 128) e
 :data:`GATE_UP_VARIANTS` / :data:`BULK_VARIANTS` (the bulk-copy gate/up kernel) /
 :data:`DOWN_VARIANTS` (``gu_lite_<tiles>``, ``gub_lite_<tiles>``, ``dn_lite_<tiles>``), and the
 defaults for the full V2's shape (hidden 5120, intermediate 1536, 160 experts, top-6 of group-
-limited routing over 8 groups / 3 kept, scale 16: ``gu_v2``, ``dn_v2``), plus ``manifest.json``.
+limited routing over 8 groups / 3 kept, scale 16: ``gu_v2``, ``dn_v2``), the one-kernel variants
+of :mod:`dsv2_mlc.schedules.moe_fused_decode_cuda` (:data:`FUSED_VARIANTS`: ``mf_lite_<tiles>``),
+plus ``manifest.json``. ``--only`` (comma-separated keys) builds those alone.
 
 ``python3 scripts/kernel_lab_moe_decode.py run --lib-dir .devcarry/tvm-lib --out DIR`` (GPU
 machine; torch + ``tvm_ffi`` + TVM's runtime libraries, never imports tvm): random INT4 experts,
@@ -14,8 +16,11 @@ activations and router logits for n tokens (1 and 4); a float32 torch reference 
 greedy or group-limited top-k, the dequantised experts, SwiGLU, the weighted sum); every
 gate/up kernel is checked (ids exact, weights, ``h`` relative L2) and every down kernel is run on
 the reference's ``h`` / routing and checked (``out`` relative L2); each is timed with CUDA events
-(median of loops of back-to-back calls) and shown with the GB/s of the weights it reads.
-Results go to ``DIR/moe_decode_lab.json``.
+(median of loops of back-to-back calls) and shown with the GB/s of the weights it reads. A fused
+kernel is checked on a zeroed float32 ``out`` and timed alone (``out`` then accumulates: the
+timing does not read it); the ``chain`` rows compare the MoE block's whole time, the default
+gate/up + down pair against each fused kernel, back to back (events), replayed from a CUDA graph
+and as summed kernel durations (CUPTI). Results go to ``DIR/moe_decode_lab.json``.
 """
 
 from __future__ import annotations
@@ -75,8 +80,20 @@ DOWN_VARIANTS = (
     (4, 32, 1, 8, 4),
     (8, 32, 2, 8, 0, True),  # early_route: routes from the logits, every row before the wait
 )
+# (rows, warps, run, down_run, min_blocks[, x_shared]) of FusedTiles; the first is the module's
+# default
+FUSED_VARIANTS = (
+    (64, 8, 16, 8, 2),
+    (32, 4, 16, 8, 3),
+    (32, 8, 16, 8, 3, True),
+    (32, 4, 16, 8, 6, True),
+    (32, 8, 16, 8, 2, True),
+    (64, 8, 16, 8, 2, True),
+    (64, 16, 16, 8, 1, True),
+)
 BAD_REL = 5e-3  # relative L2 above this is flagged "!"
 NS = (1, 4)
+DEFAULT_PAIR = ("gu_lite_w8_b264_h16", "dn_lite_w8_l32_r2_h8")  # what the model runs today
 
 
 # -- here: builds ----------------------------------------------------------------------------------
@@ -102,6 +119,13 @@ def _kernels() -> tuple[dict, dict]:
         tiles = m.DecodeTiles(*v)
         funcs[f"dn_lite_{tiles.name}"] = m.moe_down_decode(lite, tiles)
         info[f"dn_lite_{tiles.name}"] = {"shape": "lite", "kind": "down", "tiles": v}
+    from dsv2_mlc.schedules import moe_fused_decode_cuda as f
+
+    assert f.FUSED_TILES == f.FusedTiles(*FUSED_VARIANTS[0]), f.FUSED_TILES
+    for v in FUSED_VARIANTS:
+        tiles = f.FusedTiles(*v)
+        funcs[f"mf_lite_{tiles.name}"] = f.moe_fused_decode(lite, tiles)
+        info[f"mf_lite_{tiles.name}"] = {"shape": "lite", "kind": "fused", "tiles": v}
     v2 = m.MoeDecodeShape(**SHAPES["v2"])
     funcs["gu_v2"], funcs["dn_v2"] = m.moe_gate_up_decode(v2), m.moe_down_decode(v2)
     info["gu_v2"] = {"shape": "v2", "kind": "gate_up", "tiles": GATE_UP_VARIANTS[0]}
@@ -117,6 +141,11 @@ def prepare(args: argparse.Namespace) -> int:
     lab_dir = Path(args.lab_dir)
     lab_common.fresh_lab_dir(lab_dir, "moed_*.so")
     funcs, info = _kernels()
+    if args.only:
+        keep = set(args.only.split(","))
+        if keep - set(funcs):
+            raise SystemExit(f"no such kernels: {sorted(keep - set(funcs))}")
+        funcs = {k: v for k, v in funcs.items() if k in keep}
     built = lab_common.build_libraries(funcs, lab_dir, "moed", args.arch, target, {}, "")
     for key, entry in built.items():
         entry["kwargs"] = info[key]
@@ -209,10 +238,8 @@ def _weight_bytes(shape: dict, n: int) -> dict:
     H, NI, IS, K, G = (shape[k] for k in ("hidden", "inter", "shared_inter", "top_k", "group"))
     per_routed = 2 * NI * H // 2 + 2 * NI * H // G * 2, H * NI // 2 + H * NI // G * 2
     shared = 2 * IS * H // 2 + 2 * IS * H // G * 2, H * IS // 2 + H * IS // G * 2
-    return {
-        "gate_up": n * K * per_routed[0] + shared[0],
-        "down": n * K * per_routed[1] + shared[1],
-    }
+    gate_up, down = n * K * per_routed[0] + shared[0], n * K * per_routed[1] + shared[1]
+    return {"gate_up": gate_up, "down": down, "fused": gate_up + down}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -224,7 +251,7 @@ def run(args: argparse.Namespace) -> int:
     kernels = lab_common.load_kernels(args.lib_dir, lab_dir, args.only)
     ffi = lab_common.ffi_tensors
     u32 = torch.uint32
-    rows = []
+    rows, chains, pairs = [], [], {}
     for shape_name, shape in manifest["shapes"].items():
         for n in NS:
             d = _data(torch, shape, n, seed=n)
@@ -252,6 +279,16 @@ def run(args: argparse.Namespace) -> int:
                         "rel_l2": _rel(torch, h, ref["h"]),
                     }
                     ok = errs["ids_equal"] and errs["rel_l2"] < BAD_REL
+                elif k["kind"] == "fused":
+                    out = torch.zeros(n, shape["hidden"], device="cuda")
+                    call = ffi(d["x"], d["logits"], d["gu_w"].view(u32), d["gu_s"],
+                               d["sgu_w"].view(u32), d["sgu_s"], d["dn_w"].view(u32), d["dn_s"],
+                               d["sdn_w"].view(u32), d["sdn_s"], out)  # fmt: skip
+                    fn(*call)
+                    torch.cuda.synchronize()
+                    errs = {"rel_l2": _rel(torch, out, ref["out"])}
+                    ok = errs["rel_l2"] < BAD_REL
+                    chains.append((shape_name, n, key, fn, call))
                 else:
                     out = torch.empty(n, shape["hidden"], dtype=torch.float16, device="cuda")
                     early = len(k["tiles"]) > 5 and k["tiles"][5]  # routes from the logits
@@ -263,6 +300,8 @@ def run(args: argparse.Namespace) -> int:
                     torch.cuda.synchronize()
                     errs = {"rel_l2": _rel(torch, out, ref["out"])}
                     ok = errs["rel_l2"] < BAD_REL
+                if key in DEFAULT_PAIR:
+                    pairs[(shape_name, n, key)] = (fn, call)
                 sec = lab_common.time_call(torch, fn, call, args.budget_per_case_s)
                 gbs = nbytes[k["kind"]] / sec / 1e9
                 rows.append({"shape": shape_name, "n": n, "kernel": key, "us": sec * 1e6,
@@ -270,6 +309,7 @@ def run(args: argparse.Namespace) -> int:
                 flag = "" if ok else "  !"
                 print(f"{shape_name:5} n={n} {key:28} {sec * 1e6:8.2f} us {gbs:7.0f} GB/s "
                       f"rel {errs['rel_l2']:.2e}{flag}", flush=True)  # fmt: skip
+    rows += _chain_rows(torch, chains, pairs)
     result = {"manifest": manifest, "device": torch.cuda.get_device_name(), "rows": rows,
               "finished": time.strftime("%Y-%m-%d %H:%M:%S %Z")}  # fmt: skip
     if args.out:
@@ -280,12 +320,48 @@ def run(args: argparse.Namespace) -> int:
     return 1 if bad else 0
 
 
+def _chain_rows(torch, chains: list, pairs: dict) -> list[dict]:
+    """The MoE block's whole time: the default gate/up + down pair against each fused kernel
+    (module docstring), us: back to back (events), from a CUDA graph, summed kernel durations."""
+    import tvm_ffi
+
+    out = []
+    for shape_name, n, key, fn, call in chains:
+        gu, dn = (pairs.get((shape_name, n, k)) for k in DEFAULT_PAIR)
+        if gu is None or dn is None:
+            continue
+        cases = {
+            "pair": [lambda gu=gu: gu[0](*gu[1]), lambda dn=dn: dn[0](*dn[1])],
+            key: [lambda fn=fn, call=call: fn(*call)],
+        }
+        for name, calls in cases.items():
+
+            def seq(calls=calls) -> None:
+                for c in calls:
+                    c()
+
+            row = {"shape": shape_name, "n": n, "kernel": f"chain:{name}", "vs": key, "ok": True,
+                   "us": lab_common.time_call(torch, seq, [], 0.3) * 1e6}  # fmt: skip
+            g = lab_common.graph_seconds(torch, tvm_ffi, [seq])
+            c = lab_common.cupti_seconds(torch, [seq])
+            row["graph_us"] = g * 1e6 if g else None
+            row["cupti_us"] = c * 1e6 if c else None
+            out.append(row)
+            print(
+                f"{shape_name:5} n={n} chain {name:28} events {row['us']:8.2f} us  graph "
+                f"{row['graph_us'] or 0:8.2f}  kernels {row['cupti_us'] or 0:8.2f}",
+                flush=True,
+            )
+    return out
+
+
 def main() -> int:
     parser, p, r = lab_common.lab_parser(
         __doc__, "compile the kernels here", "check and time them on the GPU"
     )
     for sub in (p, r):
         sub.add_argument("--lab-dir", default=str(LAB_DIR))
+    p.add_argument("--only", default=None, help="comma-separated kernel keys")
     r.add_argument("--budget-per-case-s", type=float, default=0.3)
     r.add_argument("--only", default=None, help="comma-separated kernel keys")
     args = parser.parse_args()

@@ -345,7 +345,9 @@ def cuda_source(func: tvm.tirx.PrimFunc) -> str:
 
 DYN_SHARED_BYTES = 232448  # a block's dynamic shared memory in the emulation (sm_90's limit)
 _HEADER_END = "#define ushort unsigned short\n#endif\n"  # the last lines of TVM's CUDA header
-_KERNEL = re.compile(r'extern "C" __global__ void __launch_bounds__\((\d+)\) (\w+)\(([^)]*)\) \{')
+_KERNEL = re.compile(
+    r'extern "C" __global__ void __launch_bounds__\((\d+)(?:, \d+)?\) (\w+)\(([^)]*)\) \{'
+)
 _SHARED = re.compile(r"__shared__\s+((?:alignas|__align__)\(\d+\)\s+)?([^;=]+?)\s*;")
 
 

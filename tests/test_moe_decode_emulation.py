@@ -79,6 +79,18 @@ def _logits(rng: np.random.Generator, n: int, e: int) -> np.ndarray:
     return logits
 
 
+def moe_inputs(rng: np.random.Generator, s: MoeDecodeShape, n: int) -> tuple:
+    """Random inputs of an MoE block for ``n`` tokens: ``x [n, H]`` fp16, router logits
+    (:func:`_logits`), then ``(packed, scales, float64 values)`` (:func:`random_int4`) of the
+    routed gate/up ``[E, 2I, H]``, the shared gate/up ``[2Is, H]``, the routed down ``[E, H, I]``
+    and the shared down ``[H, Is]``, drawn from ``rng`` in that order."""
+    H, NI, IS, E, G = s.hidden, s.inter, s.shared_inter, s.experts, s.group
+    x = rng.standard_normal((n, H)).astype(np.float16)
+    logits = _logits(rng, n, E)
+    weights = [(E, 2 * NI), H], [(2 * IS,), H], [(E, H), NI], [(H,), IS]
+    return x, logits, *(random_int4(rng, rows, k, G) for rows, k in weights)
+
+
 def _route(logits: np.ndarray, s: MoeDecodeShape) -> tuple[np.ndarray, np.ndarray]:
     args = (s.top_k, s.n_group, s.topk_group, s.norm_topk_prob, s.routed_scaling_factor)
     return route_numpy(logits.astype(np.float64), *args)
@@ -165,14 +177,10 @@ def test_moe_decode_kernels_match_numpy(
     tmp_path: Path, shape: MoeDecodeShape, gu: GateUpTiles, dn: DecodeTiles, n: int, waits: bool
 ) -> None:
     s = shape
-    H, NI, IS, E, K, G = s.hidden, s.inter, s.shared_inter, s.experts, s.top_k, s.group
-    rng = np.random.default_rng(1)
-    x = rng.standard_normal((n, H)).astype(np.float16)
-    logits = _logits(rng, n, E)
-    w, sc, wv = random_int4(rng, (E, 2 * NI), H, G)
-    sw, ss, swv = random_int4(rng, (2 * IS,), H, G)
-    dw, ds, dwv = random_int4(rng, (E, H), NI, G)
-    sdw, sds, sdwv = random_int4(rng, (H,), IS, G)
+    H, NI, K = s.hidden, s.inter, s.top_k
+    x, logits, (w, sc, wv), (sw, ss, swv), (dw, ds, dwv), (sdw, sds, sdwv) = moe_inputs(
+        np.random.default_rng(1), s, n
+    )
 
     # kernel 1: routing + gate/up + SwiGLU
     h = np.full((n, s.total), np.nan, np.float16)
