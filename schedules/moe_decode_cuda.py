@@ -177,11 +177,13 @@ class GateUpTiles:
     min_blocks: int = 0  # __launch_bounds__ blocks an SM (caps the registers), 0: none
     l2_rows: bool = False  # L2-prefetch a warp's later rows (module docstring; slower)
     l2_down: bool = False  # L2-prefetch the routed down rows for the next kernel (no net gain)
+    x_shared: bool = False  # each warp's copy of x in shared memory instead of its registers
 
     @property
     def name(self) -> str:
         bound = f"_m{self.min_blocks}" if self.min_blocks else ""
         pf = ("_pr" if self.l2_rows else "") + ("_pd" if self.l2_down else "")
+        pf += "_xs" if self.x_shared else ""
         return f"w{self.warps}_b{self.blocks}_h{self.run}{bound}{pf}"
 
 
@@ -288,6 +290,20 @@ def gate_up_source(s: MoeDecodeShape, tiles: GateUpTiles, routed: bool = False) 
       iout[t * {K} + lane] = s_ids[lane];
     }}"""
     )
+    if tiles.x_shared:  # the warp's own copy of x in shared memory: piece p of chunk c at swz
+        x_param, x_arg = "const uint4* __restrict__ xw", "xq"
+        x_chunk = """
+      uint4 xq[4];
+#pragma unroll
+      for (int p = 0; p < 4; ++p) xq[p] = xw[dsv2_swz(c, p)];"""
+        x_stage = f"""  __shared__ __align__(16) uint4 xs[{W}][{H // 8}];
+  uint4* xv = xs[warp];
+  const uint4* xrow = reinterpret_cast<const uint4*>(x + t * {H});
+  for (int v = lane; v < {H // 8}; v += 32) xv[dsv2_swz(v >> 2, v & 3)] = dsv2_pair8(xrow[v]);
+  __syncwarp();"""
+    else:
+        x_param, x_arg, x_chunk = f"const uint4 (&xv)[{cpl}][4]", "xv[j]", ""
+        x_stage = x_lanes_source(H)
     src = f"""
 #ifndef DSV2_MOE_GU_{tag}
 #define DSV2_MOE_GU_{tag}
@@ -365,15 +381,15 @@ __device__ __forceinline__ void dsv2_gu_prefetch_{tag}(int i, int lane, bool sha
   }}
 }}
 __device__ __forceinline__ void dsv2_gu_store_{tag}(const dsv2_gu_buf_{tag}& b, int i, int lane,
-    const uint4 (&xv)[{cpl}][4], half* __restrict__ hrow) {{
+    {x_param}, half* __restrict__ hrow) {{
   float g = 0.f, u = 0.f;
 #pragma unroll
   for (int j = 0; j < {cpl}; ++j) {{
     const int c = lane + 32 * j;
-    if ({exact} || c < {nch}) {{
-      g += dsv2_dot32p_int4_h{tiles.run}(reinterpret_cast<const unsigned*>(&b.g[j]), xv[j],
+    if ({exact} || c < {nch}) {{{x_chunk}
+      g += dsv2_dot32p_int4_h{tiles.run}(reinterpret_cast<const unsigned*>(&b.g[j]), {x_arg},
                                          b.sg[j]);
-      u += dsv2_dot32p_int4_h{tiles.run}(reinterpret_cast<const unsigned*>(&b.u[j]), xv[j],
+      u += dsv2_dot32p_int4_h{tiles.run}(reinterpret_cast<const unsigned*>(&b.u[j]), {x_arg},
                                          b.su[j]);
     }}
   }}
@@ -410,7 +426,7 @@ __device__ __forceinline__ void {name}(const half* __restrict__ x,
     if (lane == 0) *((volatile int*)&s_ready) = 1;
     if ({warp0_late}i < {items}) dsv2_gu_load_{tag}(a, i, lane, w, s, sw, ss, s_ids, ready);
   }}
-{x_lanes_source(H)}
+{x_stage}
   bool routed_pf = !{L2R};  // the warp's routed rows: prefetched at its first routed load
   while (i < {items}) {{
     const int i1 = i + {stride};
@@ -580,6 +596,8 @@ def moe_gate_up_decode(
         raise ValueError(f"moe_gate_up_decode: {why}")
     if tiles.warps < 1 or tiles.blocks < 1:
         raise ValueError(f"bad tiles {tiles}")
+    if tiles.x_shared and tiles.warps * s.hidden * 2 + 4 * s.experts + 64 > _SHARED_LIMIT:
+        raise ValueError(f"moe_gate_up_decode: {tiles.warps} copies of x do not fit in 48 KB")
     NB, THREADS = tiles.blocks, tiles.warps * 32
     fname, src = gate_up_source(s, tiles, routed)
 

@@ -52,9 +52,9 @@ SHAPES: dict[str, dict] = {
         routed_scaling_factor=16.0,
     ),
 }
-# (warps, blocks, run[, min_blocks, l2_rows, l2_down]) of GateUpTiles and (warps, lanes, rows,
-# run[, min_blocks]) of DecodeTiles (min_blocks: __launch_bounds__ blocks an SM; l2_*: the L2
-# prefetches of the gate/up kernel); the first of each is the default
+# (warps, blocks, run[, min_blocks, l2_rows, l2_down, x_shared]) of GateUpTiles and (warps,
+# lanes, rows, run[, min_blocks]) of DecodeTiles (min_blocks: __launch_bounds__ blocks an SM;
+# l2_*: the L2 prefetches of the gate/up kernel); the first of each is the default
 GATE_UP_VARIANTS = (
     (8, 264, 16),
     (8, 264, 16, 0, True, False),  # w8_b264_h16_pr: L2 prefetch of the rows
@@ -66,6 +66,12 @@ GATE_UP_VARIANTS = (
     (8, 264, 8),
     (8, 396, 16, 3),
     (4, 792, 16, 6),
+    # x_shared: each warp's copy of x in shared memory (32 registers fewer)
+    (8, 264, 16, 0, False, False, True),
+    (8, 396, 16, 3, False, False, True),
+    (4, 792, 16, 6, False, False, True),
+    (8, 528, 16, 4, False, False, True),
+    (4, 528, 16, 4, False, False, True),
 )
 # (warps, blocks, stage_rows) of the bulk-copy gate/up kernel (moe_gate_up_bulk_cuda)
 BULK_VARIANTS = ((16, 132, 8), (8, 132, 8), (16, 132, 16), (16, 132, 4), (16, 264, 8), (8, 264, 8))

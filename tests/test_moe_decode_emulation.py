@@ -167,11 +167,25 @@ def _gate_up_prefetch_bytes(s: MoeDecodeShape, gu: GateUpTiles, n: int) -> int:
         (MEDIUM, GateUpTiles(8, 4, 16), DecodeTiles(8, 32, 2, 8), 2, False),
         (MEDIUM, GateUpTiles(4, 7, 8, l2_down=True), DecodeTiles(4, 16, 3, 16), 1, False),
         (LONG, GateUpTiles(4, 3, 16, l2_rows=True), DecodeTiles(2, 4, 4, 8), 2, False),
+        # x in shared memory, a copy a warp (40 chunks: the second of a lane only on lanes 0-7)
+        (LONG, GateUpTiles(4, 3, 16, x_shared=True), DecodeTiles(2, 4, 4, 8), 2, False),
+        (LIMITED, GateUpTiles(4, 20, 8, x_shared=True), DecodeTiles(4, 32, 3, 16), 3, True),
         # the down kernel's early_route variant routes from the logits itself
         (LIMITED, GateUpTiles(2, 3, 16), DecodeTiles(4, 32, 3, 16, early_route=True), 2, False),
         (RENORM, GateUpTiles(1, 5, 4), DecodeTiles(2, 8, 2, 8, early_route=True), 3, False),
     ],
-    ids=["greedy", "limited", "renorm", "medium", "medium-b", "long", "limited-er", "renorm-er"],
+    ids=[
+        "greedy",
+        "limited",
+        "renorm",
+        "medium",
+        "medium-b",
+        "long",
+        "long-xs",
+        "limited-xs",
+        "limited-er",
+        "renorm-er",
+    ],  # fmt: skip
 )
 def test_moe_decode_kernels_match_numpy(
     tmp_path: Path, shape: MoeDecodeShape, gu: GateUpTiles, dn: DecodeTiles, n: int, waits: bool
