@@ -61,14 +61,15 @@ dependent global round trips instead of three; the slots past ``ws_n`` are ignor
 
 The grid provides ``smax = clamp(ceil(target_blocks / total), 1, max_split)`` splits per row
 (defaults 528 and 256); a row uses ``pps = ceil(visible_pages / clamp(ceil(visible_pages /
-min_pages_per_split), 1, smax))`` pages per split (default at least 2) and ``nsplit =
-ceil(visible_pages / pps)`` splits, read from its page table on the device (``ws_n`` tells the
-merge), and the blocks past it do nothing. So the launch configuration depends on the number
-of rows only, not on the context length: a captured CUDA graph of a decode step stays valid
-while the sequence grows (:mod:`dsv2_mlc.runtime.cuda_graph`). Multi-row queries (chunked
-prefill / extend) run one block per row, each reading the row's whole prefix (from L2 after the
-first): correct, but a prefill-style kernel that tiles rows would read less (see
-schedules/results/mla_attention.md).
+m), 1, smax))`` pages per split, with ``m = min_pages_per_split`` (default 2) up to
+``long_pages`` visible pages (default 128, 2K tokens) and ``long_min_pages`` past them (default
+4), and ``nsplit = ceil(visible_pages / pps)`` splits, read from its page table on the device
+(``ws_n`` tells the merge), and the blocks past it do nothing. So the launch configuration
+depends on the number of rows only, not on the context length: a captured CUDA graph of a
+decode step stays valid while the sequence grows (:mod:`dsv2_mlc.runtime.cuda_graph`).
+Multi-row queries (chunked prefill / extend) run one block per row, each reading the row's whole
+prefix (from L2 after the first): correct, but a prefill-style kernel that tiles rows would read
+less (see schedules/results/mla_attention.md).
 
 Bytes and FLOPs, V2-Lite (H=16, L=512, R=64), batch 1, 4K context, one layer: the pages are
 ``4096 * 576 * 2 B = 4.7 MB`` (at 3-4 TB/s about 1.5 us), the workspace ``64 * 16 * 512 * 4 B =
@@ -91,7 +92,7 @@ from .cuda_call import (
 from .mla_cuda_helpers import PARTIAL_TYPES, mma_source, pipe_shared_halves, pipe_source
 from .mla_paging import find_sequence, kv_length, visible_length
 
-__all__ = ["MLA_CUDA_PAGE_SIZE", "mla_attention_cuda", "mla_attention_cuda_supports"]
+__all__ = ["MLA_CUDA_PAGE_SIZE", "mla_attention_cuda", "mla_attention_cuda_supports", "split_pages"]
 
 MLA_CUDA_PAGE_SIZE = 16
 _LOG2E = math.log2(math.e)
@@ -101,6 +102,17 @@ _ELEM_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 _MAX_SHARED_BYTES = 49152  # static shared memory of one block (no opt-in)
 _MAX_DYN_SHARED_BYTES = 232448  # sm_90 opt-in limit of one block (227 KB)
 _MERGE_UNROLL = 4  # splits a merge thread has in flight
+
+
+def split_pages(vis_pages, smax, min_pages: int, long_min_pages: int, long_pages: int):
+    """Pages a split of a row of ``vis_pages`` visible pages takes (``PrimExpr``s or ints; an
+    ``IntImm`` for constants): at least ``min_pages`` (``long_min_pages`` past ``long_pages``
+    pages), and at most ``smax`` splits. On the H200 (V2-Lite, batch 1; schedules/results/
+    mla_attention.md, seventh round) 2 pages a split were fastest at 512 tokens (32 pages) and 4 at
+    4K (256 pages): a split's fixed cost against the merge's, which grows with the splits."""
+    least = T.if_then_else(vis_pages > long_pages, long_min_pages, min_pages)
+    want = T.max(T.min(T.floordiv(vis_pages + least - 1, least), smax), 1)
+    return T.max(T.floordiv(vis_pages + want - 1, want), 1)
 
 
 def mla_attention_cuda_supports(
@@ -123,6 +135,8 @@ def mla_attention_cuda(
     heads_per_block: int = 16,
     threads: int = 256,
     min_pages_per_split: int = 2,
+    long_min_pages: int = 4,
+    long_pages: int = 128,
     max_split: int = 256,
     target_blocks: int = 528,
     mma: bool = True,
@@ -140,9 +154,10 @@ def mla_attention_cuda(
     The keyword arguments select a variant (``scripts/kernel_lab_mla.py`` measures them; the
     defaults are the model's kernel): ``heads_per_block`` (HG, at most 16), ``threads`` of the
     split kernel (SIMT path), ``min_pages_per_split`` and ``max_split`` (pages of a split, splits
-    of a row), ``target_blocks`` (split blocks the grid aims at: ``smax = clamp(ceil(
-    target_blocks / rows), 1, max_split)``), ``mma`` (tensor-core scores and PV: used when
-    ``dtype`` is float16, HG is 16, the threads are 256, ``(L + R) % 16 == 0`` and
+    of a row; a row of more than ``long_pages`` visible pages takes at least ``long_min_pages``
+    pages a split: :func:`split_pages`), ``target_blocks`` (split blocks the grid aims at:
+    ``smax = clamp(ceil(target_blocks / rows), 1, max_split)``), ``mma`` (tensor-core scores
+    and PV: used when ``dtype`` is float16, HG is 16, the threads are 256, ``(L + R) % 16 == 0`` and
     ``L % 64 == 0``; else the SIMT path), ``merge`` (``"parallel"``: splits and column chunks of
     ``merge_cols`` over the threads and blocks; ``"serial"``: one block per row/head looping over
     the splits), ``stages`` (tensor-core path only: 1 = the TIR page loop, one page loaded then
@@ -169,8 +184,11 @@ def mla_attention_cuda(
         raise ValueError(f"mla_attention_cuda supports {sorted(_ELEM_BYTES)}, got {dtype}")
     if merge not in ("parallel", "serial"):
         raise ValueError(f"merge must be 'parallel' or 'serial', got {merge!r}")
-    if min_pages_per_split < 1 or max_split < 1 or target_blocks < 1:
-        raise ValueError("min_pages_per_split, max_split and target_blocks must be >= 1")
+    if min(min_pages_per_split, long_min_pages, max_split, target_blocks) < 1 or long_pages < 0:
+        raise ValueError(
+            "min_pages_per_split, long_min_pages, max_split and target_blocks must be >= 1, "
+            "long_pages >= 0"
+        )
     if stages < 1:
         raise ValueError(f"stages must be >= 1, got {stages}")
     _VEC = _LOAD_BYTES // _ELEM_BYTES[dtype]  # lanes of one 16-byte load
@@ -277,9 +295,7 @@ def mla_attention_cuda(
         return T.max(T.min(want, max_split), 1)
 
     def row_pps(vis_pages, smax):
-        # Pages per split of a row: at least min_pps, at most smax splits (page table).
-        want = T.max(T.min(T.floordiv(vis_pages + min_pps - 1, min_pps), smax), 1)
-        return T.max(T.floordiv(vis_pages + want - 1, want), 1)
+        return split_pages(vis_pages, smax, min_pps, long_min_pages, long_pages)
 
     @T.prim_func(s_tir=True)
     def batch_mla_paged_attention_split_kv(

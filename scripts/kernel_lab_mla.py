@@ -60,7 +60,7 @@ VARIANTS: dict[str, dict] = {
     # multi-page splits, and a merge that reads the split lse without waiting for ws_n.
     "pipe2": dict(stages=2, min_pages_per_split=1),  # mma1's grid: only the block code changes
     "pipe3_pp2": dict(stages=3, min_pages_per_split=2, max_split=128, target_blocks=264),
-    "pipe3_pp2_s256": dict(stages=3, min_pages_per_split=2),  # = ours since the third round
+    "pipe3_pp2_s256": dict(stages=3, min_pages_per_split=2),  # ours, third to sixth round
     "pipe5_pp4": dict(stages=5, min_pages_per_split=4, max_split=128, target_blocks=264),
     "pipe5_pp2_s256": dict(stages=5, min_pages_per_split=2),
     "ours_mpf": dict(merge_prefetch=True, stages=1, min_pages_per_split=1),
@@ -88,6 +88,13 @@ VARIANTS: dict[str, dict] = {
     "ours_rel_nol2": dict(l2_prefetch=False, merge_release=True),
     "ours_mrel": dict(merge_release=True),
 }
+# Seventh round: rows of more than 128 pages take at least 4 pages a split ("ours"); a variant
+# that sets its own pages per split keeps them at every length, as it did when it was measured
+# ("pipe3_pp2_s256": the default before)
+NO_LONG_TIER = 1 << 30
+for _kwargs in VARIANTS.values():
+    if "min_pages_per_split" in _kwargs:
+        _kwargs.setdefault("long_pages", NO_LONG_TIER)
 BAD_REL, BAD_LSE = 2e-3, 1e-3  # a result worse than this is flagged "!"
 
 

@@ -18,7 +18,11 @@ from cuda_builds import needs_nvcc  # noqa: E402
 from mla_cache_module import create_script
 from scripts_module import load_script
 
-from dsv2_mlc.schedules.mla_attention_cuda import mla_attention_cuda, mla_attention_cuda_supports
+from dsv2_mlc.schedules.mla_attention_cuda import (
+    mla_attention_cuda,
+    mla_attention_cuda_supports,
+    split_pages,
+)
 
 SPLIT_KV = "batch_mla_paged_attention_split_kv"  # its global symbol
 TVM_MLA = "batch_prefill_paged_kv_mla"
@@ -246,3 +250,26 @@ def test_tiny_cuda_model_carries_split_kv_kernel(checkpoints, tmp_path: Path) ->
     check_fatbin(lib, "sm_90")
     data = lib.read_bytes()
     assert SPLIT_KV.encode() in data  # host wrapper and kernel names
+
+
+@pytest.mark.parametrize("smax", [1, 3, 64, 256])
+def test_split_pages_takes_the_fewest_pages_the_rule_allows(smax: int) -> None:
+    """The pages a split takes (the split kernel evaluates the same expression per row on the
+    device): at least 2 up to 128 visible pages and 4 past them, at most ``smax`` splits, and
+    the fewest pages per split with both."""
+    from tvm import tirx
+    from tvm.sym import Analyzer
+
+    analyzer = Analyzer()
+    for pages in [*range(1, 300), 511, 512, 513, 1024, 2048, 4097]:
+        expr = split_pages(tirx.IntImm("int32", pages), tirx.IntImm("int32", smax), 2, 4, 128)
+        pps = analyzer.simplify(expr)
+        assert isinstance(pps, tirx.IntImm), pps
+        pps = int(pps)
+        least = 4 if pages > 128 else 2
+        splits = -(-pages // pps)
+        assert splits <= smax, (pages, pps)
+        assert pps >= min(least, pages), (pages, pps)
+        # one page fewer would break a bound (or leave a split empty)
+        fewer = pps - 1
+        assert fewer < min(least, pages) or -(-pages // fewer) > smax or pps == 1, (pages, pps)
