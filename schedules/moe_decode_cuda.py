@@ -223,6 +223,39 @@ def x_lanes_source(hidden: int) -> str:
   }}"""
 
 
+def swiglu_dots_source(hidden: int, run: int, x_shared: bool) -> tuple[str, str]:
+    """(parameter, body) of the dot products of one gate/up row in a warp. The parameter is
+    ``x``, named ``xv``: each lane's chunks ``lane + 32 j`` in its registers (``uint4
+    xv[cpl][4]``, :func:`x_lanes_source`) or, with ``x_shared``, a pointer to the whole row in
+    shared memory (pair order, piece ``p`` of chunk ``c`` at ``dsv2_swz(c, p)``). The body
+    declares ``float g, u``: the dot products of the row buffer ``b`` (``b.g[j]`` / ``b.u[j]``,
+    scales ``b.sg[j]`` / ``b.su[j]`` of the lane's chunks) with ``x``, summed over the warp."""
+    nch = hidden // _CHUNK
+    cpl, exact = -(-nch // 32), "true" if nch % 32 == 0 else "false"
+    if x_shared:
+        param, arg = "const uint4* __restrict__ xv", "xq"
+        chunk = """
+      uint4 xq[4];
+#pragma unroll
+      for (int p = 0; p < 4; ++p) xq[p] = xv[dsv2_swz(c, p)];"""
+    else:
+        param, arg, chunk = f"const uint4 (&xv)[{cpl}][4]", "xv[j]", ""
+    body = f"""  float g = 0.f, u = 0.f;
+#pragma unroll
+  for (int j = 0; j < {cpl}; ++j) {{
+    const int c = lane + 32 * j;
+    if ({exact} || c < {nch}) {{{chunk}
+      g += dsv2_dot32p_int4_h{run}(reinterpret_cast<const unsigned*>(&b.g[j]), {arg},
+                                         b.sg[j]);
+      u += dsv2_dot32p_int4_h{run}(reinterpret_cast<const unsigned*>(&b.u[j]), {arg},
+                                         b.su[j]);
+    }}
+  }}
+  {_reduce("g", 32)}
+  {_reduce("u", 32)}"""
+    return param, body
+
+
 def gate_up_source(s: MoeDecodeShape, tiles: GateUpTiles, routed: bool = False) -> tuple[str, str]:
     """(device function name, CUDA source) of kernel 1 (module docstring); ``routed``: it reads
     the expert ids instead of routing the logits (:func:`moe_gate_up_decode`)."""
@@ -290,19 +323,14 @@ def gate_up_source(s: MoeDecodeShape, tiles: GateUpTiles, routed: bool = False) 
       iout[t * {K} + lane] = s_ids[lane];
     }}"""
     )
+    x_param, dots = swiglu_dots_source(H, tiles.run, tiles.x_shared)
     if tiles.x_shared:  # the warp's own copy of x in shared memory: piece p of chunk c at swz
-        x_param, x_arg = "const uint4* __restrict__ xw", "xq"
-        x_chunk = """
-      uint4 xq[4];
-#pragma unroll
-      for (int p = 0; p < 4; ++p) xq[p] = xw[dsv2_swz(c, p)];"""
         x_stage = f"""  __shared__ __align__(16) uint4 xs[{W}][{H // 8}];
   uint4* xv = xs[warp];
   const uint4* xrow = reinterpret_cast<const uint4*>(x + t * {H});
   for (int v = lane; v < {H // 8}; v += 32) xv[dsv2_swz(v >> 2, v & 3)] = dsv2_pair8(xrow[v]);
   __syncwarp();"""
     else:
-        x_param, x_arg, x_chunk = f"const uint4 (&xv)[{cpl}][4]", "xv[j]", ""
         x_stage = x_lanes_source(H)
     src = f"""
 #ifndef DSV2_MOE_GU_{tag}
@@ -382,19 +410,7 @@ __device__ __forceinline__ void dsv2_gu_prefetch_{tag}(int i, int lane, bool sha
 }}
 __device__ __forceinline__ void dsv2_gu_store_{tag}(const dsv2_gu_buf_{tag}& b, int i, int lane,
     {x_param}, half* __restrict__ hrow) {{
-  float g = 0.f, u = 0.f;
-#pragma unroll
-  for (int j = 0; j < {cpl}; ++j) {{
-    const int c = lane + 32 * j;
-    if ({exact} || c < {nch}) {{{x_chunk}
-      g += dsv2_dot32p_int4_h{tiles.run}(reinterpret_cast<const unsigned*>(&b.g[j]), {x_arg},
-                                         b.sg[j]);
-      u += dsv2_dot32p_int4_h{tiles.run}(reinterpret_cast<const unsigned*>(&b.u[j]), {x_arg},
-                                         b.su[j]);
-    }}
-  }}
-  {_reduce("g", 32)}
-  {_reduce("u", 32)}
+{dots}
   if (lane == 0) hrow[dsv2_gu_out_{tag}(i)] = __float2half(g / (1.f + __expf(-g)) * u);
 }}
 __device__ __forceinline__ void {name}(const half* __restrict__ x,

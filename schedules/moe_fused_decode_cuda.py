@@ -42,7 +42,7 @@ from tvm import tirx
 
 from .cuda_call import TOKENS, WAIT_THEN_RELEASE, grid_wait_source, token_grid_call
 from .decode_gemv_cuda import dot32_source
-from .moe_decode_cuda import MoeDecodeShape, x_lanes_source
+from .moe_decode_cuda import MoeDecodeShape, swiglu_dots_source, x_lanes_source
 
 __all__ = ["FUSED_TILES", "FusedTiles", "fused_unsupported", "moe_fused_decode"]
 
@@ -88,18 +88,15 @@ def fused_unsupported(s: MoeDecodeShape, tiles: FusedTiles = FUSED_TILES) -> str
         return f"warps {tiles.warps} does not divide rows {r}"
     if s.hidden % (4 * threads):
         return f"hidden {s.hidden} is not a multiple of 4 x {threads} threads"
-    if _dyn_bytes(s, tiles) > 227 * 1024:
-        return f"{_dyn_bytes(s, tiles)} bytes of shared memory"
+    dyn = _dyn_bytes(s, tiles)
+    if dyn > 227 * 1024:
+        return f"{dyn} bytes of shared memory"
     return None
 
 
 def _dyn_bytes(s: MoeDecodeShape, tiles: FusedTiles) -> int:
     """Dynamic shared memory: the slice's down columns (16 bytes a chunk), the partial sums."""
     return s.hidden * (tiles.rows // _CHUNK) * 16 + s.hidden * 4
-
-
-def _reduce(var: str) -> str:
-    return " ".join(f"{var} += __shfl_xor_sync(0xffffffffu, {var}, {o});" for o in (16, 8, 4, 2, 1))
 
 
 def fused_source(s: MoeDecodeShape, tiles: FusedTiles) -> tuple[str, str]:
@@ -117,12 +114,8 @@ def fused_source(s: MoeDecodeShape, tiles: FusedTiles) -> tuple[str, str]:
     opt = H // T  # outputs a thread in the down phase
     tag = f"h{H}_i{NI}_s{IS}_k{K}_g{G}_{route_name}_{tiles.name}"
     name = f"dsv2_moe_fused_{tag}"
+    x_param, dots = swiglu_dots_source(H, tiles.run, tiles.x_shared)
     if tiles.x_shared:  # x in shared memory, piece p of chunk c at dsv2_swz(c, p)
-        x_param, x_arg = "const uint4* xs", "xq"
-        x_chunk = """
-      uint4 xq[4];
-#pragma unroll
-      for (int p = 0; p < 4; ++p) xq[p] = xs[dsv2_swz(c, p)];"""
         x_stage = f"""
   __shared__ __align__(16) uint4 xs[{H // 8}];
   const uint4* xrow = reinterpret_cast<const uint4*>(x + t * {H});
@@ -130,7 +123,6 @@ def fused_source(s: MoeDecodeShape, tiles: FusedTiles) -> tuple[str, str]:
   __syncthreads();  // x (and the routing)
   const uint4* xv = xs;"""
     else:  # x in each lane's registers: its chunks lane + 32 j
-        x_param, x_arg, x_chunk = f"const uint4 (&xv)[{cpl}][4]", "xv[j]", ""
         x_stage = f"""
 {x_lanes_source(H)}
   __syncthreads();  // the routing"""
@@ -187,19 +179,7 @@ __device__ __forceinline__ void dsv2_mf_load_{tag}(dsv2_mf_buf_{tag}& b, int i, 
 }}
 __device__ __forceinline__ void dsv2_mf_store_{tag}(const dsv2_mf_buf_{tag}& b, int i, int lane,
     {x_param}, half* hs) {{
-  float g = 0.f, u = 0.f;
-#pragma unroll
-  for (int j = 0; j < {cpl}; ++j) {{
-    const int c = lane + 32 * j;
-    if ({exact} || c < {nch}) {{{x_chunk}
-      g += dsv2_dot32p_int4_h{tiles.run}(reinterpret_cast<const unsigned*>(&b.g[j]), {x_arg},
-                                         b.sg[j]);
-      u += dsv2_dot32p_int4_h{tiles.run}(reinterpret_cast<const unsigned*>(&b.u[j]), {x_arg},
-                                         b.su[j]);
-    }}
-  }}
-  {_reduce("g")}
-  {_reduce("u")}
+{dots}
   if (lane == 0) hs[i] = __float2half(g / (1.f + __expf(-g)) * u);
 }}
 __device__ __forceinline__ void {name}(const half* __restrict__ x,
