@@ -150,6 +150,8 @@ def test_decode_graphs_instantiate_with_programmatic_edges():
     (edges,) = cuda.instantiated
     assert {e for e, d in edges.items() if d == PROG} == set(KERNEL_EDGES)
     assert graphs.stats["pdl_edges"] == 3 and graphs.stats["pdl_failures"] == 0
+    assert cuda.log[-1] == "instantiate"  # the captured graph stays with it (graphs may move)
+    graphs.clear()
     assert cuda.log[-1] == "destroy_graph"
     plain = FakeGraphCuda(NODES, EDGES)
     _step(DecodeGraphs("cuda", cuda=plain))  # no pdl_port: the graph as captured

@@ -38,6 +38,19 @@ batch size and kind exists (modules loaded, pools holding the step's blocks: a c
 allocate), a new key is captured directly, marked verified and replayed for its own step: no
 eager run, no check. ``gpu_graph_check.py`` still compares every replay with an eager engine.
 
+**Moved graphs.** A trusted capture still costs the host 7-10 ms on the H200 (the VM enqueues
+the step's launches, then the graph is instantiated), once every 64 tokens: a step five to seven
+times as long as the others, at every context length. Graphs of neighbouring buckets differ in
+the element offsets of the cache's arrays after its page table, and otherwise only in buffers
+each capture has of its own (:mod:`~dsv2_mlc.runtime.graph_relocation`). So, with ``relocate``
+(the default), once three graphs of a batch size and kind agree on how their kernel arguments
+move per bucket, a new trusted key takes the most recently used of them instead of a capture:
+the moved arguments are written into its executable graph (``cuGraphExecKernelNodeSetParams``)
+and it is cached under the new key (its old key is captured or moved again when it comes back).
+Each graph then keeps its captured template, whose nodes name the executable's. A kind of graph
+that does not move so is captured per bucket as before (``last_error`` says why;
+``stats["relocation_failures"]``).
+
 **Programmatic Dependent Launch.** For a build compiled with ``--pdl`` (``BuildConfig.pdl``),
 ``DecodeGraphs(pdl_port=...)`` turns every kernel->kernel edge of a captured graph into a
 programmatic one before instantiating it (:mod:`dsv2_mlc.runtime.pdl`), so each kernel is
@@ -81,7 +94,7 @@ import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -89,6 +102,7 @@ import tvm_ffi
 
 from .cudart import MEMCPY_DEVICE_TO_HOST, MEMCPY_HOST_TO_DEVICE, CudaRuntime
 from .device import device_of, to_numpy
+from .graph_relocation import Capture, Node, Relocation, derive
 from .pdl import BrokenGraphError, make_programmatic, restore_default
 
 __all__ = ["DecodeGraphs", "decode_graph_key"]
@@ -104,6 +118,11 @@ def decode_graph_key(page_size: int, lengths_after: list[int]) -> tuple[int, int
     ``lengths_after`` are the sequences' lengths including the token this step appends."""
     pages = sum(-(-n // page_size) for n in lengths_after)
     return len(lengths_after), -(-pages // PAGE_ALIGN)
+
+
+def _group(key: tuple) -> tuple:
+    """The graphs ``key``'s may move between: the key without its page bucket (``key[1]``)."""
+    return (key[0], *key[2:])
 
 
 def _layout(tensor: tvm_ffi.Tensor) -> tuple[tuple[int, ...], np.dtype]:
@@ -162,13 +181,43 @@ class _Graph:
     out: Any  # what the captured call returned (its tensors are the graph's outputs)
     verified: bool = False  # a replay has matched an eager run of the same step
     pinned: _Pinned | None = None  # greedy graphs: the ids in and tokens out, on the host
+    template: int = 0  # the captured graph (kept where graphs may move: its nodes name exe's)
+    bucket: int = 0  # the page bucket (key[1]) of the capture
+    owned: list[tuple[int, int]] = field(default_factory=list)  # (address, bytes) of its buffers
+    nodes: list[int] | None = None  # the template's nodes and, read once, their parameters
+    snapshot: list[Node] | None = None
+    setters: dict[int, Any] = field(default_factory=dict)  # node index -> its KernelArgs
 
 
 def _drop(cuda: Any, stream: int, graph: _Graph) -> None:
-    """Destroy ``graph``'s executable, then free its pinned buffers (after a synchronize)."""
+    """Destroy ``graph``'s executable and template, then free its pinned buffers (after a
+    synchronize)."""
     cuda.destroy(graph.exe)
+    if graph.template:
+        cuda.destroy_graph(graph.template)
     if graph.pinned is not None:
         graph.pinned.free(cuda, stream)
+
+
+def _owned(ids_t: tvm_ffi.Tensor, out: Any, pinned: _Pinned | None) -> list[tuple[int, int]]:
+    """(address, bytes) of the buffers a graph owns: its ids input, every tensor it returned,
+    its pinned host buffers (in that order: the same order in every capture of a step)."""
+    if isinstance(out, tvm_ffi.Tensor):
+        outs = [out]
+    else:
+        try:
+            outs = list(out)
+        except TypeError:
+            outs = []
+    ranges = []
+    for t in [ids_t, *outs]:
+        if isinstance(t, tvm_ffi.Tensor):
+            shape, dtype = _layout(t)
+            ranges.append((int(t.data_ptr()), int(np.prod(shape, dtype=np.int64)) * dtype.itemsize))
+    if pinned is not None:
+        ranges += [(ptr, view.nbytes) for ptr, view in zip(pinned.ptrs, (pinned.ids, pinned.tokens),
+                                                           strict=True)]  # fmt: skip
+    return ranges
 
 
 def _drop_all(cuda: Any, stream: int, graphs: OrderedDict) -> None:
@@ -185,8 +234,9 @@ class DecodeGraphs:
     """Captured decode steps by :func:`decode_graph_key` (at most ``capacity``, LRU).
 
     A key serves 64 tokens of one sequence (a page bucket) and is captured in about 6 ms on the
-    H200; each graph keeps its output logits alive (``batch x vocab`` float32, 0.4 MB at batch
-    1 for a 102K vocabulary), so a small LRU is enough and bounds that memory.
+    H200, or moved from another bucket's graph (``relocate``, module docstring); each graph
+    keeps its output logits alive (``batch x vocab`` float32, 0.4 MB at batch 1 for a 102K
+    vocabulary), so a small LRU is enough and bounds that memory.
 
     ``pdl_port`` (a :mod:`~dsv2_mlc.runtime.pdl` port; only for ``--pdl`` builds, whose kernels
     all wait for their predecessors): captured kernel->kernel edges become programmatic.
@@ -201,6 +251,7 @@ class DecodeGraphs:
         cuda: CudaRuntime | None = None,
         pdl_port: int | None = None,
         trust_after: int = 2,
+        relocate: bool = True,
     ) -> None:
         self.cuda = cuda or CudaRuntime()
         self.device = device_of(device)
@@ -213,9 +264,13 @@ class DecodeGraphs:
         # (batch size, greedy?) of the graphs captured so far -> the tokens' (shape, dtype)
         self._warm: dict[tuple[int, bool], tuple | None] = {}
         self.pdl_port = pdl_port
+        self.relocate = relocate
+        # (batch size, kind) -> how its graphs move between page buckets; None: they cannot
+        self._moves: dict[tuple, Relocation | None] = {}
         self.stats: dict[str, float] = dict(
-            captures=0, replays=0, greedy_replays=0, failures=0, mismatches=0, capture_s=0.0
-        )
+            captures=0, replays=0, greedy_replays=0, failures=0, mismatches=0, capture_s=0.0,
+            relocations=0, relocate_s=0.0, relocation_failures=0,
+        )  # fmt: skip
         if pdl_port is not None:
             self.stats.update(pdl_edges=0, pdl_failures=0)
         self.last_error: str | None = None
@@ -259,6 +314,11 @@ class DecodeGraphs:
                 return graph.out
             ref = call(graph.ids)
             return graph.out if self._check(key, graph, same(graph.out, ref)) else ref
+        if self._trusted(key, greedy=False):
+            graph = self._relocated(key)
+            if graph is not None:
+                self._replay(graph, ids, write)
+                return graph.out
         ids_t = to_device(ids)
         if self._trusted(key, greedy=False):
             graph = self._capture(key, ids_t, call)
@@ -296,6 +356,11 @@ class DecodeGraphs:
             ref_tokens = _tokens(ref)
             ok = same(graph.out, ref) and np.array_equal(tokens, ref_tokens)
             return tokens if self._check(key, graph, ok) else ref_tokens.astype(np.int64)
+        if self._trusted(key, greedy=True):
+            graph = self._relocated(key)
+            if graph is not None:
+                self._replay_greedy(graph, ids)
+                return self.wait_greedy(graph)
         ids_t = to_device(ids)
         if self._trusted(key, greedy=True):
             graph = self._capture(key, ids_t, call, self._warm[(key[0], True)])
@@ -331,6 +396,8 @@ class DecodeGraphs:
         run meanwhile): the replay reads the ids buffer and the cache's auxiliary arrays until it
         completes."""
         graph = self._cached(key, greedy=True)
+        if graph is None and self._trusted(key, greedy=True):
+            graph = self._relocated(key)
         if graph is None or not graph.verified:
             return None
         self._replay_greedy(graph, ids)
@@ -403,11 +470,15 @@ class DecodeGraphs:
                         dst, n = pinned.tokens.ctypes.data, pinned.tokens.nbytes
                         cuda.memcpy_async(dst, dev.data_ptr(), n, MEMCPY_DEVICE_TO_HOST, stream)
                 finally:
-                    graph = cuda.end_capture(stream)
+                    template = cuda.end_capture(stream)
             try:
-                exe = self._instantiate(graph)
-            finally:
-                cuda.destroy_graph(graph)
+                exe = self._instantiate(template)
+            except BaseException:
+                cuda.destroy_graph(template)
+                raise
+            if not self.relocate:  # nothing will read its nodes again
+                cuda.destroy_graph(template)
+                template = 0
         except Exception as err:  # noqa: BLE001 (fall back to eager steps for this key)
             cuda.clear_error()
             if pinned is not None:
@@ -416,7 +487,9 @@ class DecodeGraphs:
             self.stats["failures"] += 1
             self.last_error = str(err)
             return None
-        graph = self._graphs[key] = _Graph(exe, ids_t, out, pinned=pinned)
+        graph = _Graph(exe, ids_t, out, pinned=pinned, template=template, bucket=key[1],
+                       owned=_owned(ids_t, out, pinned))  # fmt: skip
+        self._graphs[key] = graph
         self._warm[(key[0], tokens is not None)] = tokens
         self.stats["captures"] += 1
         self.stats["capture_s"] += time.perf_counter() - start
@@ -424,6 +497,72 @@ class DecodeGraphs:
             _, old = self._graphs.popitem(last=False)
             _drop(cuda, stream, old)
         return graph
+
+    def _relocated(self, key: tuple) -> _Graph | None:
+        """The most recently used verified graph of ``key``'s batch size and kind, moved to
+        ``key``'s page bucket and now cached under it (:mod:`~.graph_relocation`); None where
+        there is none or its kind of graph does not move (then ``key`` is captured)."""
+        group = _group(key)
+        move = self._move(group) if self.relocate else None
+        base = next((k for k, g in reversed(self._graphs.items())
+                     if _group(k) == group and g.template and g.verified), None)  # fmt: skip
+        if move is None or base is None:
+            return None
+        graph, start = self._graphs[base], time.perf_counter()
+        try:
+            snapshot = self._snapshot(graph)
+            assert graph.nodes is not None
+            for i, args in move.moved(snapshot, key[1] - graph.bucket).items():
+                if i not in graph.setters:
+                    graph.setters[i] = self.cuda.kernel_args(graph.exe, graph.nodes[i])
+                graph.setters[i].set(args)
+        except Exception as err:  # noqa: BLE001 (its arguments may be half moved: drop it)
+            self.cuda.clear_error()
+            del self._graphs[base]
+            _drop(self.cuda, self.stream, graph)
+            self._unmovable(group, f"moving a decode graph failed: {err}")
+            return None
+        del self._graphs[base]
+        self._graphs[key] = graph
+        self.stats["relocations"] += 1
+        self.stats["relocate_s"] += time.perf_counter() - start
+        return graph
+
+    def _move(self, group: tuple) -> Relocation | None:
+        """How the graphs of ``group`` move between page buckets, learned from three or more of
+        its captures (None: not yet three, or they do not move)."""
+        if group in self._moves:
+            return self._moves[group]
+        found: dict[int, _Graph] = {}
+        for key, graph in reversed(self._graphs.items()):
+            if _group(key) == group and graph.template and graph.bucket not in found:
+                found[graph.bucket] = graph
+            if len(found) == 4:  # enough to tell moves from pool buffers; each costs a read
+                break
+        if len(found) < 3:
+            return None
+        try:
+            move = derive([Capture(self._snapshot(g), g.owned, g.bucket) for g in found.values()])
+        except Exception as err:  # noqa: BLE001 (NotRelocatable, or a node not readable)
+            self.cuda.clear_error()
+            self._unmovable(group, f"decode graphs of {group} are captured per bucket: {err}")
+            return None
+        self._moves[group] = move
+        self.stats["moved_args"] = len(move.steps)
+        return move
+
+    def _snapshot(self, graph: _Graph) -> list[Node]:
+        """The template's nodes and their parameters, read once."""
+        if graph.snapshot is None:
+            graph.nodes = self.cuda.graph_nodes(graph.template)
+            graph.snapshot = [self.cuda.graph_node(n) for n in graph.nodes]
+        return graph.snapshot
+
+    def _unmovable(self, group: tuple, why: str) -> None:
+        log.info("%s", why)
+        self._moves[group] = None
+        self.stats["relocation_failures"] += 1
+        self.last_error = why
 
     def _instantiate(self, graph: int) -> int:
         """``graph`` instantiated, with programmatic kernel edges where PDL is on and works."""
@@ -460,6 +599,7 @@ class DecodeGraphs:
         reset); later steps capture again."""
         _drop_all(self.cuda, self.stream, self._graphs)
         self._failed.clear()
+        self._moves.clear()
 
     def close(self) -> None:
         """Release every graph now (:meth:`clear`); garbage collection does the same."""

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import ctypes
 
+from .graph_relocation import Node
+
 __all__ = ["MEMCPY_DEVICE_TO_HOST", "MEMCPY_HOST_TO_DEVICE", "CudaRuntime", "EdgeData"]
 
 _CAPTURE_MODE_RELAXED = 2  # cudaStreamCaptureModeRelaxed
@@ -12,6 +14,39 @@ MEMCPY_HOST_TO_DEVICE = 1  # cudaMemcpyHostToDevice (enum cudaMemcpyKind)
 MEMCPY_DEVICE_TO_HOST = 2  # cudaMemcpyDeviceToHost
 _EDGE_DATA_API = 12030  # cudaGraphEdgeData and the *_v2 graph edge calls: CUDA 12.3
 _EDGE_DATA_DEFAULT_NAMES = 13000  # CUDA 13 dropped the _v2 names: the plain ones take edge data
+_NODE_KERNEL, _NODE_MEMCPY, _NODE_MEMSET = 0, 1, 2  # cudaGraphNodeType
+_CU_INVALID_VALUE = 1  # CUDA_ERROR_INVALID_VALUE: cuFuncGetParamInfo past the last argument
+# cudaMemcpy3DParms as 20 words: srcPtr.ptr and dstPtr.ptr are words 4 and 12, the copy kind the
+# low half of word 19 (its high half is padding)
+_MEMCPY_WORDS, _MEMCPY_PTRS = 20, (4, 12)
+
+
+class KernelNodeParams(ctypes.Structure):
+    """``CUDA_KERNEL_NODE_PARAMS_v2`` (driver API, CUDA 12+)."""
+
+    _fields_ = [
+        ("func", ctypes.c_void_p),
+        ("grid", ctypes.c_uint * 3),
+        ("block", ctypes.c_uint * 3),
+        ("shared_mem", ctypes.c_uint),
+        ("kernel_params", ctypes.POINTER(ctypes.c_void_p)),
+        ("extra", ctypes.c_void_p),
+        ("kern", ctypes.c_void_p),
+        ("ctx", ctypes.c_void_p),
+    ]
+
+
+class MemsetParams(ctypes.Structure):
+    """``cudaMemsetParams``."""
+
+    _fields_ = [
+        ("dst", ctypes.c_void_p),
+        ("pitch", ctypes.c_size_t),
+        ("value", ctypes.c_uint),
+        ("element_size", ctypes.c_uint),
+        ("width", ctypes.c_size_t),
+        ("height", ctypes.c_size_t),
+    ]
 
 
 class EdgeData(ctypes.Structure):
@@ -23,6 +58,29 @@ class EdgeData(ctypes.Structure):
         ("type", ctypes.c_ubyte),
         ("reserved", ctypes.c_ubyte * 5),
     ]
+
+
+class KernelArgs:
+    """One kernel node's arguments in an executable graph: ``set({index: bytes})`` writes them
+    into its buffers and gives the node all of them (``cuGraphExecKernelNodeSetParams``: later
+    launches use them, a launch in flight is not affected). The parameters are read once."""
+
+    def __init__(self, set_params, exe: int, node: int, params: KernelNodeParams, args: list):
+        self._set, self._exe, self._node, self._params = set_params, exe, node, params
+        self._buffers = [ctypes.create_string_buffer(a, len(a)) for a in args]
+        pointers = (ctypes.c_void_p * len(args))(*(ctypes.addressof(b) for b in self._buffers))
+        self._pointers = pointers  # kept alive with the struct that points at it
+        params.kernel_params = ctypes.cast(pointers, ctypes.POINTER(ctypes.c_void_p))
+
+    def set(self, args: dict[int, bytes]) -> None:
+        for j, value in args.items():
+            if len(value) != len(self._buffers[j]):
+                raise ValueError(f"argument {j}: {len(value)} bytes for {len(self._buffers[j])}")
+            ctypes.memmove(self._buffers[j], value, len(value))
+        err = self._set(ctypes.c_void_p(self._exe), ctypes.c_void_p(self._node),
+                        ctypes.byref(self._params))  # fmt: skip
+        if err != 0:
+            raise RuntimeError(f"cuGraphExecKernelNodeSetParams failed (CUresult {err})")
 
 
 class CudaRuntime:
@@ -41,6 +99,8 @@ class CudaRuntime:
             raise RuntimeError("libcudart not found; install the CUDA runtime library")
         self.lib = lib
         lib.cudaGetErrorString.restype = ctypes.c_char_p
+        self._driver: ctypes.CDLL | None = None
+        self._arg_sizes: dict[int, tuple[int, ...]] = {}  # CUfunction -> its arguments' bytes
 
     def _check(self, err: int, what: str) -> None:
         if err != 0:
@@ -175,6 +235,82 @@ class CudaRuntime:
     def add_edges(self, graph: int, edges: list[tuple[int, int]], data: tuple) -> None:
         """Add ``edges`` (from, to), each with edge data ``data`` (from_port, to_port, type)."""
         self._edges("cudaGraphAddDependencies", graph, edges, data)
+
+    # -- node parameters (graphs moved between page buckets, runtime/graph_relocation.py) -------
+    def _cu(self, name: str):  # -> a driver API function of libcuda
+        if self._driver is None:
+            self._driver = ctypes.CDLL("libcuda.so.1")
+        for symbol in (f"{name}_v2", name):
+            fn = getattr(self._driver, symbol, None)
+            if fn is not None:
+                return fn
+        raise RuntimeError(f"{name} not found in the CUDA driver")
+
+    def _cu_check(self, err: int, what: str) -> None:
+        if err != 0:
+            raise RuntimeError(f"{what} failed (CUresult {err})")
+
+    def _kernel_params(self, node: int) -> KernelNodeParams:
+        params = KernelNodeParams()
+        fn = self._cu("cuGraphKernelNodeGetParams")
+        err = fn(ctypes.c_void_p(node), ctypes.byref(params))
+        self._cu_check(err, "cuGraphKernelNodeGetParams")
+        if not params.func or not params.kernel_params or params.extra:
+            raise RuntimeError("a kernel node without a function or an argument array")
+        return params
+
+    def _sizes(self, func: int) -> tuple[int, ...]:
+        """The byte size of each argument of ``func`` (``cuFuncGetParamInfo``, CUDA 12.4+)."""
+        if func not in self._arg_sizes:
+            info = self._cu("cuFuncGetParamInfo")
+            sizes, offset, size = [], ctypes.c_size_t(), ctypes.c_size_t()
+            while True:
+                err = info(ctypes.c_void_p(func), ctypes.c_size_t(len(sizes)),
+                           ctypes.byref(offset), ctypes.byref(size))  # fmt: skip
+                if err == _CU_INVALID_VALUE:
+                    break
+                self._cu_check(err, "cuFuncGetParamInfo")
+                sizes.append(size.value)
+            self._arg_sizes[func] = tuple(sizes)
+        return self._arg_sizes[func]
+
+    def graph_node(self, node: int) -> Node:
+        """``node`` as :func:`~dsv2_mlc.runtime.graph_relocation.derive` compares it: a kernel's
+        function, launch shape and argument bytes, a copy's or memset's pointers and sizes."""
+        kind = self.node_type(node)
+        if kind == _NODE_KERNEL:
+            p = self._kernel_params(node)
+            args = tuple(ctypes.string_at(p.kernel_params[i], n)
+                         for i, n in enumerate(self._sizes(p.func)))  # fmt: skip
+            return Node(kind, (p.func, *p.grid, *p.block, p.shared_mem), args)
+        if kind == _NODE_MEMCPY:
+            words = (ctypes.c_uint64 * _MEMCPY_WORDS)()
+            err = self.lib.cudaGraphMemcpyNodeGetParams(ctypes.c_void_p(node), words)
+            self._check(err, "cudaGraphMemcpyNodeGetParams")
+            words[_MEMCPY_WORDS - 1] &= 0xFFFFFFFF
+            ptrs = tuple(int(words[i]).to_bytes(8, "little") for i in _MEMCPY_PTRS)
+            fixed = tuple(int(w) for i, w in enumerate(words) if i not in _MEMCPY_PTRS)
+            return Node(kind, fixed, ptrs)
+        if kind == _NODE_MEMSET:
+            m = MemsetParams()
+            err = self.lib.cudaGraphMemsetNodeGetParams(ctypes.c_void_p(node), ctypes.byref(m))
+            self._check(err, "cudaGraphMemsetNodeGetParams")
+            dst = int(m.dst or 0).to_bytes(8, "little")
+            return Node(kind, (m.pitch, m.value, m.element_size, m.width, m.height), (dst,))
+        raise RuntimeError(f"graph node of type {kind}: its parameters are not compared")
+
+    def kernel_args(self, exe: int, node: int) -> KernelArgs:
+        """The arguments of kernel ``node`` of the executable graph ``exe`` (as the template
+        node has them), to be set anew (:class:`KernelArgs`)."""
+        p = self._kernel_params(node)
+        sizes = self._sizes(p.func)
+        return KernelArgs(
+            self._cu("cuGraphExecKernelNodeSetParams"),
+            exe,
+            node,
+            p,
+            [ctypes.string_at(p.kernel_params[i], n) for i, n in enumerate(sizes)],
+        )
 
     def launch(self, exe: int, stream: int) -> None:
         self._check(
