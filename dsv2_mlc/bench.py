@@ -20,7 +20,8 @@ its kernels are *enqueued*, and the copy of the logits to the host waits for the
   saves. decode tok/s = batch * steps / their total; TPOT p50/p99 over the steps. The timed
   runs follow the warm-up, so on CUDA every step replays a graph; ``first_run`` is the first
   warm-up run's decode, which captures (and checks against an eager step) the graph of each new
-  key on the way, as a fresh process's first generation does.
+  key on the way, as a fresh process's first generation does (from the fourth key on a graph
+  is moved instead: :mod:`dsv2_mlc.runtime.graph_relocation`).
 * **roofline**: bytes a decode step must read (:func:`decode_bytes`: every non-expert weight,
   the expected distinct routed experts of each MoE layer, one embedding row per token, lm_head,
   and the latent KV cache of every sequence at its mean context) over the mean step time gives
@@ -283,7 +284,8 @@ def _graph_report(before: dict | None, after: dict | None) -> dict[str, Any] | N
         return None
     timed = {
         k: after[k] - before[k]
-        for k in ("captures", "replays", "failures", "mismatches", "capture_s")
+        for k in ("captures", "replays", "failures", "mismatches", "capture_s", "relocations")
+        if k in after and k in before
     }
     return {"total": after, "timed_runs": timed}
 
@@ -652,11 +654,14 @@ def format_report(r: dict[str, Any]) -> str:
         )
         first = d.get("first_run")
         if first is not None:
-            captured = ((first.get("cuda_graph") or {}).get("timed_runs") or {}).get("captures")
+            timed = (first.get("cuda_graph") or {}).get("timed_runs") or {}
+            captured, moved = timed.get("captures"), timed.get("relocations")
             lines.append(
                 f"decode, first run: {first['decode_tok_s']:,.1f} tok/s, slowest step "
                 f"{first['tpot_ms_max']:.2f} ms"
-                + (f" ({captured:.0f} graphs captured on the way)" if captured else "")
+                + (f" ({captured:.0f} graphs captured on the way" if captured else "")
+                + (f", {moved:.0f} moved" if captured and moved else "")
+                + (")" if captured else "")
             )
         lines.append(
             f"roofline: {f['bytes_per_token'] / 1e9:.3f} GB/token at context "

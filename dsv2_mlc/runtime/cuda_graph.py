@@ -38,18 +38,18 @@ batch size and kind exists (modules loaded, pools holding the step's blocks: a c
 allocate), a new key is captured directly, marked verified and replayed for its own step: no
 eager run, no check. ``gpu_graph_check.py`` still compares every replay with an eager engine.
 
-**Moved graphs.** A trusted capture still costs the host 7-10 ms on the H200 (the VM enqueues
-the step's launches, then the graph is instantiated), once every 64 tokens: a step five to seven
-times as long as the others, at every context length. Graphs of neighbouring buckets differ in
-the element offsets of the cache's arrays after its page table, and otherwise only in buffers
-each capture has of its own (:mod:`~dsv2_mlc.runtime.graph_relocation`). So, with ``relocate``
-(the default), once three graphs of a batch size and kind agree on how their kernel arguments
-move per bucket, a new trusted key takes the most recently used of them instead of a capture:
-the moved arguments are written into its executable graph (``cuGraphExecKernelNodeSetParams``)
-and it is cached under the new key (its old key is captured or moved again when it comes back).
-Each graph then keeps its captured template, whose nodes name the executable's. A kind of graph
-that does not move so is captured per bucket as before (``last_error`` says why;
-``stats["relocation_failures"]``).
+**Moved graphs.** A trusted capture still costs the host 6-9 ms on the H200 (the VM enqueues the
+step's launches, then the graph is instantiated), once every 64 tokens: a step five to seven
+times as long as the others, at every context length; a move costs ~0.5 ms (docs/benchmarks.md).
+Graphs of neighbouring buckets differ in the element offsets of the cache's arrays after its
+page table, and otherwise only in buffers each capture has of its own
+(:mod:`~dsv2_mlc.runtime.graph_relocation`). So, with ``relocate`` (the default), once three
+graphs of a batch size and kind agree on how their kernel arguments move per bucket, a new
+trusted key takes the most recently used of them instead of a capture: the moved arguments are
+written into its executable graph (``cuGraphExecKernelNodeSetParams``) and it is cached under
+the new key (its old key is captured or moved again when it comes back). Each graph then keeps
+its captured template, whose nodes name the executable's. A kind of graph that does not move so
+is captured per bucket as before (``last_error`` says why; ``stats["relocation_failures"]``).
 
 **Programmatic Dependent Launch.** For a build compiled with ``--pdl`` (``BuildConfig.pdl``),
 ``DecodeGraphs(pdl_port=...)`` turns every kernel->kernel edge of a captured graph into a
