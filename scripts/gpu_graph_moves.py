@@ -8,7 +8,8 @@ between the two modes (``DecodeGraphs.relocate`` on / off); each run prefills a 
 ``base + 1024 * run`` random ids (so no run meets a bucket an earlier one cached) and decodes
 ``--gen-len`` greedy tokens as ``bench`` does (``launch_greedy`` with the next step begun). Per
 run: decode tok/s, step p50 / p99 / max (ms), the captures and moves it made and the median
-step of each kind. Writes ``graph_moves.json``.
+step of each kind (a step launched ahead moves the next step's graph while it runs: the move
+counts in the step that made it). Writes ``graph_moves.json``.
 """
 
 from __future__ import annotations

@@ -286,3 +286,24 @@ def test_graphs_captured_with_moves_off_are_never_moved():
     assert graphs.stats["captures"] == 4 and graphs.stats["relocations"] == 2
     cached = graphs._graphs
     assert cached[(1, 6)].bucket == 3 and not cached[(1, 4)].template  # moved; left alone
+
+
+def test_prepare_moves_the_next_buckets_graph_before_its_step_even_while_it_runs():
+    sim = ArgCuda()
+    graphs, model = DecodeGraphs("cuda", cuda=sim), AuxModel(sim)
+    _decode(graphs, sim, model, range(0, 64 * 3, 8))  # buckets 1-3: trusted, moves learnable
+    graphs.prepare((1, 2), False)  # cached: nothing to do
+    assert graphs.stats["relocations"] == 0
+    # the last step of bucket 3 launched (not yet run), then bucket 4 prepared: the graph in
+    # flight moves; the launch keeps the arguments it had
+    model.begin(3, 190)
+    graph = graphs._graphs[(1, 3)]
+    graphs._replay(graph, np.array([[7]], np.int32), lambda t, a: np.copyto(np.from_dlpack(t), a))
+    graphs.prepare((1, 4), False)
+    assert graphs.stats["relocations"] == 1 and (1, 4) in graphs._graphs
+    sim.synchronize(STREAM)  # the step runs now, after the move
+    np.testing.assert_array_equal(np.from_dlpack(graph.out[0])[0, 0], WEIGHTS_F * 7 + 190)
+    _decode(graphs, sim, model, range(64 * 3, 64 * 4, 8))  # bucket 4: replays only
+    assert graphs.stats["relocations"] == 1 and graphs.stats["captures"] == 3
+    graphs.prepare((1, 9), True)  # a greedy key: no greedy graph yet, nothing moves
+    assert graphs.stats["relocations"] == 1

@@ -47,8 +47,11 @@ page table, and otherwise only in buffers each capture has of its own
 graphs of a batch size and kind agree on how their kernel arguments move per bucket, a new
 trusted key takes the most recently used of them instead of a capture: the moved arguments are
 written into its executable graph (``cuGraphExecKernelNodeSetParams``) and it is cached under
-the new key (its old key is captured or moved again when it comes back). Each graph then keeps
-its captured template, whose nodes name the executable's. A kind of graph that does not move so
+the new key (its old key is captured or moved again when it comes back). A greedy step launched
+ahead knows the next step's key: the engine moves its graph then (:meth:`DecodeGraphs.prepare`),
+while the device runs, even the graph of the running step (a launch in flight keeps the
+arguments it was launched with), so the next step only replays. Each graph keeps its captured
+template, whose nodes name the executable's. A kind of graph that does not move so
 is captured per bucket as before (``last_error`` says why; ``stats["relocation_failures"]``).
 
 **Programmatic Dependent Launch.** For a build compiled with ``--pdl`` (``BuildConfig.pdl``),
@@ -402,6 +405,14 @@ class DecodeGraphs:
             return None
         self._replay_greedy(graph, ids)
         return graph
+
+    def prepare(self, key: tuple, greedy: bool) -> None:
+        """Have a graph for ``key`` (a greedy one or not) before its step: where none is cached
+        and the keys are trusted, move one now (:meth:`_relocated`), while the device runs the
+        step before. The move may take the graph of that very step: a launch in flight keeps
+        the arguments it was launched with. So the step itself only replays."""
+        if key not in self._graphs and self._trusted(key, greedy):
+            self._relocated(key)
 
     def _replay(self, graph: _Graph, ids: np.ndarray, write: Callable) -> None:
         """Write ``ids`` into ``graph``'s input tensor and launch it."""

@@ -525,6 +525,10 @@ class Engine:
             # to the device only when the step is launched, after this one has completed
             self._begin_forward(seq_ids, [1] * len(seq_ids))
             self._ahead = list(seq_ids)
+            if self._graphs is not None and not self._shared.intersection(seq_ids):
+                # its graph moved to its page bucket now, not when it is launched
+                lengths = [self._seq_len[s] + 1 for s in seq_ids]
+                self._graphs.prepare((*decode_graph_key(PAGE_SIZE, lengths), "greedy"), True)
         return pending
 
     def _fits(self, seq_ids: list[int]) -> bool:
