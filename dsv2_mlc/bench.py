@@ -285,7 +285,6 @@ def _graph_report(before: dict | None, after: dict | None) -> dict[str, Any] | N
     timed = {
         k: after[k] - before[k]
         for k in ("captures", "replays", "failures", "mismatches", "capture_s", "relocations")
-        if k in after and k in before
     }
     return {"total": after, "timed_runs": timed}
 
@@ -656,12 +655,13 @@ def format_report(r: dict[str, Any]) -> str:
         if first is not None:
             timed = (first.get("cuda_graph") or {}).get("timed_runs") or {}
             captured, moved = timed.get("captures"), timed.get("relocations")
+            note = ""
+            if captured:
+                also = f", {moved:.0f} moved" if moved else ""
+                note = f" ({captured:.0f} graphs captured on the way{also})"
             lines.append(
                 f"decode, first run: {first['decode_tok_s']:,.1f} tok/s, slowest step "
-                f"{first['tpot_ms_max']:.2f} ms"
-                + (f" ({captured:.0f} graphs captured on the way" if captured else "")
-                + (f", {moved:.0f} moved" if captured and moved else "")
-                + (")" if captured else "")
+                f"{first['tpot_ms_max']:.2f} ms{note}"
             )
         lines.append(
             f"roofline: {f['bytes_per_token'] / 1e9:.3f} GB/token at context "

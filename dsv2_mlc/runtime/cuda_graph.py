@@ -317,18 +317,17 @@ class DecodeGraphs:
                 return graph.out
             ref = call(graph.ids)
             return graph.out if self._check(key, graph, same(graph.out, ref)) else ref
-        if self._trusted(key, greedy=False):
+        ids_t = None
+        if self._trusted(key, greedy=False):  # moved from another bucket, else captured
             graph = self._relocated(key)
-            if graph is not None:
-                self._replay(graph, ids, write)
-                return graph.out
-        ids_t = to_device(ids)
-        if self._trusted(key, greedy=False):
-            graph = self._capture(key, ids_t, call)
+            if graph is None:
+                ids_t = to_device(ids)
+                graph = self._capture(key, ids_t, call)
             if graph is not None:
                 graph.verified = True
                 self._replay(graph, ids, write)
                 return graph.out
+        ids_t = to_device(ids) if ids_t is None else ids_t
         out = call(ids_t)  # this step's result; also loads kernels and warms the pools
         if key not in self._failed:
             self._capture(key, ids_t, call)
@@ -359,18 +358,17 @@ class DecodeGraphs:
             ref_tokens = _tokens(ref)
             ok = same(graph.out, ref) and np.array_equal(tokens, ref_tokens)
             return tokens if self._check(key, graph, ok) else ref_tokens.astype(np.int64)
-        if self._trusted(key, greedy=True):
+        ids_t = None
+        if self._trusted(key, greedy=True):  # moved from another bucket, else captured
             graph = self._relocated(key)
-            if graph is not None:
-                self._replay_greedy(graph, ids)
-                return self.wait_greedy(graph)
-        ids_t = to_device(ids)
-        if self._trusted(key, greedy=True):
-            graph = self._capture(key, ids_t, call, self._warm[(key[0], True)])
+            if graph is None:
+                ids_t = to_device(ids)
+                graph = self._capture(key, ids_t, call, self._warm[(key[0], True)])
             if graph is not None:
                 graph.verified = True
                 self._replay_greedy(graph, ids)
                 return self.wait_greedy(graph)
+        ids_t = to_device(ids) if ids_t is None else ids_t
         out = call(ids_t)
         tokens = _tokens(out)
         if key not in self._failed:

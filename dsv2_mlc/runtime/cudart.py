@@ -274,15 +274,17 @@ class CudaRuntime:
             self._arg_sizes[func] = tuple(sizes)
         return self._arg_sizes[func]
 
+    def _args(self, p: KernelNodeParams) -> list[bytes]:
+        """The bytes of each argument of the kernel node whose parameters are ``p``."""
+        return [ctypes.string_at(p.kernel_params[i], n) for i, n in enumerate(self._sizes(p.func))]
+
     def graph_node(self, node: int) -> Node:
         """``node`` as :func:`~dsv2_mlc.runtime.graph_relocation.derive` compares it: a kernel's
         function, launch shape and argument bytes, a copy's or memset's pointers and sizes."""
         kind = self.node_type(node)
         if kind == _NODE_KERNEL:
             p = self._kernel_params(node)
-            args = tuple(ctypes.string_at(p.kernel_params[i], n)
-                         for i, n in enumerate(self._sizes(p.func)))  # fmt: skip
-            return Node(kind, (p.func, *p.grid, *p.block, p.shared_mem), args)
+            return Node(kind, (p.func, *p.grid, *p.block, p.shared_mem), tuple(self._args(p)))
         if kind == _NODE_MEMCPY:
             words = (ctypes.c_uint64 * _MEMCPY_WORDS)()
             err = self.lib.cudaGraphMemcpyNodeGetParams(ctypes.c_void_p(node), words)
@@ -303,14 +305,7 @@ class CudaRuntime:
         """The arguments of kernel ``node`` of the executable graph ``exe`` (as the template
         node has them), to be set anew (:class:`KernelArgs`)."""
         p = self._kernel_params(node)
-        sizes = self._sizes(p.func)
-        return KernelArgs(
-            self._cu("cuGraphExecKernelNodeSetParams"),
-            exe,
-            node,
-            p,
-            [ctypes.string_at(p.kernel_params[i], n) for i, n in enumerate(sizes)],
-        )
+        return KernelArgs(self._cu("cuGraphExecKernelNodeSetParams"), exe, node, p, self._args(p))
 
     def launch(self, exe: int, stream: int) -> None:
         self._check(

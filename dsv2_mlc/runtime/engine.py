@@ -525,10 +525,10 @@ class Engine:
             # to the device only when the step is launched, after this one has completed
             self._begin_forward(seq_ids, [1] * len(seq_ids))
             self._ahead = list(seq_ids)
-            if self._graphs is not None and not self._shared.intersection(seq_ids):
-                # its graph moved to its page bucket now, not when it is launched
-                lengths = [self._seq_len[s] + 1 for s in seq_ids]
-                self._graphs.prepare((*decode_graph_key(PAGE_SIZE, lengths), "greedy"), True)
+            key = self._next_key(seq_ids)
+            if key is not None:  # its graph moved to its page bucket now, not at its launch
+                assert self._graphs is not None
+                self._graphs.prepare((*key, "greedy"), True)
         return pending
 
     def _fits(self, seq_ids: list[int]) -> bool:
@@ -580,9 +580,16 @@ class Engine:
     def _graph_key(self, seq_ids: list[int]) -> tuple[int, int] | None:
         """The decode graph key of a begun step (its page tables copied to the device now,
         outside any graph); None where no graph applies (CPU, graphs off, shared pages)."""
+        key = self._next_key(seq_ids)
+        if key is not None:
+            self._query_positions(self._cache)
+        return key
+
+    def _next_key(self, seq_ids: list[int]) -> tuple[int, int] | None:
+        """The decode graph key of the sequences' begun step, from the host's lengths alone
+        (nothing copied); None where no graph applies (CPU, graphs off, shared pages)."""
         if self._graphs is None or self._shared.intersection(seq_ids):
             return None
-        self._query_positions(self._cache)
         return decode_graph_key(PAGE_SIZE, [self._seq_len[s] + 1 for s in seq_ids])
 
     @property
