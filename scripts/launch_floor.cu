@@ -26,20 +26,7 @@
 //
 // Build here: nvcc -O3 -arch=sm_90 -o build/launch_floor scripts/launch_floor.cu
 // Run there:  build/launch_floor > $OUT/launch_floor.jsonl
-#include <cuda_runtime.h>
-
-#include <algorithm>
-#include <cstdio>
-#include <vector>
-
-#define CHECK(x)                                                               \
-  do {                                                                         \
-    cudaError_t e = (x);                                                       \
-    if (e != cudaSuccess) {                                                    \
-      fprintf(stderr, "%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e)); \
-      return 1;                                                                \
-    }                                                                          \
-  } while (0)
+#include "floor_common.cuh"
 
 constexpr int kThreads = 256, kKernels = 270, kRead = 1024;
 
@@ -296,7 +283,6 @@ static int measure_persistent(int blocks, float* a, float* b, const uint4* w, lo
 static int measure(int blocks, int mode, float* a, float* b, const uint4* w, long long w_vecs,
                    cudaStream_t s) {
   cudaGraph_t graph;
-  cudaGraphExec_t exec;
   CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
   for (int k = 0; k < kKernels; ++k) {
     cudaLaunchConfig_t cfg = {};
@@ -313,49 +299,21 @@ static int measure(int blocks, int mode, float* a, float* b, const uint4* w, lon
     CHECK(cudaLaunchKernelEx(&cfg, step, in, out, mode == 2 ? 1 : 0, w + k * w_vecs, w_vecs));
   }
   CHECK(cudaStreamEndCapture(s, &graph));
-  CHECK(cudaGraphInstantiate(&exec, graph, 0));
-  for (int i = 0; i < 5; ++i) CHECK(cudaGraphLaunch(exec, s));
-  cudaEvent_t t0, t1;
-  CHECK(cudaEventCreate(&t0));
-  CHECK(cudaEventCreate(&t1));
-  std::vector<float> per_kernel;
-  for (int rep = 0; rep < 20; ++rep) {
-    CHECK(cudaEventRecord(t0, s));
-    for (int i = 0; i < 10; ++i) CHECK(cudaGraphLaunch(exec, s));
-    CHECK(cudaEventRecord(t1, s));
-    CHECK(cudaEventSynchronize(t1));
-    float ms = 0.f;
-    CHECK(cudaEventElapsedTime(&ms, t0, t1));
-    per_kernel.push_back(ms * 1e3f / (10.f * kKernels));
-  }
-  std::sort(per_kernel.begin(), per_kernel.end());
+  float median = 0.f, fastest = 0.f;
+  if (time_graph(graph, s, kKernels, &median, &fastest)) return 1;
   const char* names[] = {"graph", "graph+pdl", "graph+pdl+launch_dependents"};
   printf("{\"blocks\": %d, \"threads\": %d, \"kernels\": %d, \"read_bytes\": %d, "
          "\"weight_bytes\": %lld, \"mode\": \"%s\", \"us_per_kernel_median\": %.3f, "
          "\"us_per_kernel_min\": %.3f}\n",
-         blocks, kThreads, kKernels, kRead * 4, w_vecs * 16, names[mode],
-         per_kernel[per_kernel.size() / 2], per_kernel[0]);
-  CHECK(cudaGraphExecDestroy(exec));
-  CHECK(cudaGraphDestroy(graph));
+         blocks, kThreads, kKernels, kRead * 4, w_vecs * 16, names[mode], median, fastest);
   return 0;
 }
 
 int main() {
   float *a, *b;
-  const size_t n = 1024 * kThreads;
-  CHECK(cudaMalloc(&a, n * sizeof(float)));
-  CHECK(cudaMalloc(&b, n * sizeof(float)));
-  CHECK(cudaMemset(a, 0, n * sizeof(float)));
-  CHECK(cudaMemset(b, 0, n * sizeof(float)));
-  cudaStream_t s;
-  CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-  cudaDeviceProp prop;
-  CHECK(cudaGetDeviceProperties(&prop, 0));
-  printf("{\"gpu\": \"%s\", \"sms\": %d}\n", prop.name, prop.multiProcessorCount);
-  const long long max_vecs = 5632LL * 1024 / 16 * 264 / 264;  // 5.5 MB a kernel
   uint4* w;
-  CHECK(cudaMalloc(&w, kKernels * max_vecs * sizeof(uint4)));
-  CHECK(cudaMemset(w, 0, kKernels * max_vecs * sizeof(uint4)));
+  cudaStream_t s;
+  if (chain_setup(kThreads, kKernels, 5632LL * 1024 / 16, &a, &b, &w, &s)) return 1;  // 5.5 MB
   for (int blocks : {1, 16, 132, 264, 528})
     for (int mode = 0; mode < 3; ++mode)
       if (measure(blocks, mode, a, b, w, 0, s)) return 1;

@@ -1,5 +1,6 @@
-"""``scripts/launch_floor.cu`` (the GPU benchmark of a chain of dependent kernels behind
-docs/benchmarks.md) still compiles for sm_90; it runs on the GPU machine only."""
+"""The standalone GPU benchmarks behind docs/benchmarks.md (``scripts/launch_floor.cu``: a chain
+of dependent kernels; ``scripts/cluster_floor.cu``: the same chain with cluster barriers) still
+compile for sm_90; they run on the GPU machine only."""
 
 from __future__ import annotations
 
@@ -7,17 +8,20 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).parent))
 from cuda_builds import needs_nvcc  # noqa: E402
 
-SOURCE = Path(__file__).resolve().parents[1] / "scripts" / "launch_floor.cu"
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
 
 @needs_nvcc
-def test_launch_floor_compiles_for_sm90(tmp_path: Path) -> None:
-    out = tmp_path / "launch_floor.o"
+@pytest.mark.parametrize("name", ["launch_floor.cu", "cluster_floor.cu"])
+def test_floor_benchmark_compiles_for_sm90(tmp_path: Path, name: str) -> None:
+    out = tmp_path / "floor.o"
     run = subprocess.run(
-        ["nvcc", "-O3", "-arch=sm_90", "-c", str(SOURCE), "-o", str(out)],
+        ["nvcc", "-O3", "-arch=sm_90", "-c", str(SCRIPTS / name), "-o", str(out)],
         capture_output=True,
         text=True,
         timeout=300,
