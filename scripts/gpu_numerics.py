@@ -8,6 +8,8 @@ For every build in ``BUILDS/manifest.json`` it measures
 * ``chunked``: the same logits with the prompt prefilled in chunks of 5 (``batch_extend``:
   ragged attention merged with attention over the cached latent pages);
 * ``forced``: decode fed HF's greedy tokens (teacher forcing), logits of every step vs HF;
+* ``forced_batch``: the same in batches of 4 sequences, sequence ``i`` ``i`` tokens ahead (so
+  each step's rows are at different positions, route differently and read pages of their own);
 * ``greedy``: 32 free-running greedy tokens vs HF's: tokens equal, first divergence;
 * ``decode_ms``: mean wall time of one decode step (batch 1, informational only).
 
@@ -52,6 +54,25 @@ def _forced(engine, prompt: list[int], tokens: list[int]) -> np.ndarray:
     return np.stack(steps)
 
 
+def _forced_batch(
+    engine, prompt: list[int], tokens: list[int], ref: np.ndarray, rows: int = 4
+) -> tuple[np.ndarray, np.ndarray]:
+    """Teacher forcing in a batch of ``rows`` sequences, sequence ``i`` prefilled with ``i`` of
+    ``tokens`` more; returns our logits of every step and row and HF's (``ref``: the forced
+    logits of every position) for the same positions, ``[steps, rows, vocab]`` each."""
+    seqs = [engine.add_sequence() for _ in range(rows)]
+    try:
+        engine.prefill(seqs, [prompt + tokens[:i] for i in range(rows)])
+        ours, expect = [], []
+        for t in range(len(tokens) - rows):
+            ours.append(engine.decode(seqs, [tokens[i + t] for i in range(rows)]))
+            expect.append(ref[[len(prompt) + i + t for i in range(rows)]])
+    finally:
+        for seq in seqs:
+            engine.remove_sequence(seq)
+    return np.stack(ours), np.stack(expect)
+
+
 def _err(ours: np.ndarray, ref: np.ndarray) -> dict:
     if ours.shape != ref.shape:
         raise AssertionError(f"shape {ours.shape} != reference {ref.shape}")
@@ -85,6 +106,8 @@ def check_build(path: Path, refs: Path, prompt: list[int], n: int, lib_dir: str 
     expect = ref_forced[len(prompt) - 1 : len(prompt) - 1 + n]
     result["forced"] = _err(forced, expect)
     result["forced"]["per_step_max_abs"] = np.abs(forced - expect).max(-1).round(5).tolist()
+    ours, expect = _forced_batch(engine, prompt, ref_tokens, ref_forced)
+    result["forced_batch"] = _err(ours, expect)
     _greedy(engine, prompt, 4)  # warm-up
     tokens, per_step = _greedy(engine, prompt, n)
     same = [a == b for a, b in zip(tokens, ref_tokens, strict=True)]
@@ -127,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.out).write_text(json.dumps(report, indent=1))
 
     print(f"tvm_callback_cuda_compile registered: {report['tvm_callback_cuda_compile_registered']}")
-    cols = ("prefill", "chunked", "forced")
+    cols = ("prefill", "chunked", "forced", "forced_batch")
     print(
         f"{'build':14s} "
         + " ".join(f"{c:>9s}" for c in cols)
@@ -143,7 +166,8 @@ def main(argv: list[str] | None = None) -> int:
         div = "-" if g["first_divergence"] is None else str(g["first_divergence"])
         print(
             f"{tag:14s} {res['prefill']['max_abs']:9.2e} {res['chunked']['max_abs']:9.2e} "
-            f"{res['forced']['max_abs']:9.2e} {g['equal']:>3d}/{g['of']:<3d} {div:>4s} "
+            f"{res['forced']['max_abs']:9.2e} {res['forced_batch']['max_abs']:9.2e} "
+            f"{g['equal']:>3d}/{g['of']:<3d} {div:>4s} "
             f"{res['prefill']['max_abs_ref']:8.2f} {res['decode_ms']:7.2f}"
         )
     return 0 if ok else 1
