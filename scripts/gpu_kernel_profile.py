@@ -2,12 +2,13 @@
 
 ``python3 scripts/gpu_kernel_profile.py BUILD --lib-dir .devcarry/tvm-lib --out $OUT``
 (GPU machine; torch for the profiler only, the model runs on our runtime): opens the build with
-random weights, prefills ``--prompt-len`` tokens, then profiles ``--steps`` decode steps (eager,
-so every kernel is its own launch; the kernels are the ones a graph replays) and one prefill of
-``--prefill-len`` tokens. CUPTI records the device time of each kernel, whoever launched it, so
-these are the kernels' own durations without launch or sync overhead (unlike ``bench
---profile``). Prints per-kernel tables (calls per step, mean us, total us per step, share) and
-the sum of kernel time per decode step; writes ``kernel_profile.json``.
+random weights, prefills ``--batch`` sequences of ``--prompt-len`` tokens, then profiles
+``--steps`` decode steps of them (eager, so every kernel is its own launch; the kernels are the
+ones a graph replays) and one prefill of ``--prefill-len`` tokens. CUPTI records the device
+time of each kernel, whoever launched it, so these are the kernels' own durations without
+launch or sync overhead (unlike ``bench --profile``). Prints per-kernel tables (calls per step,
+mean us, total us per step, share) and the sum of kernel time per decode step; writes
+``kernel_profile.json``.
 
 ``--graph`` profiles ``--steps`` replays of a captured decode graph instead (with the build's
 programmatic edges, as ``bench`` decodes; the context must stay within one graph key, e.g.
@@ -112,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--prefill-len", type=int, default=4096)
+    p.add_argument("--batch", type=int, default=1, help="sequences a decode step")
     p.add_argument("--top", type=int, default=40)
     p.add_argument("--graph", action="store_true", help="profile decode graph replays")
     p.add_argument(
@@ -121,21 +123,24 @@ def main(argv: list[str] | None = None) -> int:
     from dsv2_mlc.runtime.engine import Engine  # before torch: ours is the tvm_ffi in use
 
     ctx = max(args.prompt_len + args.steps + 8, args.prefill_len + 8)
-    eng = Engine(args.build, context_window=ctx, max_batch_size=1, kv_capacity=ctx,
-                 prefill_chunk_size=args.prefill_len, lib_dir=args.lib_dir, random_weights=0,
-                 cuda_graph=args.graph)  # fmt: skip
+    b = args.batch
+    room = (ctx + 64) * (b + 1)  # the sequences' pages, rounded up, and the prefill's
+    eng = Engine(args.build, context_window=ctx, max_batch_size=b, kv_capacity=room,
+                 prefill_chunk_size=max(args.prefill_len, args.prompt_len * b),
+                 lib_dir=args.lib_dir, random_weights=0, cuda_graph=args.graph)  # fmt: skip
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     rng = np.random.default_rng(0)
     vocab = eng.config.vocab_size
-    seq = eng.add_sequence()
-    token = int(eng.prefill([seq], [rng.integers(0, vocab, args.prompt_len).tolist()])[0].argmax())
+    seqs = [eng.add_sequence() for _ in range(b)]
+    prompts = rng.integers(0, vocab, (b, args.prompt_len)).tolist()
+    token = [int(row.argmax()) for row in eng.prefill(seqs, prompts)]
 
-    def step(token: int) -> int:
+    def step(token: list[int]) -> list[int]:
         if args.greedy:
-            return int(eng.decode_greedy([seq], [token])[0])
-        return int(eng.decode([seq], [token])[0].argmax())
+            return [int(t) for t in eng.decode_greedy(seqs, token)]
+        return [int(t) for t in eng.decode(seqs, token).argmax(-1)]
 
     for _ in range(3):  # warm: kernels loaded (and with --graph: this key's graph captured)
         token = step(token)
@@ -146,9 +151,10 @@ def main(argv: list[str] | None = None) -> int:
             token = step(token)
         torch.cuda.synchronize()
     decode = _table(_kernels(prof), args.steps)
-    eng.remove_sequence(seq)
+    for seq in seqs:
+        eng.remove_sequence(seq)
     report: dict = {"build": args.build, "prompt_len": args.prompt_len, "steps": args.steps,
-                    "greedy": args.greedy}  # fmt: skip
+                    "greedy": args.greedy, "batch": b}  # fmt: skip
     if args.graph:
         after = eng.cuda_graph_stats or {}
         replays = after.get("replays", 0) - (before or {}).get("replays", 0)
