@@ -153,3 +153,29 @@ def test_decode_of_many_forks_sharing_a_block(compiled):
     for i in (0, 31, 32):
         alone = eng.logits(prompt + [tokens[i]])[-1]
         assert np.abs(together[i] - alone).max() < TOL
+
+
+def test_more_sequences_than_pages_is_a_clear_error(compiled, engines):
+    """Each sequence fills whole pages of 16 tokens: past the pool's pages a step is refused
+    with a ContextLengthError that says what to do (not TVM's "KV cache is full" from inside the
+    cache), nothing is appended, and the sequences already cached decode on as before."""
+    from dsv2_mlc.runtime.engine import ContextLengthError, Engine
+
+    long = (PROMPT * 2)[:16]  # a whole page
+    token = int(np.argmax(engines["A"].logits(long)[-1]))
+    alone = engines["A"].logits(long + [token])[-1]
+    # pool: 64 tokens + a page for each of 2 sequences = 6 pages of 16 tokens
+    eng = Engine(compiled["A"], context_window=64, max_batch_size=2, kv_capacity=64)
+    seqs = [eng.add_sequence() for _ in range(7)]
+    eng.prefill(seqs[:2], [long, [6]])
+    eng.prefill(seqs[2:4], [[7], [8]])
+    eng.prefill(seqs[4:6], [[9], [10]])  # 21 tokens, 6 pages
+    full = "7 sequences would fill 7 pages of 16 tokens, more than the KV cache's 6.*kv_capacity"
+    with pytest.raises(ContextLengthError, match=full):
+        eng.prefill([seqs[6]], [[11]])  # 22 tokens in all: the token budget alone allows it
+    with pytest.raises(ContextLengthError, match="would fill 7 pages"):
+        eng.decode(seqs[:1], [token])  # the first sequence's 17th token opens a 7th page
+    assert eng.sequence_length(seqs[0]) == 16
+    eng.remove_sequence(seqs[5])  # a page free again
+    again = eng.decode(seqs[:1], [token])
+    assert np.abs(again[0] - alone).max() < TOL

@@ -221,9 +221,13 @@ class Engine:
                 "clear",
             )
         }
+        # the page pool: kv_capacity tokens, plus a page for each sequence of a full batch (each
+        # sequence fills whole pages: its last one partly)
+        pool = self.kv_capacity + PAGE_SIZE * max_batch_size
+        self._pool_pages = -(-pool // PAGE_SIZE)
         self._cache = vm["create_paged_kv_cache"](
             _shape(max_batch_size),
-            _shape(self.kv_capacity),
+            _shape(pool),
             _shape(self.prefill_chunk_size),
             _shape(PAGE_SIZE),
             _shape(0),
@@ -427,6 +431,16 @@ class Engine:
             raise ContextLengthError(
                 f"the KV cache holds {self.kv_capacity} tokens in all; remove finished sequences "
                 "or raise kv_capacity"
+            )
+        more = dict(zip(seq_ids, lengths, strict=True))
+        pages = sum(
+            -(-(self.sequence_length(s) + more.get(s, 0)) // PAGE_SIZE) for s in self._seq_len
+        )
+        if pages > self._pool_pages:  # (a fork's shared pages are counted for each sequence)
+            raise ContextLengthError(
+                f"{len(self._seq_len)} sequences would fill {pages} pages of {PAGE_SIZE} tokens, "
+                f"more than the KV cache's {self._pool_pages}; remove finished sequences or raise "
+                "kv_capacity"
             )
 
     def _forward(
