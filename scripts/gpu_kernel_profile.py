@@ -124,8 +124,7 @@ def main(argv: list[str] | None = None) -> int:
 
     ctx = max(args.prompt_len + args.steps + 8, args.prefill_len + 8)
     b = args.batch
-    room = (ctx + 64) * (b + 1)  # the sequences' pages, rounded up, and the prefill's
-    eng = Engine(args.build, context_window=ctx, max_batch_size=b, kv_capacity=room,
+    eng = Engine(args.build, context_window=ctx, max_batch_size=b, kv_capacity=ctx * b,
                  prefill_chunk_size=max(args.prefill_len, args.prompt_len * b),
                  lib_dir=args.lib_dir, random_weights=0, cuda_graph=args.graph)  # fmt: skip
     import torch

@@ -419,27 +419,26 @@ class Engine:
 
     # -- forward --------------------------------------------------------------------------------
     def _check_room(self, seq_ids: Sequence[int], lengths: Sequence[int]) -> None:
-        # (a followed step nobody asked for is not counted: the step that is asked for undoes it)
-        for seq, n in zip(seq_ids, lengths, strict=True):
-            if self.sequence_length(seq) + n > self.context_window:
+        # every live sequence's length after the step, in one pass (a followed step nobody asked
+        # for is not counted: the step that is asked for undoes it)
+        more = dict(zip(seq_ids, lengths, strict=True))
+        after = {s: self.sequence_length(s) + more.get(s, 0) for s in self._seq_len}
+        for seq in seq_ids:
+            if after[seq] > self.context_window:
                 raise ContextLengthError(
-                    f"sequence {seq} would hold {self.sequence_length(seq) + n} tokens, more than "
-                    f"the context window of {self.context_window}; shorten the prompt or raise "
-                    "context_window"
+                    f"sequence {seq} would hold {after[seq]} tokens, more than the context "
+                    f"window of {self.context_window}; shorten the prompt or raise context_window"
                 )
-        if sum(map(self.sequence_length, self._seq_len)) + sum(lengths) > self.kv_capacity:
+        if sum(after.values()) > self.kv_capacity:
             raise ContextLengthError(
                 f"the KV cache holds {self.kv_capacity} tokens in all; remove finished sequences "
                 "or raise kv_capacity"
             )
-        more = dict(zip(seq_ids, lengths, strict=True))
-        pages = sum(
-            -(-(self.sequence_length(s) + more.get(s, 0)) // PAGE_SIZE) for s in self._seq_len
-        )
+        pages = sum(-(-n // PAGE_SIZE) for n in after.values())
         if pages > self._pool_pages:  # (a fork's shared pages are counted for each sequence)
             raise ContextLengthError(
-                f"{len(self._seq_len)} sequences would fill {pages} pages of {PAGE_SIZE} tokens, "
-                f"more than the KV cache's {self._pool_pages}; remove finished sequences or raise "
+                f"{len(after)} sequences would fill {pages} pages of {PAGE_SIZE} tokens, more "
+                f"than the KV cache's {self._pool_pages}; remove finished sequences or raise "
                 "kv_capacity"
             )
 
