@@ -35,30 +35,11 @@ __global__ void __launch_bounds__(kThreads) step(const float* __restrict__ in,
                                                  const uint4* __restrict__ w, long long w_vecs) {
   // this block's share of the weights: the first 4 vectors a thread before the wait
   const long long per_block = w_vecs / gridDim.x, base = blockIdx.x * per_block;
-  unsigned bits = 0;
   uint4 early[4];
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const long long i = threadIdx.x + (long long)j * kThreads;
-    early[j] = i < per_block ? w[base + i] : make_uint4(0, 0, 0, 0);
-  }
+  chain_step_first<kThreads>(w, base, per_block, early);
   asm volatile("griddepcontrol.wait;" ::: "memory");
   if (launch_dependents) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-  for (long long i = threadIdx.x + 4LL * kThreads; i < per_block; i += kThreads) {
-    const uint4 v = w[base + i];
-    bits ^= v.x ^ v.y ^ v.z ^ v.w;
-  }
-#pragma unroll
-  for (int j = 0; j < 4; ++j) bits ^= early[j].x ^ early[j].y ^ early[j].z ^ early[j].w;
-  float acc = bits == 0x9e3779b9u ? 1.f : 0.f;  // (keeps the loads; the weights are zero)
-  for (int i = threadIdx.x; i < kRead; i += kThreads) acc += in[i];
-  for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-  __shared__ float warp_sums[kThreads / 32];
-  if (threadIdx.x % 32 == 0) warp_sums[threadIdx.x / 32] = acc;
-  __syncthreads();
-  float total = 0.f;
-  for (int w = 0; w < kThreads / 32; ++w) total += warp_sums[w];
-  out[blockIdx.x * kThreads + threadIdx.x] = total * 1e-3f + 1.f;
+  chain_step_rest<kThreads, kRead>(in, out, w, base, per_block, early);
 }
 
 // A grid barrier: every block arrives once on a 64-bit counter (zeroed before the launch) and

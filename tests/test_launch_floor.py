@@ -1,6 +1,7 @@
 """The standalone GPU benchmarks behind docs/benchmarks.md (``scripts/launch_floor.cu``: a chain
-of dependent kernels; ``scripts/cluster_floor.cu``: the same chain with cluster barriers) still
-compile for sm_90; they run on the GPU machine only."""
+of dependent kernels; ``scripts/cluster_floor.cu``: the same chain with cluster barriers;
+``scripts/l2_stream_floor.cu``: the chain with its weights streamed into L2 ahead) still compile
+for sm_90; they run on the GPU machine only."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
 
 @needs_nvcc
-@pytest.mark.parametrize("name", ["launch_floor.cu", "cluster_floor.cu"])
+@pytest.mark.parametrize("name", ["launch_floor.cu", "cluster_floor.cu", "l2_stream_floor.cu"])
 def test_floor_benchmark_compiles_for_sm90(tmp_path: Path, name: str) -> None:
     out = tmp_path / "floor.o"
     run = subprocess.run(
