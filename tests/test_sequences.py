@@ -179,3 +179,27 @@ def test_more_sequences_than_pages_is_a_clear_error(compiled, engines):
     eng.remove_sequence(seqs[5])  # a page free again
     again = eng.decode(seqs[:1], [token])
     assert np.abs(again[0] - alone).max() < TOL
+
+
+def test_a_step_past_max_batch_size_is_refused(compiled, engines):
+    """The KV cache's auxiliary arrays hold ``max_batch_size`` sequences: a decode step of more
+    (by any entry point) is refused with a ValueError naming the fix, before anything is
+    appended; more sequences may be live, and smaller steps decode them as alone."""
+    from dsv2_mlc.runtime.engine import Engine
+
+    eng = Engine(compiled["A"], context_window=64, max_batch_size=2)
+    prompts = [PROMPT[:5], PROMPT[3:9], PROMPT[1:4]]
+    seqs = [eng.add_sequence() for _ in prompts]
+    for seq, prompt in zip(seqs, prompts, strict=True):
+        eng.prefill([seq], [prompt])
+    refused = "a step of 3 sequences exceeds max_batch_size=2.*larger max_batch_size"
+    for step in (eng.decode, eng.decode_greedy, eng.launch_greedy):
+        with pytest.raises(ValueError, match=refused):
+            step(seqs, [5, 6, 7])
+    with pytest.raises(ValueError, match=refused):
+        eng.prefill(seqs, [[5], [6], [7]])
+    assert [eng.sequence_length(s) for s in seqs] == [len(p) for p in prompts]
+    pair = eng.decode(seqs[1:], [6, 7])
+    for row, prompt, token in zip(pair, prompts[1:], [6, 7], strict=True):
+        alone = engines["A"].logits(prompt + [token])[-1]
+        assert np.abs(row - alone).max() < TOL

@@ -130,8 +130,9 @@ class Engine:
     """A compiled DeepSeek-V2 model with its KV cache.
 
     ``model`` is a folder written by ``dsv2-mlc compile``. ``context_window`` bounds one sequence
-    (default: the model's maximum, capped at 4096); ``max_batch_size`` sequences can be live at
-    once and share a page pool of ``kv_capacity`` tokens (default: context_window x batch).
+    (default: the model's maximum, capped at 4096); a prefill or decode step takes at most
+    ``max_batch_size`` sequences; the live sequences share a page pool of ``kv_capacity`` tokens
+    (default: context_window x max_batch_size).
     """
 
     def __init__(
@@ -419,6 +420,13 @@ class Engine:
 
     # -- forward --------------------------------------------------------------------------------
     def _check_room(self, seq_ids: Sequence[int], lengths: Sequence[int]) -> None:
+        # the KV cache's auxiliary arrays (page tables, positions) hold max_batch_size sequences
+        if len(seq_ids) > self.max_batch_size:
+            raise ValueError(
+                f"a step of {len(seq_ids)} sequences exceeds max_batch_size="
+                f"{self.max_batch_size}; run them in smaller groups or open the engine with a "
+                "larger max_batch_size"
+            )
         # every live sequence's length after the step, in one pass (a followed step nobody asked
         # for is not counted: the step that is asked for undoes it)
         more = dict(zip(seq_ids, lengths, strict=True))
@@ -620,10 +628,6 @@ class Engine:
         token ``[len, vocab]`` with ``all_logits``.
         """
         seq_ids = list(seq_ids)
-        if len(seq_ids) > self.max_batch_size:
-            raise ValueError(
-                f"{len(seq_ids)} sequences exceed max_batch_size={self.max_batch_size}"
-            )
         if any(len(t) == 0 for t in token_lists):
             raise ValueError("every sequence needs at least one token to prefill")
         self._check_room(seq_ids, [len(t) for t in token_lists])
