@@ -59,9 +59,14 @@ __all__ = [
     "GATE_UP_TILES",
     "GROUP_TOKENS",
     "ExpertMajorTiles",
+    "down_params",
     "expert_major_unsupported",
+    "gate_up_params",
+    "items_head",
     "moe_down_expert_major",
     "moe_gate_up_expert_major",
+    "plan_bytes",
+    "plan_source",
 ]
 
 GROUP_TOKENS = 32  # tokens planned together (a larger batch runs as several groups)
@@ -93,14 +98,14 @@ GATE_UP_TILES = ExpertMajorTiles(warps=4, blocks=396, rows=32)
 DOWN_TILES = ExpertMajorTiles(warps=8, blocks=264, rows=64)
 
 
-def _plan_bytes(s: MoeDecodeShape) -> int:
+def plan_bytes(s: MoeDecodeShape) -> int:
     e, k, g = s.experts, s.top_k, GROUP_TOKENS
     return 4 * (g * k + 3 * (e + 2)) + 4 * g * (k + 1) + 16
 
 
 def _staged_tokens(s: MoeDecodeShape, tiles: ExpertMajorTiles, width: int) -> int:
     """Pairs a chunk stages in shared memory at ``width`` fp16 values each (at most ``tokens``)."""
-    room = (_SHARED_LIMIT - _plan_bytes(s) - 256) // (2 * width)
+    room = (_SHARED_LIMIT - plan_bytes(s) - 256) // (2 * width)
     return max(0, min(tiles.tokens, room))
 
 
@@ -119,7 +124,7 @@ def expert_major_unsupported(s: MoeDecodeShape, tiles: ExpertMajorTiles = DOWN_T
     return None
 
 
-def _plan_source(s: MoeDecodeShape, tag: str, threads: int) -> str:
+def plan_source(s: MoeDecodeShape, tag: str, threads: int) -> str:
     """CUDA: the plan (module docstring, 1.) and the item lookup, for ``threads`` threads."""
     E, K, GT = s.experts, s.top_k, GROUP_TOKENS
     return f"""
@@ -240,7 +245,7 @@ __device__ __forceinline__ float dsv2_em_dot32w_h{run}(const __half2* hv, const 
 """
 
 
-def _items_head(tag: str, tm: int, blocks: int) -> str:
+def items_head(tag: str, tm: int, blocks: int) -> str:
     """CUDA: the loop heads both kernels share, over the token groups (the plan of each) and the
     block's items (``e, c, rb, first, np`` of item ``i``; ``rbr`` / ``rbs`` row blocks of a
     routed / shared chunk declared before)."""
@@ -303,7 +308,7 @@ __device__ __forceinline__ void {name}(const half* __restrict__ x, const int* __
   const int warp = tid >> 5, lane = tid & 31;
   const int rbr = {-(-NI // R)}, rbs = {-(-IS // R)};  // row blocks of a routed / shared chunk
   {WAIT_THEN_RELEASE}
-{_items_head(tag, TM, NB)}      if (c != staged) {{  // the chunk's tokens' x rows
+{items_head(tag, TM, NB)}      if (c != staged) {{  // the chunk's tokens' x rows
         __syncthreads();
         for (int v = tid; v < np * {H // 8}; v += {T}) {{
           const int k = v / {H // 8}, q = v - k * {H // 8};
@@ -370,7 +375,7 @@ __device__ __forceinline__ void {name}(const half* __restrict__ x, const int* __
 #endif
 """
     head = dot32_source(run) + _weights_source(run) + grid_wait_source()
-    return name, head + _plan_source(s, tag, T) + src
+    return name, head + plan_source(s, tag, T) + src
 
 
 def down_source(s: MoeDecodeShape, tiles: ExpertMajorTiles) -> tuple[str, str]:
@@ -412,7 +417,7 @@ __device__ __forceinline__ void {name}(const half* __restrict__ h, const int* __
   const int warp = tid >> 5, lane = tid & 31;
   const int rbr = {-(-H // R)}, rbs = rbr;  // row blocks of a chunk (H outputs)
   {WAIT_THEN_RELEASE}
-{_items_head(tag, TM, NB)}      const bool sh = e == {E};
+{items_head(tag, TM, NB)}      const bool sh = e == {E};
       const int width = sh ? {IS} : {NI}, nch = width / {_CHUNK};
       if (c != staged) {{  // the chunk's pairs' h slices
         __syncthreads();
@@ -473,7 +478,35 @@ __device__ __forceinline__ void {name}(const half* __restrict__ h, const int* __
 #endif
 """
     head = dot32_source(run) + _weights_source(run) + grid_wait_source()
-    return name, head + _plan_source(s, tag, T) + src
+    return name, head + plan_source(s, tag, T) + src
+
+
+def gate_up_params(s: MoeDecodeShape) -> list:
+    """The gate/up kernels' buffers (this module's and :mod:`.moe_expert_mma_cuda`'s)."""
+    H, NI, IS, K, G, E = s.hidden, s.inter, s.shared_inter, s.top_k, s.group, s.experts
+    return [
+        ("x", (TOKENS, H), "float16"),
+        ("ids", (TOKENS, K), "int32"),
+        ("w", (E, 2 * NI, H // 8), "uint32"),
+        ("s", (E, 2 * NI, H // G), "float16"),
+        ("sw", (2 * IS, H // 8), "uint32"),
+        ("ss", (2 * IS, H // G), "float16"),
+        ("hout", (TOKENS, K * NI + IS), "float16"),
+    ]
+
+
+def down_params(s: MoeDecodeShape) -> list:
+    """The down kernels' buffers (this module's and :mod:`.moe_expert_mma_cuda`'s)."""
+    H, NI, IS, K, G, E = s.hidden, s.inter, s.shared_inter, s.top_k, s.group, s.experts
+    return [
+        ("h", (TOKENS, K * NI + IS), "float16"),
+        ("ids", (TOKENS, K), "int32"),
+        ("w", (E, H, NI // 8), "uint32"),
+        ("s", (E, H, NI // G), "float16"),
+        ("sw", (H, IS // 8), "uint32"),
+        ("ss", (H, IS // G), "float16"),
+        ("part", (TOKENS, K + 1, H), "float32"),
+    ]
 
 
 def _check(s: MoeDecodeShape, tiles: ExpertMajorTiles) -> None:
@@ -490,21 +523,12 @@ def moe_gate_up_expert_major(
     and the shared experts' SwiGLU intermediates, every expert's rows read once for its tokens
     (module docstring, 2.)."""
     _check(s, tiles)
-    H, NI, IS, K, G, E = s.hidden, s.inter, s.shared_inter, s.top_k, s.group, s.experts
     name, src = gate_up_source(s, tiles)
     return token_grid_call(
         "moe_expert_major_gate_up",
         name,
         src,
-        [
-            ("x", (TOKENS, H), "float16"),
-            ("ids", (TOKENS, K), "int32"),
-            ("w", (E, 2 * NI, H // 8), "uint32"),
-            ("s", (E, 2 * NI, H // G), "float16"),
-            ("sw", (2 * IS, H // 8), "uint32"),
-            ("ss", (2 * IS, H // G), "float16"),
-            ("hout", (TOKENS, K * NI + IS), "float16"),
-        ],
+        gate_up_params(s),
         tiles.blocks,
         32 * tiles.warps,
         per_token=False,
@@ -517,21 +541,12 @@ def moe_down_expert_major(s: MoeDecodeShape, tiles: ExpertMajorTiles = DOWN_TILE
     down projection ``part[t, j] = down_{ids[t, j]} . h[t, j]`` and the shared experts'
     ``part[t, K]``, unweighted (module docstring, 3.)."""
     _check(s, tiles)
-    H, NI, IS, K, G, E = s.hidden, s.inter, s.shared_inter, s.top_k, s.group, s.experts
     name, src = down_source(s, tiles)
     return token_grid_call(
         "moe_expert_major_down",
         name,
         src,
-        [
-            ("h", (TOKENS, K * NI + IS), "float16"),
-            ("ids", (TOKENS, K), "int32"),
-            ("w", (E, H, NI // 8), "uint32"),
-            ("s", (E, H, NI // G), "float16"),
-            ("sw", (H, IS // 8), "uint32"),
-            ("ss", (H, IS // G), "float16"),
-            ("part", (TOKENS, K + 1, H), "float32"),
-        ],
+        down_params(s),
         tiles.blocks,
         32 * tiles.warps,
         per_token=False,

@@ -80,11 +80,13 @@ struct alignas(16) float4 { float x, y, z, w; };
 struct alignas(8) uint2 { unsigned x, y; };
 struct alignas(16) uint4 { unsigned x, y, z, w; };
 static inline float2 make_float2(float a, float b) { return {a, b}; }
+static inline uint2 make_uint2(unsigned a, unsigned b) { return {a, b}; }
 static inline half __float2half(float f) { return (half)f; }
 static inline half __float2half_rn(float f) { return (half)f; }
 static inline float __half2float(half h) { return (float)h; }
 static inline __half2 __floats2half2_rn(float a, float b) { return {(half)a, (half)b}; }
 static inline float2 __half22float2(__half2 h) { return {(float)h.x, (float)h.y}; }
+static inline __half2 __half2half2(half h) { return {h, h}; }
 // one rounding to fp16 of the exact result (double holds fp16 sums and products exactly)
 static inline half emu_h(double v) { return (half)v; }
 static inline __half2 __hadd2(__half2 a, __half2 b) {

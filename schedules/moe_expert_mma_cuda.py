@@ -1,0 +1,401 @@
+"""DeepSeekMoE decode of a batch on CUDA, expert-major on tensor cores (lab kernels, not wired).
+
+:mod:`.moe_expert_major_cuda` reads every expert the batch selects once, but its SIMT dot
+products run ~640 instructions a weight row (schedules/results/moe_decode.md, round 10), so it
+loses to the token-major kernels that re-read the experts. Here the same plan and items (an
+expert's (token, slot) pairs in chunks of at most :data:`MMA_TOKENS`, times blocks of ``rows``
+weight rows) go through ``mma.sync.m16n8k16`` with the weights as A (16 rows) and the chunk's
+tokens as B (N = 8): one MMA is 16 rows x 16 inputs x 8 tokens, and a weight is dequantised once
+for all the chunk's tokens.
+
+**The fragments from the INT4 layout as it is.** The weights stay in the layout of
+:mod:`dsv2_mlc.passes.quantize_int4` (``[rows, K/8]`` words, element ``8 j + i`` in nibble ``i``
+of word ``j``), which the token-major kernels read too. An MMA's reduction order over its 16
+inputs does not matter as long as A and B agree, so each lane takes 32 *consecutive* inputs of its
+rows: in a run of 128 inputs, lane ``(g, t)`` (``g = lane / 4``, ``t = lane % 4``) loads the 16
+bytes ``[16 t, 16 t + 16)`` of rows ``g`` and ``g + 8`` (one ``uint4`` each: 4 words), and word
+``i`` feeds two MMA steps. A word dequantises (the exact ``1024 + nibble`` trick of
+:func:`~.decode_gemv_cuda.dot32_source`) to the half2 pairs ``(n0, n4), (n1, n5), (n2, n6), (n3,
+n7)``, times the group's scale (one fp16 rounding, as the prefill MMA kernels do); step ``2 i``
+takes pairs 0 and 1 as its logical inputs ``(2t, 2t+1)`` and ``(2t+8, 2t+9)``, step ``2 i + 1``
+pairs 2 and 3. The chunk's activations are staged in shared memory in the same pair order
+(``dsv2_pair8``), so B is one 8-byte load per step; rows are padded so that the warp's 32 loads
+hit every bank pair twice (two wavefronts, the minimum for 256 bytes).
+
+1. :func:`moe_gate_up_expert_mma`: per item, the chunk's ``x`` rows in shared memory; each warp a
+   16-row tile of gate rows and the matching up rows (two MMAs per B fragment), the next 128
+   inputs' words loaded before this run's MMAs; ``h = silu(gate) * up`` from the float32
+   accumulators, written for the chunk's pairs (the layout of the token-major kernels).
+2. :func:`moe_down_expert_mma`: per item, the chunk's pairs' ``h`` slices in shared memory; each
+   warp a 16-row tile of output rows, ``part[t, slot, o]`` in float32 (unweighted, every element
+   written by one item: the weighted sum stays deterministic).
+
+Shapes: ``hidden``, ``inter`` and the shared intermediate multiples of 128, the group a multiple
+of 32 (a lane's 32 inputs share a scale), ``rows`` a multiple of 16. The reference is float64
+NumPy (``tests/test_moe_expert_mma_emulation.py``; the MMA emulated with warp shuffles).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tvm import tirx
+
+from .cuda_call import WAIT_THEN_RELEASE, grid_wait_source, token_grid_call
+from .decode_gemv_cuda import dot32_source
+from .moe_decode_cuda import MoeDecodeShape
+from .moe_expert_major_cuda import (
+    down_params,
+    gate_up_params,
+    items_head,
+    plan_bytes,
+    plan_source,
+)
+
+__all__ = [
+    "MMA_DOWN_TILES",
+    "MMA_GATE_UP_TILES",
+    "MMA_TOKENS",
+    "MmaTiles",
+    "expert_mma_unsupported",
+    "moe_down_expert_mma",
+    "moe_gate_up_expert_mma",
+]
+
+MMA_TOKENS = 8  # pairs of a chunk: the MMA's N
+_RUN = 128  # inputs a warp's 4 lanes of a row cover per step of the K loop (16 bytes a lane)
+_SHARED_LIMIT = 48 * 1024
+
+
+@dataclass(frozen=True)
+class MmaTiles:
+    """``blocks`` of ``warps`` warps; an item is ``rows`` weight rows (a multiple of 16) of one
+    expert for a chunk of at most :data:`MMA_TOKENS` pairs."""
+
+    warps: int = 4
+    blocks: int = 264
+    rows: int = 64
+
+    @property
+    def name(self) -> str:
+        return f"w{self.warps}_b{self.blocks}_r{self.rows}"
+
+
+MMA_GATE_UP_TILES = MmaTiles(warps=4, blocks=396, rows=64)
+MMA_DOWN_TILES = MmaTiles(warps=4, blocks=264, rows=64)
+
+
+def _stride(width: int) -> int:
+    """Words (half2) of a staged row of ``width`` values: padded to 2 mod 32 (conflict-free B)."""
+    return width // 2 + (2 - width // 2) % 32
+
+
+def expert_mma_unsupported(s: MoeDecodeShape, tiles: MmaTiles = MMA_DOWN_TILES) -> str | None:
+    """Why these kernels cannot run shape ``s`` with ``tiles`` (None: they can)."""
+    for name, dim in (("hidden", s.hidden), ("inter", s.inter), ("shared", s.shared_inter)):
+        if dim <= 0 or dim % _RUN:
+            return f"{name} {dim} is not a positive multiple of {_RUN}"
+    if s.group % 32 or s.hidden % s.group or s.inter % s.group or s.shared_inter % s.group:
+        return f"group {s.group} is not a multiple of 32 dividing every width"
+    if tiles.warps < 1 or tiles.blocks < 1 or tiles.rows < 16 or tiles.rows % 16:
+        return f"bad tiles {tiles}"
+    widest = max(s.hidden, s.inter, s.shared_inter)
+    if 4 * MMA_TOKENS * _stride(widest) + plan_bytes(s) + 256 > _SHARED_LIMIT:
+        return f"{MMA_TOKENS} staged rows of {widest} fp16 values do not fit in shared memory"
+    return None
+
+
+def _mma_source() -> str:
+    """CUDA: ``dsv2_mma16816(c, a, b)`` (``c += A B``, fp16 in, fp32 accumulators; emulated with
+    shuffles off the GPU), ``dsv2_emm_deq8(q, scale, hv)`` (a word's 8 nibbles as the pairs
+    ``(n0, n4) .. (n3, n7)`` minus 8, times ``scale``) and ``dsv2_emm_stage`` (a staged row)."""
+    return """
+#ifndef DSV2_EMM_MMA
+#define DSV2_EMM_MMA
+__device__ __forceinline__ void dsv2_mma16816(float* c, const unsigned* a, const unsigned* b) {
+#if defined(__CUDA_ARCH__)
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#else
+  // lane (g, t): a[0] / a[1] rows g / g + 8 at logical inputs 2t, 2t + 1; a[2] / a[3] at 2t + 8,
+  // 2t + 9; b[0] / b[1] column g at the same inputs; c[j] (row g), c[2 + j] (row g + 8), column
+  // 2t + j
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  auto f = [](unsigned v, int hi) {
+    __half2 h;
+    memcpy(&h, &v, 4);
+    return (double)(hi ? h.y : h.x);
+  };
+  double acc[4] = {c[0], c[1], c[2], c[3]};
+  for (int q = 0; q < 4; ++q) {
+    unsigned A[4];
+    for (int r = 0; r < 4; ++r) A[r] = __shfl_sync(0xffffffffu, a[r], g * 4 + q);
+    for (int j = 0; j < 2; ++j) {
+      const unsigned B0 = __shfl_sync(0xffffffffu, b[0], (2 * t + j) * 4 + q);
+      const unsigned B1 = __shfl_sync(0xffffffffu, b[1], (2 * t + j) * 4 + q);
+      for (int m = 0; m < 2; ++m)
+        acc[2 * m + j] += f(A[m], 0) * f(B0, 0) + f(A[m], 1) * f(B0, 1) +
+                          f(A[2 + m], 0) * f(B1, 0) + f(A[2 + m], 1) * f(B1, 1);
+    }
+  }
+  for (int r = 0; r < 4; ++r) c[r] = (float)acc[r];
+#endif
+}
+__device__ __forceinline__ unsigned dsv2_emm_h2u(__half2 v) {
+  return *reinterpret_cast<unsigned*>(&v);
+}
+__device__ __forceinline__ __half2 dsv2_emm_u2h(unsigned v) {
+  return *reinterpret_cast<__half2*>(&v);
+}
+__device__ __forceinline__ void dsv2_emm_deq8(unsigned q, __half2 scale, unsigned* hv) {
+  const unsigned q8 = q >> 8;
+  const __half2 lo_b = dsv2_emm_u2h(0x64086408u), hi_m = dsv2_emm_u2h(0x2c002c00u);
+  const __half2 hi_b = dsv2_emm_u2h(0xd480d480u);
+  hv[0] = dsv2_emm_h2u(__hmul2(__hsub2(dsv2_emm_u2h((q & 0x000f000fu) | 0x64006400u), lo_b),
+                                scale));
+  hv[1] = dsv2_emm_h2u(__hmul2(__hfma2(dsv2_emm_u2h((q & 0x00f000f0u) | 0x64006400u), hi_m,
+                                        hi_b), scale));
+  hv[2] = dsv2_emm_h2u(__hmul2(__hsub2(dsv2_emm_u2h((q8 & 0x000f000fu) | 0x64006400u), lo_b),
+                                scale));
+  hv[3] = dsv2_emm_h2u(__hmul2(__hfma2(dsv2_emm_u2h((q8 & 0x00f000f0u) | 0x64006400u), hi_m,
+                                        hi_b), scale));
+}
+// 8 values of a row into its staged copy (pair order), 8-byte stores: `dst` word 4 v
+__device__ __forceinline__ void dsv2_emm_stage(unsigned* dst, uint4 v) {
+  const uint4 p = dsv2_pair8(v);
+  reinterpret_cast<uint2*>(dst)[0] = make_uint2(p.x, p.y);
+  reinterpret_cast<uint2*>(dst)[1] = make_uint2(p.z, p.w);
+}
+#endif
+"""
+
+
+def _tile_loop(rows_words: str, width: int, tiles_a: int, group: int) -> str:
+    """CUDA: the K loop of a warp's 16-row tile over ``width`` inputs for ``tiles_a`` A tiles
+    (gate and up: 2; down: 1) sharing each B fragment. Expects ``wr[m]`` (tile m's row ``g``
+    words; row ``g + 8`` is ``rows_words`` further on), ``sr[m]`` (its scales, ``width / group``
+    a row), ``xs`` (the staged rows, ``XS`` words each), ``acc[m][4]``, ``g``, ``t``."""
+    ng = width // _RUN
+    return f"""
+        uint4 wq[{tiles_a}][2], nq[{tiles_a}][2];
+        __half2 sc[{tiles_a}][2], ns[{tiles_a}][2];
+        auto load = [&](int gi, uint4 (&q)[{tiles_a}][2], __half2 (&sv)[{tiles_a}][2]) {{
+          const int col = gi * {_RUN} + t * 32;
+#pragma unroll
+          for (int m = 0; m < {tiles_a}; ++m)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {{
+              const long long row = (long long)h * 8;
+              q[m][h] = reinterpret_cast<const uint4*>(wr[m] + row * {rows_words} + col / 8)[0];
+              sv[m][h] = __half2half2(sr[m][row * {width // group} + col / {group}]);
+            }}
+        }};
+        load(0, wq, sc);
+        for (int gi = 0; gi < {ng}; ++gi) {{
+          if (gi + 1 < {ng}) load(gi + 1, nq, ns);
+          const unsigned* xb = xs + g * XS + gi * {_RUN // 2} + t * 16;
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {{
+            unsigned hv[{tiles_a}][2][4];
+#pragma unroll
+            for (int m = 0; m < {tiles_a}; ++m)
+#pragma unroll
+              for (int h = 0; h < 2; ++h)
+                dsv2_emm_deq8(reinterpret_cast<const unsigned*>(&wq[m][h])[i], sc[m][h],
+                              hv[m][h]);
+#pragma unroll
+            for (int p = 0; p < 2; ++p) {{
+              const uint2 bx = reinterpret_cast<const uint2*>(xb + 4 * i + 2 * p)[0];
+              const unsigned b[2] = {{bx.x, bx.y}};
+#pragma unroll
+              for (int m = 0; m < {tiles_a}; ++m) {{
+                const unsigned a[4] = {{hv[m][0][2 * p], hv[m][1][2 * p], hv[m][0][2 * p + 1],
+                                       hv[m][1][2 * p + 1]}};
+                dsv2_mma16816(acc[m], a, b);
+              }}
+            }}
+          }}
+          if (gi + 1 < {ng}) {{
+#pragma unroll
+            for (int m = 0; m < {tiles_a}; ++m)
+#pragma unroll
+              for (int h = 0; h < 2; ++h) {{
+                wq[m][h] = nq[m][h];
+                sc[m][h] = ns[m][h];
+              }}
+          }}
+        }}
+"""
+
+
+def gate_up_source(s: MoeDecodeShape, tiles: MmaTiles) -> tuple[str, str]:
+    """(device function name, CUDA source) of :func:`moe_gate_up_expert_mma`."""
+    H, NI, IS, K, G, E = s.hidden, s.inter, s.shared_inter, s.top_k, s.group, s.experts
+    W, NB, R = tiles.warps, tiles.blocks, tiles.rows
+    T, TM, XS = 32 * W, MMA_TOKENS, _stride(H)
+    tag = f"h{H}_i{NI}_s{IS}_e{E}_k{K}_g{G}_{tiles.name}_mma"
+    name = f"dsv2_emm_gu_{tag}"
+    total = K * NI + IS
+    src = f"""
+#ifndef DSV2_EMM_GU_{tag}
+#define DSV2_EMM_GU_{tag}
+__device__ __forceinline__ void {name}(const half* __restrict__ x, const int* __restrict__ ids,
+    const unsigned* __restrict__ w, const half* __restrict__ s, const unsigned* __restrict__ sw,
+    const half* __restrict__ ss, half* __restrict__ hout, long long n, int blk, int tid) {{
+  __shared__ dsv2_em_plan_{tag} P;
+  __shared__ __align__(16) unsigned xs[{TM * XS}];
+  constexpr int XS = {XS};
+  const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const int rbr = {-(-NI // R)}, rbs = {-(-IS // R)};  // row blocks of a routed / shared chunk
+  {WAIT_THEN_RELEASE}
+{items_head(tag, TM, NB)}      if (c != staged) {{  // the chunk's tokens' x rows, pair order
+        __syncthreads();
+        for (int v = tid; v < np * {H // 8}; v += {T}) {{
+          const int k = v / {H // 8}, q = v - k * {H // 8};
+          const uint4* row = reinterpret_cast<const uint4*>(
+              x + (t0 + P.pair[first + k] / {K + 1}) * {H});
+          dsv2_emm_stage(xs + k * XS + 4 * q, row[q]);
+        }}
+        __syncthreads();
+        staged = c;
+      }}
+      const bool sh = e == {E};
+      const unsigned* ew = sh ? sw : w + (long long)e * {2 * NI * (H // 8)};
+      const half* es = sh ? ss : s + (long long)e * {2 * NI * (H // G)};
+      const long long up = sh ? {IS} : {NI};
+      const int r1 = min(sh ? {IS} : {NI}, (rb + 1) * {R});
+      for (int r = rb * {R} + 16 * warp; r < r1; r += {16 * W}) {{  // a tile of 16 rows
+        const unsigned* wr[2] = {{ew + (r + g) * {H // 8}, ew + (r + up + g) * {H // 8}}};
+        const half* sr[2] = {{es + (r + g) * {H // G}, es + (r + up + g) * {H // G}}};
+        float acc[2][4] = {{{{0.f, 0.f, 0.f, 0.f}}, {{0.f, 0.f, 0.f, 0.f}}}};
+{_tile_loop(str(H // 8), H, 2, G)}
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {{  // row r + g (+ 8), pair 2 t (+ 1)
+          const int k = 2 * t + (j & 1);
+          if (k < np) {{
+            const int pr = P.pair[first + k], tok = pr / {K + 1}, slot = pr - tok * {K + 1};
+            const float gv = acc[0][j], uv = acc[1][j];
+            hout[(t0 + tok) * {total} + slot * {NI} + r + g + 8 * (j >> 1)] =
+                __float2half(gv / (1.f + __expf(-gv)) * uv);
+          }}
+        }}
+      }}
+    }}
+    __syncthreads();  // this group's plan and rows are read no more
+  }}
+}}
+#endif
+"""
+    head = dot32_source(16) + _mma_source() + grid_wait_source()
+    return name, head + plan_source(s, tag, T) + src
+
+
+def down_source(s: MoeDecodeShape, tiles: MmaTiles) -> tuple[str, str]:
+    """(device function name, CUDA source) of :func:`moe_down_expert_mma`."""
+    H, NI, IS, K, G, E = s.hidden, s.inter, s.shared_inter, s.top_k, s.group, s.experts
+    W, NB, R = tiles.warps, tiles.blocks, tiles.rows
+    T, TM = 32 * W, MMA_TOKENS
+    XS = _stride(max(NI, IS))
+    tag = f"h{H}_i{NI}_s{IS}_e{E}_k{K}_g{G}_{tiles.name}_mma"
+    name = f"dsv2_emm_dn_{tag}"
+    total = K * NI + IS
+
+    def body(width: int) -> str:
+        return f"""        const unsigned* wr[1] = {{ew + (long long)(o + g) * {width // 8}}};
+        const half* sr[1] = {{es + (long long)(o + g) * {width // G}}};
+{_tile_loop(str(width // 8), width, 1, G)}"""
+
+    src = f"""
+#ifndef DSV2_EMM_DN_{tag}
+#define DSV2_EMM_DN_{tag}
+__device__ __forceinline__ void {name}(const half* __restrict__ h, const int* __restrict__ ids,
+    const unsigned* __restrict__ w, const half* __restrict__ s, const unsigned* __restrict__ sw,
+    const half* __restrict__ ss, float* __restrict__ part, long long n, int blk, int tid) {{
+  __shared__ dsv2_em_plan_{tag} P;
+  __shared__ __align__(16) unsigned xs[{TM * XS}];
+  constexpr int XS = {XS};
+  const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const int rbr = {-(-H // R)}, rbs = rbr;  // row blocks of a chunk (H outputs)
+  {WAIT_THEN_RELEASE}
+{items_head(tag, TM, NB)}      const bool sh = e == {E};
+      const int width = sh ? {IS} : {NI};
+      if (c != staged) {{  // the chunk's pairs' h slices, pair order
+        __syncthreads();
+        for (int v = tid; v < np * (width / 8); v += {T}) {{
+          const int k = v / (width / 8), q = v - k * (width / 8);
+          const int pr = P.pair[first + k], tok = pr / {K + 1}, slot = pr - tok * {K + 1};
+          const uint4* row = reinterpret_cast<const uint4*>(h + (t0 + tok) * {total} + slot * {NI});
+          dsv2_emm_stage(xs + k * XS + 4 * q, row[q]);
+        }}
+        __syncthreads();
+        staged = c;
+      }}
+      const unsigned* ew = sh ? sw : w + (long long)e * {H * (NI // 8)};
+      const half* es = sh ? ss : s + (long long)e * {H * (NI // G)};
+      const int o1 = min({H}, (rb + 1) * {R});
+      for (int o = rb * {R} + 16 * warp; o < o1; o += {16 * W}) {{  // a tile of 16 outputs
+        float acc[1][4] = {{{{0.f, 0.f, 0.f, 0.f}}}};
+        if (sh) {{
+{body(IS)}
+        }} else {{
+{body(NI)}
+        }}
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {{  // output o + g (+ 8), pair 2 t (+ 1)
+          const int k = 2 * t + (j & 1);
+          if (k < np) {{
+            const int pr = P.pair[first + k], tok = pr / {K + 1}, slot = pr - tok * {K + 1};
+            part[((t0 + tok) * {K + 1} + slot) * {H} + o + g + 8 * (j >> 1)] = acc[0][j];
+          }}
+        }}
+      }}
+    }}
+    __syncthreads();  // this group's plan and rows are read no more
+  }}
+}}
+#endif
+"""
+    head = dot32_source(16) + _mma_source() + grid_wait_source()
+    return name, head + plan_source(s, tag, T) + src
+
+
+def _check(s: MoeDecodeShape, tiles: MmaTiles) -> None:
+    why = expert_mma_unsupported(s, tiles)
+    if why is not None:
+        raise ValueError(f"the expert-major MMA MoE kernels cannot take {s}: {why}")
+
+
+def moe_gate_up_expert_mma(s: MoeDecodeShape, tiles: MmaTiles = MMA_GATE_UP_TILES) -> tirx.PrimFunc:
+    """:func:`~.moe_expert_major_cuda.moe_gate_up_expert_major`'s signature and result (``h``
+    of the routed slots and the shared experts), on tensor cores (module docstring, 1.)."""
+    _check(s, tiles)
+    name, src = gate_up_source(s, tiles)
+    return token_grid_call(
+        "moe_expert_mma_gate_up",
+        name,
+        src,
+        gate_up_params(s),
+        tiles.blocks,
+        32 * tiles.warps,
+        per_token=False,
+    )
+
+
+def moe_down_expert_mma(s: MoeDecodeShape, tiles: MmaTiles = MMA_DOWN_TILES) -> tirx.PrimFunc:
+    """:func:`~.moe_expert_major_cuda.moe_down_expert_major`'s signature and result (each
+    routed slot's and the shared experts' down projection, unweighted, float32), on tensor cores
+    (module docstring, 2.)."""
+    _check(s, tiles)
+    name, src = down_source(s, tiles)
+    return token_grid_call(
+        "moe_expert_mma_down",
+        name,
+        src,
+        down_params(s),
+        tiles.blocks,
+        32 * tiles.warps,
+        per_token=False,
+    )
