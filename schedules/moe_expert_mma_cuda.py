@@ -64,7 +64,7 @@ __all__ = [
 
 MMA_TOKENS = 8  # pairs of a chunk: the MMA's N
 _RUN = 128  # inputs a warp's 4 lanes of a row cover per step of the K loop (16 bytes a lane)
-_SHARED_LIMIT = 48 * 1024
+_SHARED_LIMIT = 227 * 1024  # an sm_90 block's shared memory (dynamic past 48 KB)
 
 
 @dataclass(frozen=True)
@@ -81,8 +81,10 @@ class MmaTiles:
         return f"w{self.warps}_b{self.blocks}_r{self.rows}"
 
 
-MMA_GATE_UP_TILES = MmaTiles(warps=4, blocks=396, rows=64)
-MMA_DOWN_TILES = MmaTiles(warps=4, blocks=264, rows=64)
+# Items of one 16-row tile, its runs of 128 inputs split among the 4 warps (batch 1: 704 gate/up
+# and 896 down items, every block busy)
+MMA_GATE_UP_TILES = MmaTiles(warps=4, blocks=396, rows=16)
+MMA_DOWN_TILES = MmaTiles(warps=4, blocks=264, rows=16)
 
 
 def _stride(width: int) -> int:
@@ -100,7 +102,7 @@ def expert_mma_unsupported(s: MoeDecodeShape, tiles: MmaTiles = MMA_DOWN_TILES) 
     if tiles.warps < 1 or tiles.blocks < 1 or tiles.rows < 16 or tiles.rows % 16:
         return f"bad tiles {tiles}"
     widest = max(s.hidden, s.inter, s.shared_inter)
-    if 4 * MMA_TOKENS * _stride(widest) + plan_bytes(s) + 256 > _SHARED_LIMIT:
+    if _dyn_bytes(s, tiles, widest, 2) + plan_bytes(s) + 256 > _SHARED_LIMIT:
         return f"{MMA_TOKENS} staged rows of {widest} fp16 values do not fit in shared memory"
     return None
 
@@ -174,11 +176,11 @@ __device__ __forceinline__ void dsv2_emm_stage(unsigned* dst, uint4 v) {
 
 
 def _tile_loop(rows_words: str, width: int, tiles_a: int, group: int) -> str:
-    """CUDA: the K loop of a warp's 16-row tile over ``width`` inputs for ``tiles_a`` A tiles
-    (gate and up: 2; down: 1) sharing each B fragment. Expects ``wr[m]`` (tile m's row ``g``
-    words; row ``g + 8`` is ``rows_words`` further on), ``sr[m]`` (its scales, ``width / group``
-    a row), ``xs`` (the staged rows, ``XS`` words each), ``acc[m][4]``, ``g``, ``t``."""
-    ng = width // _RUN
+    """CUDA: the K loop of a warp's 16-row tile over the runs ``[g0, g1)`` of 128 of ``width``
+    inputs for ``tiles_a`` A tiles (gate and up: 2; down: 1) sharing each B fragment. Expects
+    ``wr[m]`` (tile m's row ``g`` words; row ``g + 8`` is ``rows_words`` further on), ``sr[m]``
+    (its scales, ``width / group`` a row), ``xs`` (the staged rows, ``XS`` words each),
+    ``acc[m][4]``, ``g``, ``t``, ``g0``, ``g1``."""
     return f"""
         uint4 wq[{tiles_a}][2], nq[{tiles_a}][2];
         __half2 sc[{tiles_a}][2], ns[{tiles_a}][2];
@@ -193,9 +195,9 @@ def _tile_loop(rows_words: str, width: int, tiles_a: int, group: int) -> str:
               sv[m][h] = __half2half2(sr[m][row * {width // group} + col / {group}]);
             }}
         }};
-        load(0, wq, sc);
-        for (int gi = 0; gi < {ng}; ++gi) {{
-          if (gi + 1 < {ng}) load(gi + 1, nq, ns);
+        if (g0 < g1) load(g0, wq, sc);
+        for (int gi = g0; gi < g1; ++gi) {{
+          if (gi + 1 < g1) load(gi + 1, nq, ns);
           const unsigned* xb = xs + g * XS + gi * {_RUN // 2} + t * 16;
 #pragma unroll
           for (int i = 0; i < 4; ++i) {{
@@ -218,7 +220,7 @@ def _tile_loop(rows_words: str, width: int, tiles_a: int, group: int) -> str:
               }}
             }}
           }}
-          if (gi + 1 < {ng}) {{
+          if (gi + 1 < g1) {{
 #pragma unroll
             for (int m = 0; m < {tiles_a}; ++m)
 #pragma unroll
@@ -231,26 +233,101 @@ def _tile_loop(rows_words: str, width: int, tiles_a: int, group: int) -> str:
 """
 
 
+def _units(first: str, last: str, warps: int, runs: str, tiles_a: int, body: str, emit: str) -> str:
+    """CUDA: an item's rows ``[first, last)`` as 16-row tiles; with fewer tiles than warps each
+    tile's runs of 128 inputs (``runs``) split among ``warps / tiles`` warps (``g0``, ``g1``),
+    their accumulators summed through shared memory (``red``) in a fixed order. ``body``
+    computes ``acc`` for the tile at row ``r``; ``emit`` writes ``acc`` of the tile at ``r``."""
+    per = tiles_a * 4 * 32
+    return f"""      {{
+        const int nt = ({last} - {first}) / 16, parts = nt >= {warps} ? 1 : {warps} / nt;
+        for (int u = warp; u < nt * parts; u += {warps}) {{
+          const int r = {first} + 16 * (u % nt), kp = u / nt;
+          const int g0 = kp * ({runs}) / parts, g1 = (kp + 1) * ({runs}) / parts;
+          float acc[{tiles_a}][4] = {{}};
+{body}
+          if (parts == 1) {{
+{emit}
+          }} else {{
+#pragma unroll
+            for (int m = 0; m < {tiles_a}; ++m)
+#pragma unroll
+              for (int j = 0; j < 4; ++j) red[u * {per} + (m * 4 + j) * 32 + lane] = acc[m][j];
+          }}
+        }}
+        if (parts > 1) {{  // the first warp of each tile sums its parts in order
+          __syncthreads();
+          for (int u = warp; u < nt; u += {warps}) {{
+            const int r = {first} + 16 * u;
+            float acc[{tiles_a}][4];
+#pragma unroll
+            for (int m = 0; m < {tiles_a}; ++m)
+#pragma unroll
+              for (int j = 0; j < 4; ++j) {{
+                float v = 0.f;
+                for (int kp = 0; kp < parts; ++kp)
+                  v += red[(kp * nt + u) * {per} + (m * 4 + j) * 32 + lane];
+                acc[m][j] = v;
+              }}
+{emit}
+          }}
+          __syncthreads();  // red is the next item's
+        }}
+      }}
+"""
+
+
+def _dyn_bytes(s: MoeDecodeShape, tiles: MmaTiles, width: int, tiles_a: int) -> int:
+    """Dynamic shared memory: the chunk's staged rows of ``width`` values, then the K split's
+    partial accumulators (``tiles_a`` A tiles, a float per lane and fragment, per warp)."""
+    return 4 * MMA_TOKENS * _stride(width) + 4 * tiles.warps * tiles_a * 4 * 32
+
+
+def _head(name: str, params: str, tag: str, width: int) -> str:
+    """CUDA: a kernel's device function head: the plan, the staged rows ``xs`` and ``red`` in
+    dynamic shared memory, the lane's fragment coordinates, the PDL wait."""
+    return f"""
+__device__ __forceinline__ void {name}({params}, unsigned* __restrict__ smem,
+    unsigned* smem_end, long long n, int blk, int tid) {{
+  __shared__ dsv2_em_plan_{tag} P;
+  constexpr int XS = {_stride(width)};
+  unsigned* xs = smem;  // [{MMA_TOKENS}][XS]: the chunk's rows, pair order
+  float* red = reinterpret_cast<float*>(smem + {MMA_TOKENS} * XS);  // the K split's partials
+  const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  {WAIT_THEN_RELEASE}
+"""
+
+
 def gate_up_source(s: MoeDecodeShape, tiles: MmaTiles) -> tuple[str, str]:
     """(device function name, CUDA source) of :func:`moe_gate_up_expert_mma`."""
     H, NI, IS, K, G, E = s.hidden, s.inter, s.shared_inter, s.top_k, s.group, s.experts
     W, NB, R = tiles.warps, tiles.blocks, tiles.rows
-    T, TM, XS = 32 * W, MMA_TOKENS, _stride(H)
+    T, TM = 32 * W, MMA_TOKENS
     tag = f"h{H}_i{NI}_s{IS}_e{E}_k{K}_g{G}_{tiles.name}_mma"
     name = f"dsv2_emm_gu_{tag}"
     total = K * NI + IS
+    params = """const half* __restrict__ x, const int* __restrict__ ids,
+    const unsigned* __restrict__ w, const half* __restrict__ s, const unsigned* __restrict__ sw,
+    const half* __restrict__ ss, half* __restrict__ hout"""
+    body = f"""          const unsigned* wr[2] = {{ew + (r + g) * {H // 8},
+                                    ew + (r + up + g) * {H // 8}}};
+          const half* sr[2] = {{es + (r + g) * {H // G}, es + (r + up + g) * {H // G}}};
+{_tile_loop(str(H // 8), H, 2, G)}"""
+    emit = f"""#pragma unroll
+            for (int j = 0; j < 4; ++j) {{  // row r + g (+ 8), pair 2 t (+ 1)
+              const int k = 2 * t + (j & 1);
+              if (k < np) {{
+                const int pr = P.pair[first + k], tok = pr / {K + 1}, slot = pr - tok * {K + 1};
+                const float gv = acc[0][j], uv = acc[1][j];
+                hout[(t0 + tok) * {total} + slot * {NI} + r + g + 8 * (j >> 1)] =
+                    __float2half(gv / (1.f + __expf(-gv)) * uv);
+              }}
+            }}"""
     src = f"""
 #ifndef DSV2_EMM_GU_{tag}
 #define DSV2_EMM_GU_{tag}
-__device__ __forceinline__ void {name}(const half* __restrict__ x, const int* __restrict__ ids,
-    const unsigned* __restrict__ w, const half* __restrict__ s, const unsigned* __restrict__ sw,
-    const half* __restrict__ ss, half* __restrict__ hout, long long n, int blk, int tid) {{
-  __shared__ dsv2_em_plan_{tag} P;
-  __shared__ __align__(16) unsigned xs[{TM * XS}];
-  constexpr int XS = {XS};
-  const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
-  const int rbr = {-(-NI // R)}, rbs = {-(-IS // R)};  // row blocks of a routed / shared chunk
-  {WAIT_THEN_RELEASE}
+{_head(name, params, tag, H)}  // row blocks of a routed / shared chunk
+  const int rbr = {-(-NI // R)}, rbs = {-(-IS // R)};
 {items_head(tag, TM, NB)}      if (c != staged) {{  // the chunk's tokens' x rows, pair order
         __syncthreads();
         for (int v = tid; v < np * {H // 8}; v += {T}) {{
@@ -266,24 +343,8 @@ __device__ __forceinline__ void {name}(const half* __restrict__ x, const int* __
       const unsigned* ew = sh ? sw : w + (long long)e * {2 * NI * (H // 8)};
       const half* es = sh ? ss : s + (long long)e * {2 * NI * (H // G)};
       const long long up = sh ? {IS} : {NI};
-      const int r1 = min(sh ? {IS} : {NI}, (rb + 1) * {R});
-      for (int r = rb * {R} + 16 * warp; r < r1; r += {16 * W}) {{  // a tile of 16 rows
-        const unsigned* wr[2] = {{ew + (r + g) * {H // 8}, ew + (r + up + g) * {H // 8}}};
-        const half* sr[2] = {{es + (r + g) * {H // G}, es + (r + up + g) * {H // G}}};
-        float acc[2][4] = {{{{0.f, 0.f, 0.f, 0.f}}, {{0.f, 0.f, 0.f, 0.f}}}};
-{_tile_loop(str(H // 8), H, 2, G)}
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {{  // row r + g (+ 8), pair 2 t (+ 1)
-          const int k = 2 * t + (j & 1);
-          if (k < np) {{
-            const int pr = P.pair[first + k], tok = pr / {K + 1}, slot = pr - tok * {K + 1};
-            const float gv = acc[0][j], uv = acc[1][j];
-            hout[(t0 + tok) * {total} + slot * {NI} + r + g + 8 * (j >> 1)] =
-                __float2half(gv / (1.f + __expf(-gv)) * uv);
-          }}
-        }}
-      }}
-    }}
+      const int r0 = rb * {R}, r1 = min(sh ? {IS} : {NI}, r0 + {R});
+{_units("r0", "r1", W, str(H // _RUN), 2, body, emit)}    }}
     __syncthreads();  // this group's plan and rows are read no more
   }}
 }}
@@ -298,28 +359,34 @@ def down_source(s: MoeDecodeShape, tiles: MmaTiles) -> tuple[str, str]:
     H, NI, IS, K, G, E = s.hidden, s.inter, s.shared_inter, s.top_k, s.group, s.experts
     W, NB, R = tiles.warps, tiles.blocks, tiles.rows
     T, TM = 32 * W, MMA_TOKENS
-    XS = _stride(max(NI, IS))
     tag = f"h{H}_i{NI}_s{IS}_e{E}_k{K}_g{G}_{tiles.name}_mma"
     name = f"dsv2_emm_dn_{tag}"
     total = K * NI + IS
+    params = """const half* __restrict__ h, const int* __restrict__ ids,
+    const unsigned* __restrict__ w, const half* __restrict__ s, const unsigned* __restrict__ sw,
+    const half* __restrict__ ss, float* __restrict__ part"""
 
     def body(width: int) -> str:
-        return f"""        const unsigned* wr[1] = {{ew + (long long)(o + g) * {width // 8}}};
-        const half* sr[1] = {{es + (long long)(o + g) * {width // G}}};
+        return f"""          const unsigned* wr[1] = {{ew + (long long)(r + g) * {width // 8}}};
+          const half* sr[1] = {{es + (long long)(r + g) * {width // G}}};
 {_tile_loop(str(width // 8), width, 1, G)}"""
 
+    emit = f"""#pragma unroll
+            for (int j = 0; j < 4; ++j) {{  // output r + g (+ 8), pair 2 t (+ 1)
+              const int k = 2 * t + (j & 1);
+              if (k < np) {{
+                const int pr = P.pair[first + k], tok = pr / {K + 1}, slot = pr - tok * {K + 1};
+                part[((t0 + tok) * {K + 1} + slot) * {H} + r + g + 8 * (j >> 1)] = acc[0][j];
+              }}
+            }}"""
+    units = f"""      if (sh) {{
+{_units("r0", "r1", W, str(IS // _RUN), 1, body(IS), emit)}      }} else {{
+{_units("r0", "r1", W, str(NI // _RUN), 1, body(NI), emit)}      }}
+"""
     src = f"""
 #ifndef DSV2_EMM_DN_{tag}
 #define DSV2_EMM_DN_{tag}
-__device__ __forceinline__ void {name}(const half* __restrict__ h, const int* __restrict__ ids,
-    const unsigned* __restrict__ w, const half* __restrict__ s, const unsigned* __restrict__ sw,
-    const half* __restrict__ ss, float* __restrict__ part, long long n, int blk, int tid) {{
-  __shared__ dsv2_em_plan_{tag} P;
-  __shared__ __align__(16) unsigned xs[{TM * XS}];
-  constexpr int XS = {XS};
-  const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
-  const int rbr = {-(-H // R)}, rbs = rbr;  // row blocks of a chunk (H outputs)
-  {WAIT_THEN_RELEASE}
+{_head(name, params, tag, max(NI, IS))}  const int rbr = {-(-H // R)}, rbs = rbr;  // (H outputs)
 {items_head(tag, TM, NB)}      const bool sh = e == {E};
       const int width = sh ? {IS} : {NI};
       if (c != staged) {{  // the chunk's pairs' h slices, pair order
@@ -335,24 +402,8 @@ __device__ __forceinline__ void {name}(const half* __restrict__ h, const int* __
       }}
       const unsigned* ew = sh ? sw : w + (long long)e * {H * (NI // 8)};
       const half* es = sh ? ss : s + (long long)e * {H * (NI // G)};
-      const int o1 = min({H}, (rb + 1) * {R});
-      for (int o = rb * {R} + 16 * warp; o < o1; o += {16 * W}) {{  // a tile of 16 outputs
-        float acc[1][4] = {{{{0.f, 0.f, 0.f, 0.f}}}};
-        if (sh) {{
-{body(IS)}
-        }} else {{
-{body(NI)}
-        }}
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {{  // output o + g (+ 8), pair 2 t (+ 1)
-          const int k = 2 * t + (j & 1);
-          if (k < np) {{
-            const int pr = P.pair[first + k], tok = pr / {K + 1}, slot = pr - tok * {K + 1};
-            part[((t0 + tok) * {K + 1} + slot) * {H} + o + g + 8 * (j >> 1)] = acc[0][j];
-          }}
-        }}
-      }}
-    }}
+      const int r0 = rb * {R}, r1 = min({H}, r0 + {R});
+{units}    }}
     __syncthreads();  // this group's plan and rows are read no more
   }}
 }}
@@ -381,6 +432,7 @@ def moe_gate_up_expert_mma(s: MoeDecodeShape, tiles: MmaTiles = MMA_GATE_UP_TILE
         tiles.blocks,
         32 * tiles.warps,
         per_token=False,
+        dyn_shared_bytes=_dyn_bytes(s, tiles, s.hidden, 2),
     )
 
 
@@ -398,4 +450,5 @@ def moe_down_expert_mma(s: MoeDecodeShape, tiles: MmaTiles = MMA_DOWN_TILES) -> 
         tiles.blocks,
         32 * tiles.warps,
         per_token=False,
+        dyn_shared_bytes=_dyn_bytes(s, tiles, max(s.inter, s.shared_inter), 1),
     )

@@ -44,12 +44,16 @@ MEDIUM = MoeDecodeShape(384, 128, 256, 16, 4, 64, 4, 2, True)
 @pytest.mark.parametrize(
     ("shape", "tiles", "n"),
     [
-        (SMALL, MmaTiles(warps=2, blocks=5, rows=32), 3),
-        # two plan groups, experts of several chunks, row blocks of 48 (items end mid-expert)
+        # items of one tile, its runs of 128 inputs split among 4 warps (some get none)
+        (SMALL, MmaTiles(warps=4, blocks=5, rows=16), 3),
+        # two plan groups, experts of several chunks, row blocks of 48 (items end mid-expert), a
+        # warp a tile (no split)
         (FEW, MmaTiles(warps=2, blocks=7, rows=48), GROUP_TOKENS + 5),
-        (MEDIUM, MmaTiles(warps=4, blocks=9, rows=64), 6),
+        # two tiles an item, each split in 2 (3 runs: 1 + 2), one fewer warp than the tiles
+        (MEDIUM, MmaTiles(warps=4, blocks=9, rows=32), 6),
+        (MEDIUM, MmaTiles(warps=3, blocks=4, rows=64), 5),
     ],
-    ids=["small", "two-groups", "medium"],
+    ids=["small-split4", "two-groups", "medium-split2", "medium-loop"],
 )
 def test_expert_mma_kernels_match_numpy(
     tmp_path: Path, shape: MoeDecodeShape, tiles: MmaTiles, n: int
@@ -64,6 +68,6 @@ def test_expert_mma_refuses_shapes_it_cannot_tile() -> None:
     assert "multiple of 128" in expert_mma_unsupported(narrow)
     with pytest.raises(ValueError, match="cannot take"):
         moe_gate_up_expert_mma(narrow)
-    wide = MoeDecodeShape(256, 128, 8192, 8, 2, 32)
+    wide = MoeDecodeShape(256, 128, 32768, 8, 2, 32)
     assert "shared memory" in expert_mma_unsupported(wide)
     assert "bad tiles" in expert_mma_unsupported(SMALL, MmaTiles(rows=24))
