@@ -84,6 +84,8 @@ class BenchOptions:
     lib_dir: str | None = None
     cuda_graph: bool = True
     prefill_chunk: int | None = None
+    expert_major_from: int | None = None  # None: the engine's default
+    token_major: bool = False  # every decode step on the fused per-token MoE kernels
 
     def check(self) -> None:
         """Raise :class:`BenchError` for impossible values."""
@@ -96,6 +98,8 @@ class BenchOptions:
             raise BenchError("--warmup must be >= 0; profile steps and HF tokens >= 1")
         if self.hbm_bandwidth <= 0:
             raise BenchError("--hbm-bandwidth must be positive (bytes/s)")
+        if self.expert_major_from is not None and self.expert_major_from < 1:
+            raise BenchError("--expert-major-from must be at least 1 sequence")
 
 
 # -- memory ----------------------------------------------------------------------------------------
@@ -278,6 +282,15 @@ def _one_run(engine: Any, prompts: np.ndarray, gen_len: int) -> dict[str, Any]:
     }
 
 
+def _expert_major(opts: BenchOptions) -> dict[str, int | None]:
+    """The engine's ``expert_major_from`` keyword for ``opts`` (none: its default)."""
+    if opts.token_major:
+        return {"expert_major_from": None}
+    if opts.expert_major_from is None:
+        return {}
+    return {"expert_major_from": opts.expert_major_from}
+
+
 def _graph_report(before: dict | None, after: dict | None) -> dict[str, Any] | None:
     """Decode CUDA graphs: totals, and what the timed runs themselves captured / replayed."""
     if before is None or after is None:
@@ -405,6 +418,7 @@ def _open_engine(opts: BenchOptions, log: Callable[[str], None]) -> tuple[Any, f
         lib_dir=opts.lib_dir,
         random_weights=None if has_params else opts.seed,
         cuda_graph=opts.cuda_graph,
+        **_expert_major(opts),
     )
     _sync(engine.device)
     seconds = time.perf_counter() - t0
@@ -513,6 +527,8 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None] = print) -> dict[st
         },
         "decode": {
             "steps_per_run": n_steps,
+            "expert_major": engine.expert_major_from is not None
+            and opts.batch >= engine.expert_major_from,
             "step_s": steps,
             "decode_tok_s": opts.batch * len(steps) / sum(steps) if steps else None,
             "tpot_ms_mean": float(np.mean(steps)) * 1e3 if steps else None,
@@ -645,6 +661,7 @@ def format_report(r: dict[str, Any]) -> str:
         lines.append(
             f"decode: {d['decode_tok_s']:,.1f} tok/s, TPOT p50 {d['tpot_ms_p50']:.3f} ms, "
             f"p99 {d['tpot_ms_p99']:.3f} ms ("
+            + ("expert-major MoE; " if d.get("expert_major") else "")
             + (
                 f"arg-max on the device; on the host it would take {d['host_argmax_us']:.0f} us)"
                 if d.get("argmax_on_device")

@@ -83,6 +83,18 @@ def _add_bench_command(sub: argparse._SubParsersAction) -> None:
         action="store_false",
         help="decode without CUDA graphs (each step enqueued by the VM)",
     )
+    p.add_argument(
+        "--expert-major-from",
+        type=int,
+        default=None,
+        help="decode batches of at least this many sequences read each expert they select once "
+        "(the expert-major MoE kernels on tensor cores; default: the engine's, 16)",
+    )
+    p.add_argument(
+        "--token-major",
+        action="store_true",
+        help="every decode step on the fused per-token MoE kernels",
+    )
     p.add_argument("--json", default=None, help="write the full report (every raw number) here")
     p.set_defaults(func=_bench)
 

@@ -35,6 +35,11 @@ from ..schedules.moe_decode_cuda import (
     moe_down_decode,
     moe_gate_up_decode,
 )
+from ..schedules.moe_expert_mma_cuda import (
+    expert_mma_unsupported,
+    moe_down_expert_mma,
+    moe_gate_up_expert_mma,
+)
 
 # (DEQUANTIZE_ATTR, the dequantize kernels' tag, is the kernel lab's: schedules/dequantize_cuda.py)
 
@@ -110,6 +115,22 @@ class GroupQuantEmbedding(nn.Module):
         return nn.tensor_expr_op(compute, "embedding_dequantize", args)
 
 
+def expert_major_combine_te(part: te.Tensor, weights: te.Tensor, dtype: str) -> te.Tensor:
+    """``out[t, o] = sum_j weights[t, j] * part[t, j, o] + part[t, K, o]`` in float32, the
+    slots in order then the shared experts (one elementwise kernel, a fixed order: replays give
+    the eager step's bits), cast to ``dtype``."""
+    n, k1, h = part.shape
+    k = int(k1) - 1
+
+    def out(t: Expr, o: Expr) -> Expr:
+        acc = weights[t, 0] * part[t, 0, o]
+        for j in range(1, k):
+            acc = acc + weights[t, j] * part[t, j, o]
+        return (acc + part[t, k, o]).astype(dtype)
+
+    return te.compute((n, h), out, name="moe_expert_major_combine")
+
+
 class GroupQuantExperts(nn.Module):
     """Stacked routed experts with INT4-group weights, dequantised inside the gather kernels."""
 
@@ -178,6 +199,37 @@ class GroupQuantExperts(nn.Module):
             ],
         )
         return self._down(hidden, (weights, idx, logits), shape, shared)
+
+    def expert_major_decode(
+        self, x: Tensor, logits: Tensor, gate: DeepseekV2Gate, shared: DeepseekV2MLP
+    ) -> Tensor | None:
+        """Decode of a batch on CUDA: routing (``moe_route``), then every expert the batch
+        selects read once for its tokens (:mod:`dsv2_mlc.schedules.moe_expert_mma_cuda`: the
+        routed and shared gate/up + SwiGLU, then their down projections, unweighted), then the
+        weighted sum in float32; None where :meth:`decode_shape` or the kernels do not apply."""
+        shape = self.decode_shape(x, gate, shared)
+        if shape is None or expert_mma_unsupported(shape) is not None:
+            return None
+        n, k, h = x.shape[0], shape.top_k, shape.hidden
+        weights, idx = gate.route(logits)
+        su, sd = shared.gate_up_proj, shared.down_proj
+        hidden = op.tensor_ir_op(
+            moe_gate_up_expert_mma(shape),
+            "moe_expert_major_gate_up",
+            args=[x, idx, self.gate_up_q_weight, self.gate_up_q_scale, su.q_weight, su.q_scale],
+            out=Tensor.placeholder((n, shape.total), x.dtype),
+        )
+        part = op.tensor_ir_op(
+            moe_down_expert_mma(shape),
+            "moe_expert_major_down",
+            args=[hidden, idx, self.down_q_weight, self.down_q_scale, sd.q_weight, sd.q_scale],
+            out=Tensor.placeholder((n, k + 1, h), "float32"),
+        )
+        return nn.tensor_expr_op(
+            lambda p, w: expert_major_combine_te(p, w, x.dtype),
+            "moe_expert_major_combine",
+            [part, weights],
+        )
 
     def fused_decode_routed(
         self, x: Tensor, routing: tuple[Tensor, Tensor, Tensor], shape: MoeDecodeShape,

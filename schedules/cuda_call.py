@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from tvm import tirx
+from tvm import DataType, tirx
 from tvm.script import tirx as T
 from tvm.script.ir_builder import IRBuilder
 from tvm.script.ir_builder import tirx as Tb
@@ -143,6 +143,7 @@ def token_grid_call(
     per_token: bool = True,
     dyn_shared_bytes: int = 0,
     min_blocks: int = 0,
+    dyn_dtype: str = "uint32",
 ) -> tirx.PrimFunc:
     """``f(*params)``: ``n * blocks_per_token`` blocks of ``threads`` threads, each calling
     ``fname(&params[0][0...], ..., token, block_of_token, thread)`` from ``source`` (module
@@ -151,7 +152,10 @@ def token_grid_call(
     n, block, thread)``: the kernel loops over the tokens itself (reading its weights once).
     ``dyn_shared_bytes`` > 0 gives the block that much dynamic shared memory (TVM's launcher opts
     in past 48 KB), passed as an ``unsigned*`` (16-byte aligned) right after the buffers,
-    followed by a pointer to its last word (for TVM, unused). Without a ``TOKENS`` dimension
+    followed by a pointer to its last word (for TVM, unused); as ``dyn_dtype`` elements (TVM
+    declares one ``extern __shared__`` array for every kernel of a module: kernels that share a
+    module with the float16 ``shared.dyn`` of the attention and grouped GEMM kernels take
+    ``"float16"``). Without a ``TOKENS`` dimension
     (fixed shapes; ``per_token`` must be False) the call gets 0 for ``n``. ``min_blocks`` > 0
     asks for ``__launch_bounds__(threads, min_blocks)`` (ptxas caps the registers so that many
     blocks fit an SM)."""
@@ -178,8 +182,9 @@ def token_grid_call(
                         Tb.writes()
                         pointers = [T.address_of(b[tuple(0 for _ in b.shape)]) for b in bufs]
                         if dyn_shared_bytes:
-                            words = -(-dyn_shared_bytes // 16) * 4
-                            smem = Tb.sblock_alloc_buffer((words,), "uint32", scope="shared.dyn")
+                            per16 = 128 // DataType(dyn_dtype).bits  # elements in 16 bytes
+                            words = -(-dyn_shared_bytes // 16) * per16
+                            smem = Tb.sblock_alloc_buffer((words,), dyn_dtype, scope="shared.dyn")
                             IRBuilder.name("smem", smem)
                             # the last word's address too (unused by the callee): TVM compacts a
                             # block's buffer to the region its TIR touches

@@ -1,4 +1,4 @@
-"""DeepSeekMoE decode of a batch on CUDA, expert-major on tensor cores (lab kernels, not wired).
+"""DeepSeekMoE decode of a batch on CUDA, expert-major on tensor cores (batches of 16 and more).
 
 :mod:`.moe_expert_major_cuda` reads every expert the batch selects once, but its SIMT dot
 products run ~640 instructions a weight row (schedules/results/moe_decode.md, round 10), so it
@@ -7,6 +7,13 @@ expert's (token, slot) pairs in chunks of at most :data:`MMA_TOKENS`, times bloc
 weight rows) go through ``mma.sync.m16n8k16`` with the weights as A (16 rows) and the chunk's
 tokens as B (N = 8): one MMA is 16 rows x 16 inputs x 8 tokens, and a weight is dequantised once
 for all the chunk's tokens.
+
+**In the model:** ``batch_decode_expert_major`` (``GroupQuantExperts.expert_major_decode``: the
+router's ``moe_route``, these two kernels, the float32 weighted sum), which the engine runs for
+decode steps of ``EXPERT_MAJOR_FROM`` (16) sequences and more. On the H200 (V2-Lite, prompt
+1024, greedy steps on CUDA graphs; schedules/results/moe_decode.md, round 11) it decodes 1,847
+tok/s at batch 16 against the token-major kernels' 1,767 and 2,588 against 1,857 at batch 31;
+at batch 8 it is slower (1,329 against 1,607), at batch 1 much slower (485 against 816).
 
 **The fragments from the INT4 layout as it is.** The weights stay in the layout of
 :mod:`dsv2_mlc.passes.quantize_int4` (``[rows, K/8]`` words, element ``8 j + i`` in nibble ``i``
@@ -81,10 +88,11 @@ class MmaTiles:
         return f"w{self.warps}_b{self.blocks}_r{self.rows}"
 
 
-# Items of one 16-row tile, its runs of 128 inputs split among the 4 warps (batch 1: 704 gate/up
-# and 896 down items, every block busy)
-MMA_GATE_UP_TILES = MmaTiles(warps=4, blocks=396, rows=16)
-MMA_DOWN_TILES = MmaTiles(warps=4, blocks=264, rows=16)
+# Items of 64 rows, a 16-row tile a warp (no K split). Items of one tile split 4 ways among the
+# warps (batch 1: 704 gate/up and 896 down items instead of 176 and 224) were slower at every
+# batch on the H200 (schedules/results/moe_decode.md, round 11)
+MMA_GATE_UP_TILES = MmaTiles(warps=4, blocks=396, rows=64)
+MMA_DOWN_TILES = MmaTiles(warps=4, blocks=264, rows=64)
 
 
 def _stride(width: int) -> int:
@@ -102,7 +110,7 @@ def expert_mma_unsupported(s: MoeDecodeShape, tiles: MmaTiles = MMA_DOWN_TILES) 
     if tiles.warps < 1 or tiles.blocks < 1 or tiles.rows < 16 or tiles.rows % 16:
         return f"bad tiles {tiles}"
     widest = max(s.hidden, s.inter, s.shared_inter)
-    if _dyn_bytes(s, tiles, widest, 2) + plan_bytes(s) + 256 > _SHARED_LIMIT:
+    if _smem_bytes(tiles, widest, 2) + plan_bytes(s) + 256 > _SHARED_LIMIT:
         return f"{MMA_TOKENS} staged rows of {widest} fp16 values do not fit in shared memory"
     return None
 
@@ -233,67 +241,99 @@ def _tile_loop(rows_words: str, width: int, tiles_a: int, group: int) -> str:
 """
 
 
-def _units(first: str, last: str, warps: int, runs: str, tiles_a: int, body: str, emit: str) -> str:
-    """CUDA: an item's rows ``[first, last)`` as 16-row tiles; with fewer tiles than warps each
-    tile's runs of 128 inputs (``runs``) split among ``warps / tiles`` warps (``g0``, ``g1``),
-    their accumulators summed through shared memory (``red``) in a fixed order. ``body``
-    computes ``acc`` for the tile at row ``r``; ``emit`` writes ``acc`` of the tile at ``r``."""
+def _parts(tiles: MmaTiles) -> int:
+    """Warps a 16-row tile's runs of 128 inputs are split among: 1 unless an item has fewer
+    tiles than the block has warps."""
+    return max(1, tiles.warps // (tiles.rows // 16))
+
+
+def _units(
+    first: str, last: str, tiles: MmaTiles, runs: int, tiles_a: int, body: str, emit: str
+) -> str:
+    """CUDA: an item's rows ``[first, last)`` as 16-row tiles, a warp each; with fewer tiles than
+    warps (:func:`_parts` > 1) each tile's ``runs`` runs of 128 inputs split among the warps
+    (``g0``, ``g1``), their accumulators summed through shared memory (``red``) in a fixed order.
+    ``body`` computes ``acc`` for the tile at row ``r``; ``emit`` writes ``acc`` of that tile."""
+    W, parts = tiles.warps, _parts(tiles)
+    if parts == 1:
+        return f"""      for (int u = warp; u < ({last} - {first}) / 16; u += {W}) {{
+        const int r = {first} + 16 * u;
+        constexpr int g0 = 0, g1 = {runs};
+        float acc[{tiles_a}][4] = {{}};
+{body}
+{emit}
+      }}
+"""
     per = tiles_a * 4 * 32
     return f"""      {{
-        const int nt = ({last} - {first}) / 16, parts = nt >= {warps} ? 1 : {warps} / nt;
-        for (int u = warp; u < nt * parts; u += {warps}) {{
+        const int nt = ({last} - {first}) / 16;  // (nt * {parts} <= {W})
+        for (int u = warp; u < nt * {parts}; u += {W}) {{
           const int r = {first} + 16 * (u % nt), kp = u / nt;
-          const int g0 = kp * ({runs}) / parts, g1 = (kp + 1) * ({runs}) / parts;
+          const int g0 = kp * {runs} / {parts}, g1 = (kp + 1) * {runs} / {parts};
           float acc[{tiles_a}][4] = {{}};
 {body}
-          if (parts == 1) {{
-{emit}
-          }} else {{
 #pragma unroll
-            for (int m = 0; m < {tiles_a}; ++m)
+          for (int m = 0; m < {tiles_a}; ++m)
 #pragma unroll
-              for (int j = 0; j < 4; ++j) red[u * {per} + (m * 4 + j) * 32 + lane] = acc[m][j];
-          }}
+            for (int j = 0; j < 4; ++j) red[u * {per} + (m * 4 + j) * 32 + lane] = acc[m][j];
         }}
-        if (parts > 1) {{  // the first warp of each tile sums its parts in order
-          __syncthreads();
-          for (int u = warp; u < nt; u += {warps}) {{
-            const int r = {first} + 16 * u;
-            float acc[{tiles_a}][4];
+        __syncthreads();  // the first warp of each tile sums its parts in order
+        for (int u = warp; u < nt; u += {W}) {{
+          const int r = {first} + 16 * u;
+          float acc[{tiles_a}][4];
 #pragma unroll
-            for (int m = 0; m < {tiles_a}; ++m)
+          for (int m = 0; m < {tiles_a}; ++m)
 #pragma unroll
-              for (int j = 0; j < 4; ++j) {{
-                float v = 0.f;
-                for (int kp = 0; kp < parts; ++kp)
-                  v += red[(kp * nt + u) * {per} + (m * 4 + j) * 32 + lane];
-                acc[m][j] = v;
-              }}
+            for (int j = 0; j < 4; ++j) {{
+              float v = 0.f;
+              for (int kp = 0; kp < {parts}; ++kp)
+                v += red[(kp * nt + u) * {per} + (m * 4 + j) * 32 + lane];
+              acc[m][j] = v;
+            }}
 {emit}
-          }}
-          __syncthreads();  // red is the next item's
         }}
+        __syncthreads();  // red is the next item's
       }}
 """
 
 
-def _dyn_bytes(s: MoeDecodeShape, tiles: MmaTiles, width: int, tiles_a: int) -> int:
-    """Dynamic shared memory: the chunk's staged rows of ``width`` values, then the K split's
-    partial accumulators (``tiles_a`` A tiles, a float per lane and fragment, per warp)."""
-    return 4 * MMA_TOKENS * _stride(width) + 4 * tiles.warps * tiles_a * 4 * 32
+def _smem_bytes(tiles: MmaTiles, width: int, tiles_a: int) -> int:
+    """Shared memory besides the plan: the chunk's staged rows of ``width`` values, then (with a
+    K split) its partial accumulators (``tiles_a`` A tiles, a float per lane and fragment, per
+    warp)."""
+    red = 4 * tiles.warps * tiles_a * 4 * 32 if _parts(tiles) > 1 else 0
+    return 4 * MMA_TOKENS * _stride(width) + red
 
 
-def _head(name: str, params: str, tag: str, width: int) -> str:
-    """CUDA: a kernel's device function head: the plan, the staged rows ``xs`` and ``red`` in
-    dynamic shared memory, the lane's fragment coordinates, the PDL wait."""
-    return f"""
-__device__ __forceinline__ void {name}({params}, unsigned* __restrict__ smem,
-    unsigned* smem_end, long long n, int blk, int tid) {{
+def _dyn_request(s: MoeDecodeShape, tiles: MmaTiles, width: int, tiles_a: int) -> int:
+    """Dynamic shared memory to ask for: none where the block's shared memory fits the static 48
+    KB, else :func:`_smem_bytes` and at least 48 KB (TVM's launcher raises a kernel's dynamic
+    limit only for requests of 48 KB and more)."""
+    need = _smem_bytes(tiles, width, tiles_a)
+    return 0 if need + plan_bytes(s) + 1024 <= 48 * 1024 else max(need, 48 * 1024)
+
+
+def _head(name: str, params: str, tag: str, width: int, dyn: bool, red_floats: int) -> str:
+    """CUDA: a kernel's device function head: the plan, the staged rows ``xs`` and ``red`` (static,
+    or in the module's fp16 dynamic shared memory with ``dyn``), the lane's fragment coordinates,
+    the PDL wait."""
+    XS = _stride(width)
+    if dyn:
+        smem = f"""half* __restrict__ smem_h,
+    half* smem_end, long long n, int blk, int tid) {{
   __shared__ dsv2_em_plan_{tag} P;
-  constexpr int XS = {_stride(width)};
-  unsigned* xs = smem;  // [{MMA_TOKENS}][XS]: the chunk's rows, pair order
-  float* red = reinterpret_cast<float*>(smem + {MMA_TOKENS} * XS);  // the K split's partials
+  unsigned* xs = reinterpret_cast<unsigned*>(smem_h);  // [{MMA_TOKENS}][XS], pair order
+  float* red = reinterpret_cast<float*>(xs + {MMA_TOKENS * XS});  // the K split's partials"""
+    else:
+        smem = f"""long long n, int blk, int tid) {{
+  __shared__ dsv2_em_plan_{tag} P;
+  __shared__ __align__(16) unsigned xs[{MMA_TOKENS * XS}];  // [{MMA_TOKENS}][XS], pair order
+  __shared__ float red[{max(red_floats, 1)}];  // the K split's partials"""
+    return f"""
+__device__ __forceinline__ void {name}({params}, {smem}
+  constexpr int XS = {XS};
   const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  (void)red;
   {WAIT_THEN_RELEASE}
 """
 
@@ -306,6 +346,8 @@ def gate_up_source(s: MoeDecodeShape, tiles: MmaTiles) -> tuple[str, str]:
     tag = f"h{H}_i{NI}_s{IS}_e{E}_k{K}_g{G}_{tiles.name}_mma"
     name = f"dsv2_emm_gu_{tag}"
     total = K * NI + IS
+    dyn = _dyn_request(s, tiles, H, 2) > 0
+    red = (_smem_bytes(tiles, H, 2) - 4 * TM * _stride(H)) // 4
     params = """const half* __restrict__ x, const int* __restrict__ ids,
     const unsigned* __restrict__ w, const half* __restrict__ s, const unsigned* __restrict__ sw,
     const half* __restrict__ ss, half* __restrict__ hout"""
@@ -326,7 +368,7 @@ def gate_up_source(s: MoeDecodeShape, tiles: MmaTiles) -> tuple[str, str]:
     src = f"""
 #ifndef DSV2_EMM_GU_{tag}
 #define DSV2_EMM_GU_{tag}
-{_head(name, params, tag, H)}  // row blocks of a routed / shared chunk
+{_head(name, params, tag, H, dyn, red)}  // row blocks of a routed / shared chunk
   const int rbr = {-(-NI // R)}, rbs = {-(-IS // R)};
 {items_head(tag, TM, NB)}      if (c != staged) {{  // the chunk's tokens' x rows, pair order
         __syncthreads();
@@ -344,7 +386,7 @@ def gate_up_source(s: MoeDecodeShape, tiles: MmaTiles) -> tuple[str, str]:
       const half* es = sh ? ss : s + (long long)e * {2 * NI * (H // G)};
       const long long up = sh ? {IS} : {NI};
       const int r0 = rb * {R}, r1 = min(sh ? {IS} : {NI}, r0 + {R});
-{_units("r0", "r1", W, str(H // _RUN), 2, body, emit)}    }}
+{_units("r0", "r1", tiles, H // _RUN, 2, body, emit)}    }}
     __syncthreads();  // this group's plan and rows are read no more
   }}
 }}
@@ -362,6 +404,9 @@ def down_source(s: MoeDecodeShape, tiles: MmaTiles) -> tuple[str, str]:
     tag = f"h{H}_i{NI}_s{IS}_e{E}_k{K}_g{G}_{tiles.name}_mma"
     name = f"dsv2_emm_dn_{tag}"
     total = K * NI + IS
+    widest = max(NI, IS)
+    dyn = _dyn_request(s, tiles, widest, 1) > 0
+    red = (_smem_bytes(tiles, widest, 1) - 4 * TM * _stride(widest)) // 4
     params = """const half* __restrict__ h, const int* __restrict__ ids,
     const unsigned* __restrict__ w, const half* __restrict__ s, const unsigned* __restrict__ sw,
     const half* __restrict__ ss, float* __restrict__ part"""
@@ -380,13 +425,13 @@ def down_source(s: MoeDecodeShape, tiles: MmaTiles) -> tuple[str, str]:
               }}
             }}"""
     units = f"""      if (sh) {{
-{_units("r0", "r1", W, str(IS // _RUN), 1, body(IS), emit)}      }} else {{
-{_units("r0", "r1", W, str(NI // _RUN), 1, body(NI), emit)}      }}
+{_units("r0", "r1", tiles, IS // _RUN, 1, body(IS), emit)}      }} else {{
+{_units("r0", "r1", tiles, NI // _RUN, 1, body(NI), emit)}      }}
 """
     src = f"""
 #ifndef DSV2_EMM_DN_{tag}
 #define DSV2_EMM_DN_{tag}
-{_head(name, params, tag, max(NI, IS))}  const int rbr = {-(-H // R)}, rbs = rbr;  // (H outputs)
+{_head(name, params, tag, widest, dyn, red)}  const int rbr = {-(-H // R)}, rbs = rbr;
 {items_head(tag, TM, NB)}      const bool sh = e == {E};
       const int width = sh ? {IS} : {NI};
       if (c != staged) {{  // the chunk's pairs' h slices, pair order
@@ -432,7 +477,8 @@ def moe_gate_up_expert_mma(s: MoeDecodeShape, tiles: MmaTiles = MMA_GATE_UP_TILE
         tiles.blocks,
         32 * tiles.warps,
         per_token=False,
-        dyn_shared_bytes=_dyn_bytes(s, tiles, s.hidden, 2),
+        dyn_shared_bytes=_dyn_request(s, tiles, s.hidden, 2),
+        dyn_dtype="float16",
     )
 
 
@@ -450,5 +496,6 @@ def moe_down_expert_mma(s: MoeDecodeShape, tiles: MmaTiles = MMA_DOWN_TILES) -> 
         tiles.blocks,
         32 * tiles.warps,
         per_token=False,
-        dyn_shared_bytes=_dyn_bytes(s, tiles, max(s.inter, s.shared_inter), 1),
+        dyn_shared_bytes=_dyn_request(s, tiles, max(s.inter, s.shared_inter), 1),
+        dyn_dtype="float16",
     )

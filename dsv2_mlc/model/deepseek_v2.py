@@ -11,6 +11,9 @@ batch from ``begin_forward``):
   the cached latent pages.
 * ``batch_decode(input_ids[b, 1], cache)``: one new token per sequence; absorbed attention
   (``q_nope . W_UK``, attention over latent pages, ``. W_UV``). Returns ``[b, 1, vocab]``.
+* ``batch_decode_expert_major(input_ids[b, 1], cache)`` (CUDA builds): the same step with the
+  MoE blocks' expert-major kernels instead of the fused per-token ones, for batches (each expert
+  the batch selects read once for all its tokens).
 * ``create_paged_kv_cache(...)``: the MLA latent cache (only ``kv_lora_rank + rope`` values per
   token per layer), in pages of 16 tokens.
 
@@ -211,22 +214,32 @@ class DeepseekV2DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
     def forward(
-        self, x: Tensor, rope: Tensor, cache: PagedKVCache, mode: Mode
+        self, x: Tensor, rope: Tensor, cache: PagedKVCache, mode: Mode, expert_major: bool = False
     ) -> tuple[Tensor, PagedKVCache]:
+        """``expert_major``: a MoE layer's experts read once for the batch
+        (``batch_decode_expert_major``)."""
         attn, cache = self.self_attn(self.input_layernorm(x), rope, cache, mode)
         x = x + attn
-        x = x + self.mlp(self.post_attention_layernorm(x), mode)
+        xn = self.post_attention_layernorm(x)
+        moe = isinstance(self.mlp, DeepseekV2MoE)
+        x = x + (self.mlp(xn, mode, expert_major) if moe else self.mlp(xn, mode))
         return x, cache
 
     def forward_decode(
-        self, r: Tensor, d: Tensor | None, rope: Tensor, cache: PagedKVCache
+        self,
+        r: Tensor,
+        d: Tensor | None,
+        rope: Tensor,
+        cache: PagedKVCache,
+        expert_major: bool = False,
     ) -> tuple[Tensor, Tensor, PagedKVCache]:
         """Decode on CUDA (fp16) with each residual add + RMSNorm folded into the kernel that
         reads the norm (:mod:`dsv2_mlc.schedules.norm_gemv_cuda`): the INT4 ``qkv_a_proj`` and
         the MoE router (or, with the lab switch of :meth:`DeepseekV2MoE.oproj_router`, off,
         ``o_proj``'s kernel). The hidden state is ``r + d`` (``d``: the previous
         layer's output, None before the first layer); returns ``(r', d', cache)``, the next
-        layer's."""
+        layer's. ``expert_major``: the experts read once for the batch
+        (``batch_decode_expert_major``)."""
         proj, norm = self.self_attn.qkv_a_proj, self.input_layernorm
         n, h = r.shape
         q4 = int4_group(proj)
@@ -250,7 +263,8 @@ class DeepseekV2DecoderLayer(nn.Module):
         mlp, post = self.mlp, self.post_attention_layernorm
         o_proj = self.self_attn.o_proj
         # o_proj, the add + RMSNorm and the routing in one kernel, where it applies
-        routed = mlp.oproj_router(o_proj, s, post.eps) if isinstance(mlp, DeepseekV2MoE) else None
+        moe = isinstance(mlp, DeepseekV2MoE)
+        routed = mlp.oproj_router(o_proj, s, post.eps) if moe and not expert_major else None
         attn, cache = self.self_attn(s, rope, cache, "decode", qkv=qkv, project=routed is None)
         if routed is not None:
             s, out = mlp.forward_after_attention(routed, attn, o_proj, s, post.weight)
@@ -269,7 +283,7 @@ class DeepseekV2DecoderLayer(nn.Module):
                 Tensor.placeholder((n, h), r.dtype),
             ],
         )
-        return s, mlp.forward_with_logits(xn, logits, "decode"), cache
+        return s, mlp.forward_with_logits(xn, logits, "decode", expert_major), cache
 
 
 class DeepseekV2Model(nn.Module):
@@ -293,7 +307,9 @@ class DeepseekV2ForCausalLM(nn.Module):
         self.model = DeepseekV2Model(cfg, dtype)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
 
-    def _body(self, input_ids: Tensor, cache: PagedKVCache, mode: Mode) -> tuple[Tensor, Any]:
+    def _body(
+        self, input_ids: Tensor, cache: PagedKVCache, mode: Mode, expert_major: bool = False
+    ) -> tuple[Tensor, Any]:
         n = input_ids.shape[0] * input_ids.shape[1]
         x = op.reshape(self.model.embed_tokens(op.reshape(input_ids, (n,))), (n, -1))
         # One RoPE cos/sin table per forward pass, read by every layer.
@@ -302,10 +318,10 @@ class DeepseekV2ForCausalLM(nn.Module):
         if mode == "decode" and self._fold_norms(x):
             r, d = x, None
             for layer in self.model.layers:
-                r, d, cache = layer.forward_decode(r, d, rope, cache)
+                r, d, cache = layer.forward_decode(r, d, rope, cache, expert_major)
             return r + d, cache
         for layer in self.model.layers:
-            x, cache = layer(x, rope, cache, mode)
+            x, cache = layer(x, rope, cache, mode, expert_major)
         return x, cache
 
     def _fold_norms(self, x: Tensor) -> bool:
@@ -342,7 +358,21 @@ class DeepseekV2ForCausalLM(nn.Module):
         self, input_ids: Tensor, paged_kv_cache: PagedKVCache
     ) -> tuple[Tensor, PagedKVCache]:
         """One token for each sequence of the batch (absorbed attention)."""
-        x, cache = self._body(input_ids, paged_kv_cache, "decode")
+        return self._decode(input_ids, paged_kv_cache, expert_major=False)
+
+    def batch_decode_expert_major(
+        self, input_ids: Tensor, paged_kv_cache: PagedKVCache
+    ) -> tuple[Tensor, PagedKVCache]:
+        """``batch_decode`` with the MoE blocks' expert-major kernels (CUDA builds only): each
+        expert the batch selects is read once for all its tokens, where the fused decode
+        kernels read every token's experts; the engine runs it for batches of
+        ``Engine.expert_major_from`` sequences and more."""
+        return self._decode(input_ids, paged_kv_cache, expert_major=True)
+
+    def _decode(
+        self, input_ids: Tensor, cache: PagedKVCache, expert_major: bool
+    ) -> tuple[Tensor, PagedKVCache]:
+        x, cache = self._body(input_ids, cache, "decode", expert_major)
         logits = self._logits(x)
         return op.reshape(logits, (input_ids.shape[0], 1, self.cfg.vocab_size)), cache
 
@@ -384,7 +414,12 @@ class DeepseekV2ForCausalLM(nn.Module):
         )
 
     # What each entry point runs; passes read it from the function attribute ENTRY_KIND_ATTR.
-    ENTRY_KINDS = {"batch_prefill": "prefill", "batch_extend": "extend", "batch_decode": "decode"}
+    ENTRY_KINDS = {
+        "batch_prefill": "prefill",
+        "batch_extend": "extend",
+        "batch_decode": "decode",
+        "batch_decode_expert_major": "decode",
+    }
 
     def annotate_entries(self, mod: IRModule) -> IRModule:
         """``mod`` (this model's export) with each entry point's kind as a function attribute."""
@@ -403,14 +438,15 @@ class DeepseekV2ForCausalLM(nn.Module):
             "paged_kv_cache": cache,
             "$": packed,
         }
+        decode = {
+            "input_ids": nn.spec.Tensor(["batch_size", 1], "int32"),
+            "paged_kv_cache": cache,
+            "$": packed,
+        }
         spec = {
             "batch_prefill": prefill,
             "batch_extend": dict(prefill),
-            "batch_decode": {
-                "input_ids": nn.spec.Tensor(["batch_size", 1], "int32"),
-                "paged_kv_cache": cache,
-                "$": packed,
-            },
+            "batch_decode": decode,
             "create_paged_kv_cache": {
                 "max_batch_size": int,
                 "max_total_seq_len": int,
@@ -424,4 +460,6 @@ class DeepseekV2ForCausalLM(nn.Module):
                 "$": {"param_mode": "none", "effect_mode": "none"},
             },
         }
+        if self.target.kind.name == "cuda":  # (elsewhere no such kernels: it would be a copy)
+            spec["batch_decode_expert_major"] = dict(decode)
         return nn.spec.ModuleSpec.from_raw(spec, self)

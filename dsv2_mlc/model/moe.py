@@ -275,6 +275,14 @@ class DeepseekV2Experts(nn.Module):
         them (INT4 experts on CUDA: ``GroupQuantExperts``); None here (float weights)."""
         return None
 
+    def expert_major_decode(
+        self, x: Tensor, logits: Tensor, gate: DeepseekV2Gate, shared: DeepseekV2MLP
+    ) -> Tensor | None:
+        """Routing, then the routed and shared experts with each expert the batch selects read
+        once, where this layout has such kernels (INT4 experts on CUDA: ``GroupQuantExperts``);
+        None here (float weights)."""
+        return None
+
     def fused_decode_routed(
         self, x: Tensor, routing: tuple[Tensor, Tensor, Tensor], shape: MoeDecodeShape,
         shared: DeepseekV2MLP,
@@ -313,14 +321,16 @@ class DeepseekV2MoE(nn.Module):
             else None
         )
 
-    def forward(self, x: Tensor, mode: str | None = None) -> Tensor:
+    def forward(self, x: Tensor, mode: str | None = None, expert_major: bool = False) -> Tensor:
         """x: [n, H] (the tokens of the batch, flattened) -> [n, H].
 
         ``mode`` is the entry point's ("prefill" | "extend" | "decode"): the routed experts of
         prefill and extend on CUDA run as grouped GEMMs; decode runs the experts' fused kernels
         where they have them (``fused_decode``: routing, routed and shared experts in two
-        launches), the rest keeps the gather kernels."""
-        return self.forward_with_logits(x, self.gate.logits(x), mode)
+        launches), the rest keeps the gather kernels. ``expert_major`` (decode of a batch,
+        ``batch_decode_expert_major``): the experts' expert-major kernels where they have them
+        (``expert_major_decode``: each expert the batch selects read once)."""
+        return self.forward_with_logits(x, self.gate.logits(x), mode, expert_major)
 
     def oproj_router(
         self, o_proj: nn.Module, x: Tensor, eps: float
@@ -374,13 +384,20 @@ class DeepseekV2MoE(nn.Module):
         out = self.experts.fused_decode_routed(xn, (weights, ids, logits), shape, shared)
         return s, out
 
-    def forward_with_logits(self, x: Tensor, logits: Tensor, mode: str | None = None) -> Tensor:
+    def forward_with_logits(
+        self, x: Tensor, logits: Tensor, mode: str | None = None, expert_major: bool = False
+    ) -> Tensor:
         """:meth:`forward` with the router's logits ``[n, E]`` already computed (decode on
         CUDA computes them with the RMSNorm that produces ``x``: ``norm_gemv_cuda``)."""
         if mode == "decode" and self.shared_experts is not None:
-            fused = self.experts.fused_decode(x, logits, self.gate, self.shared_experts)
-            if fused is not None:
-                return fused
+            experts, shared = self.experts, self.shared_experts
+            out = (
+                experts.expert_major_decode(x, logits, self.gate, shared) if expert_major else None
+            )
+            if out is None:
+                out = experts.fused_decode(x, logits, self.gate, shared)
+            if out is not None:
+                return out
         weights, idx = self.gate.route(logits)
         out = self.experts(x, weights, idx, mode)
         if self.shared_experts is not None:

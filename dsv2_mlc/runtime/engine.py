@@ -54,6 +54,10 @@ _POOLED_ALLOCATOR = 2
 # the new token) when 32+ sequences of one batch share a cached block (attn_utils.h
 # GetChunkedBlockIds, coalesce ratio >= 32). Decode batches are split below that.
 MAX_DECODE_GROUP = 31
+# Decode steps of at least this many sequences run ``batch_decode_expert_major`` (each expert the
+# batch selects read once, on tensor cores) where the build has it; fewer run the fused per-token
+# MoE kernels, faster up to batch 8 on the H200 (docs/benchmarks.md, "Decode batches").
+EXPERT_MAJOR_FROM = 16
 
 
 class ContextLengthError(ValueError):
@@ -148,6 +152,7 @@ class Engine:
         cuda_graph: bool = True,
         pdl: str | None = None,
         overlap_steps: bool = True,
+        expert_major_from: int | None = EXPERT_MAJOR_FROM,
     ):
         """``random_weights=SEED`` creates deterministic random weights on the device instead of
         reading ``params/`` (required for builds made with ``--random-weights``; see
@@ -165,7 +170,11 @@ class Engine:
         ``overlap_steps``: greedy generation (:meth:`generate`, :meth:`stream`, chat, the HTTP
         server) launches each decode step as soon as the previous step's token is known
         (:meth:`launch_greedy` with ``follow``), so the host's per-token work (detokenizing,
-        stop checks, streaming the text) overlaps the device; False: each step waits for it."""
+        stop checks, streaming the text) overlaps the device; False: each step waits for it.
+
+        ``expert_major_from``: decode steps of at least this many sequences run the MoE blocks'
+        expert-major kernels (``batch_decode_expert_major``, CUDA builds that have it: each
+        expert the batch selects read once); None: never (the fused per-token kernels)."""
         self.path = Path(model)
         self.overlap_steps = overlap_steps
         self.build = BuildConfig.read(self.path)
@@ -208,6 +217,12 @@ class Engine:
             self._params = create_random_params(library, spec, self.device, random_weights)
         self.random_weights = random_weights
         self._fn = {name: vm[name] for name in ("batch_prefill", "batch_extend", "batch_decode")}
+        if expert_major_from is not None and expert_major_from < 1:
+            raise ValueError(f"expert_major_from must be at least 1 (got {expert_major_from})")
+        major = vm.implements_function("batch_decode_expert_major")  # CUDA builds since it exists
+        self._major_from = expert_major_from if major else None
+        if major:
+            self._fn["batch_decode_expert_major"] = vm["batch_decode_expert_major"]
         # the device arg-max (``greedy_tokens``); builds compiled before it have none
         self._greedy = vm["greedy_tokens"] if vm.implements_function("greedy_tokens") else None
         self._kv_state = {
@@ -596,7 +611,9 @@ class Engine:
         return self._graphs.run(key, ids, self._batch_decode, upload, copy_into, _same_logits)
 
     def _batch_decode(self, ids_t: tvm_ffi.Tensor) -> Any:
-        return self._fn["batch_decode"](ids_t, self._cache, self._params)
+        batch, start = ids_t.shape[0], self._major_from
+        name = "batch_decode" if start is None or batch < start else "batch_decode_expert_major"
+        return self._fn[name](ids_t, self._cache, self._params)
 
     def _graph_key(self, seq_ids: list[int]) -> tuple[int, int] | None:
         """The decode graph key of a begun step (its page tables copied to the device now,
@@ -612,6 +629,12 @@ class Engine:
         if self._graphs is None or self._shared.intersection(seq_ids):
             return None
         return decode_graph_key(PAGE_SIZE, [self._seq_len[s] + 1 for s in seq_ids])
+
+    @property
+    def expert_major_from(self) -> int | None:
+        """The smallest decode batch that runs the MoE blocks' expert-major kernels
+        (``batch_decode_expert_major``); None: none does (a build without it, or turned off)."""
+        return self._major_from
 
     @property
     def cuda_graph_stats(self) -> dict[str, float] | None:
