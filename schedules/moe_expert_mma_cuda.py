@@ -70,22 +70,35 @@ __all__ = [
 ]
 
 MMA_TOKENS = 8  # pairs of a chunk: the MMA's N
-_RUN = 128  # inputs a warp's 4 lanes of a row cover per step of the K loop (16 bytes a lane)
+_RUN = 128  # inputs a warp's 4 lanes of a row cover per uint4 a lane (16 bytes)
 _SHARED_LIMIT = 227 * 1024  # an sm_90 block's shared memory (dynamic past 48 KB)
 
 
 @dataclass(frozen=True)
 class MmaTiles:
     """``blocks`` of ``warps`` warps; an item is ``rows`` weight rows (a multiple of 16) of one
-    expert for a chunk of at most :data:`MMA_TOKENS` pairs."""
+    expert for a chunk of at most :data:`MMA_TOKENS` pairs. A step of a warp's K loop is a *run*
+    of ``run`` inputs (128 or 256: a lane loads ``run / 128`` consecutive uint4 of each of its
+    rows, the row's 4 lanes ``run / 2`` contiguous bytes; a width of an odd number of 128 ends
+    with a run of 128), and a warp has ``depth`` runs in flight
+    ahead of the one it multiplies (a ring of registers; depth > 1 only without a K split)."""
 
     warps: int = 4
     blocks: int = 264
     rows: int = 64
+    depth: int = 1
+    run: int = _RUN
 
     @property
     def name(self) -> str:
-        return f"w{self.warps}_b{self.blocks}_r{self.rows}"
+        deep = f"_d{self.depth}" if self.depth != 1 else ""
+        run = f"_k{self.run}" if self.run != _RUN else ""
+        return f"w{self.warps}_b{self.blocks}_r{self.rows}{deep}{run}"
+
+    @property
+    def words(self) -> int:
+        """uint4 a lane loads of each of its rows for a run."""
+        return self.run // _RUN
 
 
 # Items of 64 rows, a 16-row tile a warp (no K split). Items of one tile split 4 ways among the
@@ -109,6 +122,10 @@ def expert_mma_unsupported(s: MoeDecodeShape, tiles: MmaTiles = MMA_DOWN_TILES) 
         return f"group {s.group} is not a multiple of 32 dividing every width"
     if tiles.warps < 1 or tiles.blocks < 1 or tiles.rows < 16 or tiles.rows % 16:
         return f"bad tiles {tiles}"
+    if tiles.depth < 1 or (tiles.depth > 1 and _parts(tiles) > 1):
+        return f"depth {tiles.depth} needs 1 <= depth, and depth 1 with a K split ({tiles})"
+    if tiles.run not in (_RUN, 2 * _RUN):
+        return f"run {tiles.run} is not {_RUN} or {2 * _RUN}"
     widest = max(s.hidden, s.inter, s.shared_inter)
     if _smem_bytes(tiles, widest, 2) + plan_bytes(s) + 256 > _SHARED_LIMIT:
         return f"{MMA_TOKENS} staged rows of {widest} fp16 values do not fit in shared memory"
@@ -183,39 +200,98 @@ __device__ __forceinline__ void dsv2_emm_stage(unsigned* dst, uint4 v) {
 """
 
 
-def _tile_loop(rows_words: str, width: int, tiles_a: int, group: int) -> str:
-    """CUDA: the K loop of a warp's 16-row tile over the runs ``[g0, g1)`` of 128 of ``width``
-    inputs for ``tiles_a`` A tiles (gate and up: 2; down: 1) sharing each B fragment. Expects
-    ``wr[m]`` (tile m's row ``g`` words; row ``g + 8`` is ``rows_words`` further on), ``sr[m]``
-    (its scales, ``width / group`` a row), ``xs`` (the staged rows, ``XS`` words each),
-    ``acc[m][4]``, ``g``, ``t``, ``g0``, ``g1``."""
+def _tile_loop(
+    rows_words: str, width: int, tiles_a: int, group: int, depth: int = 1, words: int = 1
+) -> str:
+    """CUDA: the K loop of a warp's 16-row tile over the runs ``[g0, g1)`` (``128 words`` of
+    ``width`` inputs each) for ``tiles_a`` A tiles (gate and up: 2; down: 1) sharing each B
+    fragment, then, where ``width`` is not a multiple of the run, its last 128 inputs (the
+    *tail*, loaded before the loop; only without a K split). Expects ``wr[m]`` (tile m's row
+    ``g`` words; row ``g + 8`` is ``rows_words`` further on), ``sr[m]`` (its scales, ``width /
+    group`` a row), ``xs`` (the staged rows, ``XS`` words each), ``acc[m][4]``, ``g``, ``t``,
+    ``g0``, ``g1`` (compile-time constants for ``depth`` > 1: :func:`_ring_loop`)."""
+    loop = (
+        _ring_loop(rows_words, width, tiles_a, group, depth, words)
+        if depth > 1
+        else _pair_loop(rows_words, width, tiles_a, group, words)
+    )
+    start = width - width % (_RUN * words)
+    if start == width:
+        return loop
     return f"""
-        uint4 wq[{tiles_a}][2], nq[{tiles_a}][2];
-        __half2 sc[{tiles_a}][2], ns[{tiles_a}][2];
-        auto load = [&](int gi, uint4 (&q)[{tiles_a}][2], __half2 (&sv)[{tiles_a}][2]) {{
-          const int col = gi * {_RUN} + t * 32;
+        uint4 tq[{tiles_a}][2][1];
+        __half2 ts[{tiles_a}][2][1];
+        {{
+{_load_lambda(rows_words, width, tiles_a, group, 1, f"{start} + t * 32")}          load(0, tq, ts);
+        }}
+{loop}        {{
+{_mma_run(tiles_a, "tq", "ts", 1, f"{start // 2} + t * 16")}        }}
+"""
+
+
+def _pair_loop(rows_words: str, width: int, tiles_a: int, group: int, words: int) -> str:
+    """CUDA: :func:`_tile_loop`'s runs with the next run's words in flight (two buffers)."""
+    return f"""
+        uint4 wq[{tiles_a}][2][{words}], nq[{tiles_a}][2][{words}];
+        __half2 sc[{tiles_a}][2][{words}], ns[{tiles_a}][2][{words}];
+{_load_lambda(rows_words, width, tiles_a, group, words)}        if (g0 < g1) load(g0, wq, sc);
+        for (int gi = g0; gi < g1; ++gi) {{
+          if (gi + 1 < g1) load(gi + 1, nq, ns);
+{_mma_run(tiles_a, "wq", "sc", words)}          if (gi + 1 < g1) {{
+#pragma unroll
+            for (int m = 0; m < {tiles_a}; ++m)
+#pragma unroll
+              for (int h = 0; h < 2; ++h)
+#pragma unroll
+                for (int u = 0; u < {words}; ++u) {{
+                  wq[m][h][u] = nq[m][h][u];
+                  sc[m][h][u] = ns[m][h][u];
+                }}
+          }}
+        }}
+"""
+
+
+def _load_lambda(
+    rows_words: str, width: int, tiles_a: int, group: int, words: int, first: str | None = None
+) -> str:
+    """CUDA: ``load(gi, q, sv)``, a lane's ``words`` uint4 (32 inputs each: one scale) of run
+    ``gi`` for its two rows of each of the ``tiles_a`` A tiles; ``first``: the lane's first input
+    (default: its share of run ``gi``)."""
+    bufs = f"uint4 (&q)[{tiles_a}][2][{words}], __half2 (&sv)[{tiles_a}][2][{words}]"
+    first = first or f"gi * {_RUN * words} + t * {32 * words}"
+    return f"""        auto load = [&](int gi, {bufs}) {{
 #pragma unroll
           for (int m = 0; m < {tiles_a}; ++m)
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {{
-              const long long row = (long long)h * 8;
-              q[m][h] = reinterpret_cast<const uint4*>(wr[m] + row * {rows_words} + col / 8)[0];
-              sv[m][h] = __half2half2(sr[m][row * {width // group} + col / {group}]);
-            }}
-        }};
-        if (g0 < g1) load(g0, wq, sc);
-        for (int gi = g0; gi < g1; ++gi) {{
-          if (gi + 1 < g1) load(gi + 1, nq, ns);
-          const unsigned* xb = xs + g * XS + gi * {_RUN // 2} + t * 16;
+            for (int h = 0; h < 2; ++h)
 #pragma unroll
-          for (int i = 0; i < 4; ++i) {{
+              for (int u = 0; u < {words}; ++u) {{
+                const int col = {first} + 32 * u;
+                const long long row = (long long)h * 8;
+                q[m][h][u] =
+                    reinterpret_cast<const uint4*>(wr[m] + row * {rows_words} + col / 8)[0];
+                sv[m][h][u] = __half2half2(sr[m][row * {width // group} + col / {group}]);
+              }}
+        }};
+"""
+
+
+def _mma_run(tiles_a: int, q: str, sc: str, words: int, span: str | None = None) -> str:
+    """CUDA: the MMAs of a run with the words ``q`` and scales ``sc`` (``[tiles_a][2][words]``):
+    a lane's ``32 words`` inputs from its staged word ``span`` (default: its share of run ``gi``
+    at ``[t * 32 words, (t + 1) * 32 words)``), 8 a word."""
+    span = span or f"gi * {_RUN // 2 * words} + t * {16 * words}"
+    return f"""          const unsigned* xb = xs + g * XS + {span};
+#pragma unroll
+          for (int i = 0; i < {4 * words}; ++i) {{
             unsigned hv[{tiles_a}][2][4];
 #pragma unroll
             for (int m = 0; m < {tiles_a}; ++m)
 #pragma unroll
               for (int h = 0; h < 2; ++h)
-                dsv2_emm_deq8(reinterpret_cast<const unsigned*>(&wq[m][h])[i], sc[m][h],
-                              hv[m][h]);
+                dsv2_emm_deq8(reinterpret_cast<const unsigned*>(&{q}[m][h][i / 4])[i % 4],
+                              {sc}[m][h][i / 4], hv[m][h]);
 #pragma unroll
             for (int p = 0; p < 2; ++p) {{
               const uint2 bx = reinterpret_cast<const uint2*>(xb + 4 * i + 2 * p)[0];
@@ -228,16 +304,27 @@ def _tile_loop(rows_words: str, width: int, tiles_a: int, group: int) -> str:
               }}
             }}
           }}
-          if (gi + 1 < g1) {{
+"""
+
+
+def _ring_loop(
+    rows_words: str, width: int, tiles_a: int, group: int, depth: int, words: int
+) -> str:
+    """CUDA: :func:`_tile_loop`'s runs with ``depth`` in flight: a ring of ``depth + 1`` register
+    buffers, the loop over the compile-time runs ``[g0, g1)`` fully unrolled so that every ring
+    index is a constant."""
+    slots = depth + 1
+    return f"""
+        uint4 wq[{slots}][{tiles_a}][2][{words}];
+        __half2 sc[{slots}][{tiles_a}][2][{words}];
+{_load_lambda(rows_words, width, tiles_a, group, words)}#pragma unroll
+        for (int d = 0; d < {depth}; ++d)
+          if (g0 + d < g1) load(g0 + d, wq[d], sc[d]);
 #pragma unroll
-            for (int m = 0; m < {tiles_a}; ++m)
-#pragma unroll
-              for (int h = 0; h < 2; ++h) {{
-                wq[m][h] = nq[m][h];
-                sc[m][h] = ns[m][h];
-              }}
-          }}
-        }}
+        for (int gi = g0; gi < g1; ++gi) {{
+          if (gi + {depth} < g1) load(gi + {depth}, wq[(gi - g0 + {depth}) % {slots}],
+                                    sc[(gi - g0 + {depth}) % {slots}]);
+{_mma_run(tiles_a, f"wq[(gi - g0) % {slots}]", f"sc[(gi - g0) % {slots}]", words)}        }}
 """
 
 
@@ -354,7 +441,7 @@ def gate_up_source(s: MoeDecodeShape, tiles: MmaTiles) -> tuple[str, str]:
     body = f"""          const unsigned* wr[2] = {{ew + (r + g) * {H // 8},
                                     ew + (r + up + g) * {H // 8}}};
           const half* sr[2] = {{es + (r + g) * {H // G}, es + (r + up + g) * {H // G}}};
-{_tile_loop(str(H // 8), H, 2, G)}"""
+{_tile_loop(str(H // 8), H, 2, G, tiles.depth, tiles.words)}"""
     emit = f"""#pragma unroll
             for (int j = 0; j < 4; ++j) {{  // row r + g (+ 8), pair 2 t (+ 1)
               const int k = 2 * t + (j & 1);
@@ -386,7 +473,7 @@ def gate_up_source(s: MoeDecodeShape, tiles: MmaTiles) -> tuple[str, str]:
       const half* es = sh ? ss : s + (long long)e * {2 * NI * (H // G)};
       const long long up = sh ? {IS} : {NI};
       const int r0 = rb * {R}, r1 = min(sh ? {IS} : {NI}, r0 + {R});
-{_units("r0", "r1", tiles, H // _RUN, 2, body, emit)}    }}
+{_units("r0", "r1", tiles, H // tiles.run, 2, body, emit)}    }}
     __syncthreads();  // this group's plan and rows are read no more
   }}
 }}
@@ -414,7 +501,7 @@ def down_source(s: MoeDecodeShape, tiles: MmaTiles) -> tuple[str, str]:
     def body(width: int) -> str:
         return f"""          const unsigned* wr[1] = {{ew + (long long)(r + g) * {width // 8}}};
           const half* sr[1] = {{es + (long long)(r + g) * {width // G}}};
-{_tile_loop(str(width // 8), width, 1, G)}"""
+{_tile_loop(str(width // 8), width, 1, G, tiles.depth, tiles.words)}"""
 
     emit = f"""#pragma unroll
             for (int j = 0; j < 4; ++j) {{  // output r + g (+ 8), pair 2 t (+ 1)
@@ -425,8 +512,8 @@ def down_source(s: MoeDecodeShape, tiles: MmaTiles) -> tuple[str, str]:
               }}
             }}"""
     units = f"""      if (sh) {{
-{_units("r0", "r1", tiles, IS // _RUN, 1, body(IS), emit)}      }} else {{
-{_units("r0", "r1", tiles, NI // _RUN, 1, body(NI), emit)}      }}
+{_units("r0", "r1", tiles, IS // tiles.run, 1, body(IS), emit)}      }} else {{
+{_units("r0", "r1", tiles, NI // tiles.run, 1, body(NI), emit)}      }}
 """
     src = f"""
 #ifndef DSV2_EMM_DN_{tag}
@@ -458,8 +545,13 @@ def down_source(s: MoeDecodeShape, tiles: MmaTiles) -> tuple[str, str]:
     return name, head + plan_source(s, tag, T) + src
 
 
-def _check(s: MoeDecodeShape, tiles: MmaTiles) -> None:
+def _check(s: MoeDecodeShape, tiles: MmaTiles, widths: dict[str, int]) -> None:
+    """Raise ``ValueError`` where ``tiles`` cannot run ``s``, or a reduction width of the kernel
+    (``widths``) would leave a tail of its run to a K split."""
     why = expert_mma_unsupported(s, tiles)
+    for name, dim in widths.items():
+        if why is None and dim % tiles.run and _parts(tiles) > 1:
+            why = f"{name} {dim} leaves a tail of the run ({tiles.run}), which needs no K split"
     if why is not None:
         raise ValueError(f"the expert-major MMA MoE kernels cannot take {s}: {why}")
 
@@ -467,7 +559,7 @@ def _check(s: MoeDecodeShape, tiles: MmaTiles) -> None:
 def moe_gate_up_expert_mma(s: MoeDecodeShape, tiles: MmaTiles = MMA_GATE_UP_TILES) -> tirx.PrimFunc:
     """:func:`~.moe_expert_major_cuda.moe_gate_up_expert_major`'s signature and result (``h``
     of the routed slots and the shared experts), on tensor cores (module docstring, 1.)."""
-    _check(s, tiles)
+    _check(s, tiles, {"hidden": s.hidden})
     name, src = gate_up_source(s, tiles)
     return token_grid_call(
         "moe_expert_mma_gate_up",
@@ -486,7 +578,7 @@ def moe_down_expert_mma(s: MoeDecodeShape, tiles: MmaTiles = MMA_DOWN_TILES) -> 
     """:func:`~.moe_expert_major_cuda.moe_down_expert_major`'s signature and result (each
     routed slot's and the shared experts' down projection, unweighted, float32), on tensor cores
     (module docstring, 2.)."""
-    _check(s, tiles)
+    _check(s, tiles, {"inter": s.inter, "shared": s.shared_inter})
     name, src = down_source(s, tiles)
     return token_grid_call(
         "moe_expert_mma_down",

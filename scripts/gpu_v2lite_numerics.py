@@ -5,6 +5,10 @@ Device side (no TVM compiler there). Our build (``dsv2-mlc compile CONFIG --rand
 same weights into ``DeepseekV2ForCausalLM`` (fp16, eager). We prefill a random prompt, decode
 ``--steps`` tokens greedily, then run HF once over prompt + our tokens (teacher forcing) and
 compare the logits that predicted each generated token: max |difference| and top-1 agreement.
+``--batch B`` decodes B sequences (each its own random prompt) in every step, so that steps of
+``EXPERT_MAJOR_FROM`` sequences and more run the expert-major MoE kernels
+(``batch_decode_expert_major``); ``--expert-major-from N`` moves that threshold (0: never, the
+token-major kernels at every batch; 1: every step, batch 1 included).
 
     PYTHONPATH=build/v2n/src:.site python3 scripts/gpu_v2lite_numerics.py \\
         --build build/v2n/v2-lite-q0f16 --lib-dir .devcarry/tvm-lib --out $OUT/v2lite.json
@@ -30,6 +34,14 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--batch", type=int, default=1, help="sequences decoded in each step")
+    ap.add_argument(
+        "--expert-major-from",
+        type=int,
+        default=None,
+        help="steps of this many sequences and more run the expert-major MoE kernels "
+        "(default: the engine's; 0: none)",
+    )
     ap.add_argument("--out", default="v2lite_numerics.json")
     ap.add_argument(
         "--save-logits", default=None, help="also save our logits (.npy), to compare builds"
@@ -37,42 +49,58 @@ def main() -> None:
     args = ap.parse_args()
 
     t0 = time.perf_counter()
+    major = (
+        {}
+        if args.expert_major_from is None
+        else {"expert_major_from": args.expert_major_from or None}
+    )
+    b = args.batch
     eng = Engine(
         args.build,
         random_weights=args.seed,
         lib_dir=args.lib_dir,
         context_window=max(1024, args.prompt_len + args.steps),
-        prefill_chunk_size=max(512, args.prompt_len),  # one prefill call, as `bench` runs it
+        max_batch_size=max(b, 1),
+        kv_capacity=max(1024, args.prompt_len + args.steps) * b,
+        prefill_chunk_size=max(512, args.prompt_len * b),  # one prefill call, as `bench` runs it
+        **major,
     )
-    prompt = np.random.default_rng(args.seed).integers(0, 100000, args.prompt_len).tolist()
-    seq = eng.add_sequence()
-    logits = [eng.prefill([seq], [prompt])[0]]
-    tokens: list[int] = []
+    prompts = np.random.default_rng(args.seed).integers(0, 100000, (b, args.prompt_len)).tolist()
+    seqs = [eng.add_sequence() for _ in range(b)]
+    logits = [eng.prefill(seqs, prompts)]
+    tokens: list[list[int]] = []
     for _ in range(args.steps):
-        tokens.append(int(np.argmax(logits[-1])))
-        logits.append(eng.decode([seq], [tokens[-1]])[0])
-    ours = np.stack(logits[: args.steps])
+        tokens.append([int(t) for t in np.argmax(logits[-1], axis=-1)])
+        logits.append(eng.decode(seqs, tokens[-1]))
+    ours = np.stack(logits[: args.steps], axis=1)  # [b, steps, vocab]
     if args.save_logits:
         np.save(args.save_logits, ours)
     t1 = time.perf_counter()
 
     hf = load_into_hf(eng, device="cuda", dtype="float16")
-    ids = torch.tensor([prompt + tokens[:-1]], device="cuda")
+    gen = np.array(tokens, dtype=np.int64).T  # [b, steps]
+    ids = torch.tensor([prompts[i] + gen[i, :-1].tolist() for i in range(b)], device="cuda")
     with torch.no_grad():
-        ref = hf(ids, attention_mask=torch.ones_like(ids)).logits[0, len(prompt) - 1 :]
+        ref = hf(ids, attention_mask=torch.ones_like(ids)).logits[:, args.prompt_len - 1 :]
     ref = ref.float().cpu().numpy()
     diff = np.abs(ours - ref)
+    agree = ours.argmax(-1) == ref.argmax(-1)  # [b, steps]
+    top2 = np.sort(ref, axis=-1)[..., -2:]
     report = {
         "build": args.build,
         "prompt_len": args.prompt_len,
         "steps": args.steps,
+        "batch": b,
+        "expert_major_from": eng.expert_major_from,
         "max_abs_diff": float(diff.max()),
-        "median_step_max_abs_diff": float(np.median(diff.max(axis=1))),
+        "median_step_max_abs_diff": float(np.median(diff.max(axis=-1))),
         "max_abs_logit": float(np.abs(ref).max()),
-        "top1_agreement": float(np.mean(ours.argmax(-1) == ref.argmax(-1))),
-        "first_disagreement": next(
-            (int(i) for i in np.flatnonzero(ours.argmax(-1) != ref.argmax(-1))), None
-        ),
+        "top1_agreement": float(np.mean(agree)),
+        "first_disagreement": next((int(i) for i in np.flatnonzero(~agree[0])), None),
+        "disagreements": [
+            {"seq": int(i), "step": int(j), "hf_top2_margin": float(top2[i, j, 1] - top2[i, j, 0])}
+            for i, j in zip(*np.nonzero(~agree), strict=True)
+        ],
         "ours_s": t1 - t0,
         "hf_s": time.perf_counter() - t1,
         "gpu": torch.cuda.get_device_name(),

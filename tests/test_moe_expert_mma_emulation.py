@@ -39,6 +39,10 @@ SMALL = MoeDecodeShape(256, 128, 256, 8, 2, 32, 4, 2, routed_scaling_factor=16.0
 FEW = MoeDecodeShape(128, 128, 128, 4, 2, 64)
 # 16 experts of top-4, renormalised, group 64, a shared intermediate twice the routed one
 MEDIUM = MoeDecodeShape(384, 128, 256, 16, 4, 64, 4, 2, True)
+# every width a multiple of 256 (runs of 256 inputs), group 32 (a scale a lane's uint4)
+WIDE = MoeDecodeShape(512, 256, 512, 8, 2, 32)
+# odd multiples of 128 (runs of 256 end with one of 128): hidden 384, routed 384, shared 640
+TAIL = MoeDecodeShape(384, 384, 640, 8, 2, 64)
 
 
 @pytest.mark.parametrize(
@@ -52,8 +56,29 @@ MEDIUM = MoeDecodeShape(384, 128, 256, 16, 4, 64, 4, 2, True)
         # two tiles an item, each split in 2 (3 runs: 1 + 2), one fewer warp than the tiles
         (MEDIUM, MmaTiles(warps=4, blocks=9, rows=32), 6),
         (MEDIUM, MmaTiles(warps=3, blocks=4, rows=64), 5),
+        # runs in flight from a ring of registers: 2 of the shared experts' 2 runs, 3 of the
+        # hidden's 3 (the ring longer than the loop), 2 of 3 with items of two tiles a warp
+        (MEDIUM, MmaTiles(warps=3, blocks=4, rows=64, depth=3), 5),
+        (MEDIUM, MmaTiles(warps=2, blocks=3, rows=64, depth=2), GROUP_TOKENS + 3),
+        # runs of 256 inputs (2 uint4 a lane and row), in a ring and with a K split of 2
+        (WIDE, MmaTiles(warps=4, blocks=5, rows=64, depth=2, run=256), 7),
+        (WIDE, MmaTiles(warps=4, blocks=6, rows=32, run=256), 4),
+        # runs of 256 and a tail of 128, with the next run in flight / a ring of 2
+        (TAIL, MmaTiles(warps=4, blocks=5, rows=64, run=256), 6),
+        (TAIL, MmaTiles(warps=2, blocks=3, rows=32, depth=2, run=256), 9),
     ],
-    ids=["small-split4", "two-groups", "medium-split2", "medium-loop"],
+    ids=[
+        "small-split4",
+        "two-groups",
+        "medium-split2",
+        "medium-loop",
+        "medium-d3",
+        "medium-d2",
+        "wide-run256-d2",
+        "wide-run256-split2",
+        "tail-run256",
+        "tail-run256-d2",
+    ],
 )
 def test_expert_mma_kernels_match_numpy(
     tmp_path: Path, shape: MoeDecodeShape, tiles: MmaTiles, n: int
@@ -71,3 +96,12 @@ def test_expert_mma_refuses_shapes_it_cannot_tile() -> None:
     wide = MoeDecodeShape(256, 128, 32768, 8, 2, 32)
     assert "shared memory" in expert_mma_unsupported(wide)
     assert "bad tiles" in expert_mma_unsupported(SMALL, MmaTiles(rows=24))
+    # a ring of runs needs the compile-time loop of a warp a tile (no K split)
+    assert "depth 2" in expert_mma_unsupported(SMALL, MmaTiles(warps=4, rows=16, depth=2))
+    assert "depth 0" in expert_mma_unsupported(SMALL, MmaTiles(depth=0))
+    assert "run 512" in expert_mma_unsupported(SMALL, MmaTiles(run=512))
+    # V2-Lite's routed intermediate (1408 = 11 x 128) ends runs of 256 with a tail of 128, which
+    # a K split cannot share among its warps
+    lite = MoeDecodeShape(2048, 1408, 2816, 64, 6, 128)
+    with pytest.raises(ValueError, match="inter 1408 leaves a tail"):
+        moe_down_expert_mma(lite, MmaTiles(rows=16, run=256))

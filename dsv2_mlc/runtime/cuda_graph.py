@@ -108,11 +108,21 @@ from .device import device_of, to_numpy
 from .graph_relocation import Capture, Node, Relocation, derive
 from .pdl import BrokenGraphError, make_programmatic, restore_default
 
-__all__ = ["DecodeGraphs", "decode_graph_key"]
+__all__ = ["DecodeGraphs", "decode_graph_key", "same_greedy", "same_logits"]
 
 log = logging.getLogger(__name__)
 
 PAGE_ALIGN = 4  # int32 elements per 16-byte alignment unit of the KV cache's auxiliary buffer
+
+
+def same_logits(a: Any, b: Any) -> bool:
+    """Whether two ``batch_decode`` outputs hold bit-identical logits."""
+    return bool(np.array_equal(to_numpy(a[0]), to_numpy(b[0])))
+
+
+def same_greedy(a: Any, b: Any) -> bool:
+    """Whether two greedy decode outputs (logits, tokens) are bit-identical."""
+    return same_logits(a, b) and bool(np.array_equal(to_numpy(a[1]), to_numpy(b[1])))
 
 
 def decode_graph_key(page_size: int, lengths_after: list[int]) -> tuple[int, int]:

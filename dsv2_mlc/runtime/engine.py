@@ -17,11 +17,12 @@ import tvm_ffi
 
 from ..model.config import DeepseekV2Config
 from .cublas import init_cublas
-from .cuda_graph import DecodeGraphs, decode_graph_key
+from .cuda_graph import DecodeGraphs, decode_graph_key, same_greedy, same_logits
 from .device import copy_into, to_device, to_numpy
 from .generation import GenerationResult, GenerationStream, StreamDelta, run_generation
 from .layout import LIBRARY, PARAMS_DIR, BuildConfig, BuildError
 from .pdl import PORTS as PDL_PORTS
+from .pending import PendingTokens
 from .sampling import SamplingParams
 from .tokenizer import Tokenizer, TokenizerError
 from .tvm_runtime import global_func, load_runtime
@@ -66,49 +67,6 @@ class ContextLengthError(ValueError):
 
 class PromptError(ValueError):
     """A prompt that cannot be run (empty, or text for a model without a tokenizer)."""
-
-
-class PendingTokens:
-    """The tokens of a greedy step from :meth:`Engine.launch_greedy`: :meth:`result` waits for
-    the device where the step's graph is still running. A step launched with ``follow`` launches
-    the next one on these tokens inside :meth:`result`, right after the wait."""
-
-    def __init__(self, wait: Callable[[], np.ndarray]) -> None:
-        self._wait: Callable[[], np.ndarray] | None = wait
-        self._tokens: np.ndarray | None = None
-        self._then: Callable[[np.ndarray], None] | None = None
-
-    @property
-    def done(self) -> bool:
-        """Whether :meth:`result` has been taken (the step has completed)."""
-        return self._wait is None
-
-    def result(self) -> np.ndarray:
-        """The next token ids, int64 ``[len(seq_ids)]`` (the same array on every call)."""
-        if self._wait is not None:
-            wait, self._wait = self._wait, None
-            self._tokens = wait()
-        assert self._tokens is not None
-        then, self._then = self._then, None
-        if then is not None:
-            then(self._tokens)
-        return self._tokens
-
-    def _follow(self, then: Callable[[np.ndarray], None] | None) -> None:
-        """Call ``then(tokens)`` once they are known (now, if they are); None: do not."""
-        self._then = then
-        if then is not None and self.done:
-            self.result()
-
-
-def _same_logits(a: Any, b: Any) -> bool:
-    """Whether two ``batch_decode`` outputs hold bit-identical logits."""
-    return bool(np.array_equal(to_numpy(a[0]), to_numpy(b[0])))
-
-
-def _same_greedy(a: Any, b: Any) -> bool:
-    """Whether two greedy decode outputs (logits, tokens) are bit-identical."""
-    return _same_logits(a, b) and bool(np.array_equal(to_numpy(a[1]), to_numpy(b[1])))
 
 
 def _shape(v: int) -> tvm_ffi.Shape:
@@ -598,7 +556,7 @@ class Engine:
             if graph is not None:
                 return functools.partial(graphs.wait_greedy, graph)
             upload = functools.partial(to_device, device=self.device)
-            tokens = graphs.run_greedy(key, ids, call, upload, _same_greedy)
+            tokens = graphs.run_greedy(key, ids, call, upload, same_greedy)
         return lambda: tokens
 
     def _decode_call(self, seq_ids: list[int], ids: np.ndarray) -> Any:
@@ -608,7 +566,7 @@ class Engine:
             return self._batch_decode(to_device(ids, self.device))
         assert self._graphs is not None
         upload = functools.partial(to_device, device=self.device)
-        return self._graphs.run(key, ids, self._batch_decode, upload, copy_into, _same_logits)
+        return self._graphs.run(key, ids, self._batch_decode, upload, copy_into, same_logits)
 
     def _batch_decode(self, ids_t: tvm_ffi.Tensor) -> Any:
         batch, start = ids_t.shape[0], self._major_from
