@@ -101,11 +101,13 @@ class MmaTiles:
         return self.run // _RUN
 
 
-# Items of 64 rows, a 16-row tile a warp (no K split). Items of one tile split 4 ways among the
-# warps (batch 1: 704 gate/up and 896 down items instead of 176 and 224) were slower at every
-# batch on the H200 (schedules/results/moe_decode.md, round 11)
-MMA_GATE_UP_TILES = MmaTiles(warps=4, blocks=396, rows=64)
-MMA_DOWN_TILES = MmaTiles(warps=4, blocks=264, rows=64)
+# Items of 64 rows for gate/up, 128 for down, a 16-row tile a warp (no K split). Runs of 256
+# inputs for gate/up (a row's lanes read 128 contiguous bytes; 64 took 24 % longer on the H200)
+# and two runs in flight for down, which also wants more warps an SM (8 a block, 528 blocks): at
+# batch 16 74.9 + 65.2 us a layer against 98.4 + 109.7 (schedules/results/moe_decode.md, round
+# 12). Items of one tile split 4 ways among the warps were slower at every batch (round 11)
+MMA_GATE_UP_TILES = MmaTiles(warps=4, blocks=396, rows=64, run=256)
+MMA_DOWN_TILES = MmaTiles(warps=8, blocks=528, rows=128, depth=2)
 
 
 def _stride(width: int) -> int:
@@ -113,19 +115,26 @@ def _stride(width: int) -> int:
     return width // 2 + (2 - width // 2) % 32
 
 
-def expert_mma_unsupported(s: MoeDecodeShape, tiles: MmaTiles = MMA_DOWN_TILES) -> str | None:
-    """Why these kernels cannot run shape ``s`` with ``tiles`` (None: they can)."""
-    for name, dim in (("hidden", s.hidden), ("inter", s.inter), ("shared", s.shared_inter)):
-        if dim <= 0 or dim % _RUN:
-            return f"{name} {dim} is not a positive multiple of {_RUN}"
-    if s.group % 32 or s.hidden % s.group or s.inter % s.group or s.shared_inter % s.group:
-        return f"group {s.group} is not a multiple of 32 dividing every width"
+def expert_mma_unsupported(s: MoeDecodeShape, tiles: MmaTiles | None = None) -> str | None:
+    """Why these kernels cannot run shape ``s`` with ``tiles`` (None: they can; ``tiles`` None:
+    both kernels with their default tiles)."""
+    if tiles is None:
+        return expert_mma_unsupported(s, MMA_GATE_UP_TILES) or expert_mma_unsupported(
+            s, MMA_DOWN_TILES
+        )
     if tiles.warps < 1 or tiles.blocks < 1 or tiles.rows < 16 or tiles.rows % 16:
         return f"bad tiles {tiles}"
     if tiles.depth < 1 or (tiles.depth > 1 and _parts(tiles) > 1):
         return f"depth {tiles.depth} needs 1 <= depth, and depth 1 with a K split ({tiles})"
     if tiles.run not in (_RUN, 2 * _RUN):
         return f"run {tiles.run} is not {_RUN} or {2 * _RUN}"
+    for name, dim in (("hidden", s.hidden), ("inter", s.inter), ("shared", s.shared_inter)):
+        if dim <= 0 or dim % _RUN:
+            return f"{name} {dim} is not a positive multiple of {_RUN}"
+        if dim % tiles.run and _parts(tiles) > 1:
+            return f"{name} {dim} leaves a tail of the run ({tiles.run}), which needs no K split"
+    if s.group % 32 or s.hidden % s.group or s.inter % s.group or s.shared_inter % s.group:
+        return f"group {s.group} is not a multiple of 32 dividing every width"
     widest = max(s.hidden, s.inter, s.shared_inter)
     if _smem_bytes(tiles, widest, 2) + plan_bytes(s) + 256 > _SHARED_LIMIT:
         return f"{MMA_TOKENS} staged rows of {widest} fp16 values do not fit in shared memory"
@@ -545,13 +554,8 @@ def down_source(s: MoeDecodeShape, tiles: MmaTiles) -> tuple[str, str]:
     return name, head + plan_source(s, tag, T) + src
 
 
-def _check(s: MoeDecodeShape, tiles: MmaTiles, widths: dict[str, int]) -> None:
-    """Raise ``ValueError`` where ``tiles`` cannot run ``s``, or a reduction width of the kernel
-    (``widths``) would leave a tail of its run to a K split."""
+def _check(s: MoeDecodeShape, tiles: MmaTiles) -> None:
     why = expert_mma_unsupported(s, tiles)
-    for name, dim in widths.items():
-        if why is None and dim % tiles.run and _parts(tiles) > 1:
-            why = f"{name} {dim} leaves a tail of the run ({tiles.run}), which needs no K split"
     if why is not None:
         raise ValueError(f"the expert-major MMA MoE kernels cannot take {s}: {why}")
 
@@ -559,7 +563,7 @@ def _check(s: MoeDecodeShape, tiles: MmaTiles, widths: dict[str, int]) -> None:
 def moe_gate_up_expert_mma(s: MoeDecodeShape, tiles: MmaTiles = MMA_GATE_UP_TILES) -> tirx.PrimFunc:
     """:func:`~.moe_expert_major_cuda.moe_gate_up_expert_major`'s signature and result (``h``
     of the routed slots and the shared experts), on tensor cores (module docstring, 1.)."""
-    _check(s, tiles, {"hidden": s.hidden})
+    _check(s, tiles)
     name, src = gate_up_source(s, tiles)
     return token_grid_call(
         "moe_expert_mma_gate_up",
@@ -578,7 +582,7 @@ def moe_down_expert_mma(s: MoeDecodeShape, tiles: MmaTiles = MMA_DOWN_TILES) -> 
     """:func:`~.moe_expert_major_cuda.moe_down_expert_major`'s signature and result (each
     routed slot's and the shared experts' down projection, unweighted, float32), on tensor cores
     (module docstring, 2.)."""
-    _check(s, tiles, {"inter": s.inter, "shared": s.shared_inter})
+    _check(s, tiles)
     name, src = down_source(s, tiles)
     return token_grid_call(
         "moe_expert_mma_down",

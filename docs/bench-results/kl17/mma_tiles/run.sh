@@ -3,16 +3,16 @@
 # expert-major (gpu_decode_batches.py), and CUPTI kernel times of an eager batch-16 step, for
 # build/r38 (42f3e7c's default tiles) and the variants of build.py in build/r39/{A,B,C,D}
 # (model.so carried xz-compressed; R=build/r40 VARIANTS="E F G H" for the second call). Carry
-# .devcarry, build/r38/{lite,src}, $R. Everything written under $OUT comes back as one tarball.
+# .devcarry, build/r38/{lite,src}, $R (SRC: another runtime; SKIP_BASE=1: no r38 run). Everything written under $OUT comes back as one tarball.
 rm -rf .site; python3 -m pip install -q --no-index --no-deps --target .site .devcarry/wheels/*.whl
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/build/r38/src:$PWD/.site
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/${SRC:-build/r38/src}:$PWD/.site
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 L=.devcarry/tvm-lib
 for v in ${VARIANTS:-A B C D}; do
   python3 -c "import lzma,sys; open(sys.argv[2],'wb').write(lzma.open(sys.argv[1]).read())" \
     ${R:-build/r39}/$v/model.so.xz ${R:-build/r39}/$v/model.so
 done
-for v in ${VARIANTS:-A B C D} base; do
+for v in ${VARIANTS:-A B C D} $([ -z "$SKIP_BASE" ] && echo base); do
   B=${R:-build/r39}/$v; [ $v = base ] && B=build/r38/lite
   O=$OUT/mma_tiles/$v; mkdir -p $O
   timeout 240 python3 -P scripts/gpu_decode_batches.py $B --lib-dir $L --out $O \
