@@ -11,9 +11,9 @@ for all the chunk's tokens.
 **In the model:** ``batch_decode_expert_major`` (``GroupQuantExperts.expert_major_decode``: the
 router's ``moe_route``, these two kernels, the float32 weighted sum), which the engine runs for
 decode steps of ``EXPERT_MAJOR_FROM`` (16) sequences and more. On the H200 (V2-Lite, prompt
-1024, greedy steps on CUDA graphs; schedules/results/moe_decode.md, round 11) it decodes 1,847
-tok/s at batch 16 against the token-major kernels' 1,767 and 2,588 against 1,857 at batch 31;
-at batch 8 it is slower (1,329 against 1,607), at batch 1 much slower (485 against 816).
+1024, greedy steps on CUDA graphs; schedules/results/moe_decode.md, rounds 11-12) it decodes
+2,218 tok/s at batch 16 against the token-major kernels' 1,763 and 3,003 against 1,854 at batch
+31; at batch 8 it is slower (1,559 against 1,636), at batch 1 much slower (451 against 863).
 
 **The fragments from the INT4 layout as it is.** The weights stay in the layout of
 :mod:`dsv2_mlc.passes.quantize_int4` (``[rows, K/8]`` words, element ``8 j + i`` in nibble ``i``
@@ -27,15 +27,19 @@ n7)``, times the group's scale (one fp16 rounding, as the prefill MMA kernels do
 takes pairs 0 and 1 as its logical inputs ``(2t, 2t+1)`` and ``(2t+8, 2t+9)``, step ``2 i + 1``
 pairs 2 and 3. The chunk's activations are staged in shared memory in the same pair order
 (``dsv2_pair8``), so B is one 8-byte load per step; rows are padded so that the warp's 32 loads
-hit every bank pair twice (two wavefronts, the minimum for 256 bytes).
+hit every bank pair twice (two wavefronts, the minimum for 256 bytes). With runs of 256
+(``MmaTiles.run``) a lane takes 64 consecutive inputs, two ``uint4`` a row, so a row's 4 lanes
+read one whole 128-byte line a run: on the H200 that, not the bytes in flight, is what the
+gate/up kernel wanted (schedules/results/moe_decode.md, round 12).
 
 1. :func:`moe_gate_up_expert_mma`: per item, the chunk's ``x`` rows in shared memory; each warp a
-   16-row tile of gate rows and the matching up rows (two MMAs per B fragment), the next 128
-   inputs' words loaded before this run's MMAs; ``h = silu(gate) * up`` from the float32
-   accumulators, written for the chunk's pairs (the layout of the token-major kernels).
+   16-row tile of gate rows and the matching up rows (two MMAs per B fragment), the next run's
+   words loaded before this run's MMAs (runs of 256 by default); ``h = silu(gate) * up`` from the
+   float32 accumulators, written for the chunk's pairs (the layout of the token-major kernels).
 2. :func:`moe_down_expert_mma`: per item, the chunk's pairs' ``h`` slices in shared memory; each
-   warp a 16-row tile of output rows, ``part[t, slot, o]`` in float32 (unweighted, every element
-   written by one item: the weighted sum stays deterministic).
+   warp a 16-row tile of output rows (two runs of 128 in flight by default), ``part[t, slot, o]``
+   in float32 (unweighted, every element written by one item: the weighted sum stays
+   deterministic).
 
 Shapes: ``hidden``, ``inter`` and the shared intermediate multiples of 128, the group a multiple
 of 32 (a lane's 32 inputs share a scale), ``rows`` a multiple of 16. The reference is float64
