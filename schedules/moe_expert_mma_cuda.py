@@ -84,8 +84,8 @@ class MmaTiles:
     expert for a chunk of at most :data:`MMA_TOKENS` pairs. A step of a warp's K loop is a *run*
     of ``run`` inputs (128 or 256: a lane loads ``run / 128`` consecutive uint4 of each of its
     rows, the row's 4 lanes ``run / 2`` contiguous bytes; a width of an odd number of 128 ends
-    with a run of 128), and a warp has ``depth`` runs in flight
-    ahead of the one it multiplies (a ring of registers; depth > 1 only without a K split)."""
+    with a run of 128), and a warp has ``depth`` runs in flight ahead of the one it multiplies (a
+    ring of registers; depth > 1 only without a K split)."""
 
     warps: int = 4
     blocks: int = 264

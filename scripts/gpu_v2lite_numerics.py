@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from dsv2_mlc.hf_export import load_into_hf
-from dsv2_mlc.runtime.engine import Engine
+from dsv2_mlc.runtime.engine import EXPERT_MAJOR_FROM, Engine
 
 
 def main() -> None:
@@ -38,9 +38,8 @@ def main() -> None:
     ap.add_argument(
         "--expert-major-from",
         type=int,
-        default=None,
-        help="steps of this many sequences and more run the expert-major MoE kernels "
-        "(default: the engine's; 0: none)",
+        default=EXPERT_MAJOR_FROM,
+        help="steps of this many sequences and more run the expert-major MoE kernels (0: none)",
     )
     ap.add_argument("--out", default="v2lite_numerics.json")
     ap.add_argument(
@@ -49,21 +48,16 @@ def main() -> None:
     args = ap.parse_args()
 
     t0 = time.perf_counter()
-    major = (
-        {}
-        if args.expert_major_from is None
-        else {"expert_major_from": args.expert_major_from or None}
-    )
-    b = args.batch
+    b, context = args.batch, max(1024, args.prompt_len + args.steps)
     eng = Engine(
         args.build,
         random_weights=args.seed,
         lib_dir=args.lib_dir,
-        context_window=max(1024, args.prompt_len + args.steps),
-        max_batch_size=max(b, 1),
-        kv_capacity=max(1024, args.prompt_len + args.steps) * b,
+        context_window=context,
+        max_batch_size=b,
+        kv_capacity=context * b,
         prefill_chunk_size=max(512, args.prompt_len * b),  # one prefill call, as `bench` runs it
-        **major,
+        expert_major_from=args.expert_major_from or None,
     )
     prompts = np.random.default_rng(args.seed).integers(0, 100000, (b, args.prompt_len)).tolist()
     seqs = [eng.add_sequence() for _ in range(b)]
