@@ -148,6 +148,7 @@ def mla_attention_cuda(
     partials: str = "float32",
     release: bool = True,
     merge_release: bool = False,
+    early_pages: bool = False,
 ) -> tirx.PrimFunc:
     """The split-KV MLA attention PrimFunc (module docstring) for ``num_heads`` query heads.
 
@@ -176,7 +177,11 @@ def mla_attention_cuda(
     wait itself, after its page-table preamble, which reads only what the runtime writes, and
     releases its dependents right after it, as the hand decode kernels do; off:
     ``passes/grid_dependency_control.py`` puts the wait first and it releases at its exit),
-    ``merge_release`` (the same for the merge kernel, its wait first thing). The defaults
+    ``merge_release`` (the same for the merge kernel, its wait first thing), ``early_pages``
+    (pipelined path only, needs ``release``: a split block copies the pages among its first
+    ``stages - 1`` whose tokens are all older than the row's new tokens, which no kernel of the
+    step writes, into shared memory before its PDL wait, the others after it; the L2 prefetch
+    then covers only the pages after those). The defaults
     (``release`` and ``l2_prefetch`` on, ``merge_release`` off) took a V2-Lite decode graph's
     replay on the H200 from 1,283-1,290 to 1,253-1,257 us (sixth round).
     """
@@ -238,11 +243,19 @@ def mla_attention_cuda(
     if half_ws and not (use_pipe and merge == "parallel"):
         raise ValueError("float16 partials need the pipelined split block and the parallel merge")
     mma_src = mma_source(tag, KS, KSW, NTW, SROW, PS) if use_mma and not use_pipe else ""
-    ptag = f"{tag}_s{stages}" + ("_p16" if half_ws else "")
-    pipe_src = pipe_source(ptag, D, DL, stages, partials=partials) if use_pipe else ""
+    if early_pages and not release:
+        raise ValueError("early_pages needs release (the split block waits itself)")
+    early_pages = early_pages and use_pipe  # the other paths copy no page before their wait
+    EARLY = int(early_pages)  # the prefetch skips the pages copied before the wait
+    ptag = f"{tag}_s{stages}" + ("_p16" if half_ws else "") + ("_e" if early_pages else "")
+    pipe_src = (
+        pipe_source(ptag, D, DL, stages, partials=partials, early=early_pages) if use_pipe else ""
+    )
     use_l2 = use_pipe and l2_prefetch
     pf_name, pf_src = (
-        _prefetch_wait_source(tag, P * D * _ELEM_BYTES[dtype], NT, release) if use_l2 else ("", "")
+        _prefetch_wait_source(tag, P * D * _ELEM_BYTES[dtype], NT, release, wait=not early_pages)
+        if use_l2
+        else ("", "")
     )
     wr_src = _wait_release_source() if release or merge_release else ""
     SMEM_N = pipe_shared_halves(D, stages) if use_pipe else 1  # pipelined path: one buffer
@@ -397,21 +410,34 @@ def mla_attention_cuda(
                         pg_lo: T.let[T.int32] = T.min(split * pps, vis_pages)
                         pg_hi: T.let[T.int32] = T.min(pg_lo + pps, vis_pages)
                         h0: T.let[T.int32] = by * HG
+                        # early_pages: the split's leading pages older than the row's new
+                        # tokens (those the KV append of this step writes), and how many of
+                        # them the pipelined block copies before its wait
+                        n_early: T.let[T.int32] = T.max(
+                            T.min(T.floordiv(kv_len - q_len, P) - pg_lo, pg_hi - pg_lo), 0
+                        )
+                        n_pre: T.let[T.int32] = T.if_then_else(
+                            split < nsplit, T.min(n_early, stages - 1), 0
+                        )
                         if use_l2:
-                            # this split's pages -> L2, then the PDL wait (page tables only
-                            # before it: the runtime, not a kernel, writes them)
+                            # this split's pages -> L2 (those it copies early excepted), then
+                            # the PDL wait unless the pipelined block waits itself (page tables
+                            # only before it: the runtime, not a kernel, writes them)
                             T.cuda.func_call(
                                 pf_name,
                                 T.address_of(pages[0, 0, 0]),
                                 T.address_of(page_values[page_begin]),
-                                pg_lo,
-                                pg_hi - pg_lo,
+                                pg_lo + n_pre * EARLY,
+                                pg_hi - pg_lo - n_pre * EARLY,
                                 tx,
                                 source_code=pf_src,
                             )
-                        elif release:
+                        elif release and not early_pages:
                             T.cuda.func_call(_WAIT_RELEASE, source_code=wr_src)
-                        if split == 0 and by == 0 and tx == 0:
+                        if early_pages:
+                            if split >= nsplit:  # idle: wait as the others do
+                                T.cuda.func_call(_WAIT_RELEASE, source_code=wr_src)
+                        elif split == 0 and by == 0 and tx == 0:
                             ws_n[row] = nsplit
 
                         if use_pipe:
@@ -435,8 +461,12 @@ def mla_attention_cuda(
                                     T.address_of(smem[0]),
                                     T.address_of(smem[SMEM_N - 1]),
                                     tx,
+                                    n_early,
                                     source_code=pipe_src,
                                 )
+                                if early_pages:  # after the block's own wait
+                                    if split == 0 and by == 0 and tx == 0:
+                                        ws_n[row] = nsplit
                         elif use_mma:
                             # Q fragments of this warp's k-steps -> registers (global).
                             for i in T.unroll(KSW * 4):  # (full extent: no buffer compaction)
@@ -856,14 +886,15 @@ def mla_attention_cuda(
 
 
 def _prefetch_wait_source(
-    tag: str, page_bytes: int, threads: int, release: bool
+    tag: str, page_bytes: int, threads: int, release: bool, wait: bool = True
 ) -> tuple[str, str]:
     """(name, CUDA) of ``mla_prefetch_wait[_r]_<tag>(pages, page_ids, first, count, tid)``:
     the block's threads ask L2 for pages ``page_ids[first:first + count]``
     (``cp.async.bulk.prefetch``, one page of ``page_bytes`` each), then the PDL wait (``_r``:
-    and the release). Safe before the wait: a prefetch reads nothing into the block, and the
-    page the previous kernel appends to is read after it."""
-    name = f"mla_prefetch_wait{'_r' if release else ''}_{tag}"
+    and the release; ``wait=False``: ``mla_prefetch_<tag>``, no wait). Safe before the wait: a
+    prefetch reads nothing into the block, and the page the previous kernel appends to is read
+    after it."""
+    name = f"mla_prefetch_wait{'_r' if release else ''}_{tag}" if wait else f"mla_prefetch_{tag}"
     return name, (
         grid_wait_source()
         + l2_prefetch_source()
@@ -875,7 +906,7 @@ __device__ __forceinline__ void {name}(const half* pages, const int* page_ids,
   for (int i = tid; i < count; i += {threads})
     {L2_PREFETCH}(reinterpret_cast<const char*>(pages) + (long long)page_ids[first + i] *
                   {page_bytes}, {page_bytes});
-  {WAIT_THEN_RELEASE if release else f"{GRID_WAIT}();"}
+  {(WAIT_THEN_RELEASE if release else f"{GRID_WAIT}();") if wait else ""}
 }}
 #endif
 """

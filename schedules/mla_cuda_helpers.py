@@ -10,6 +10,8 @@ of shared page buffers, K/V fragments by ``ldmatrix``, and writes the final or p
 
 from string import Template
 
+from .cuda_call import WAIT_THEN_RELEASE, grid_wait_source
+
 __all__ = ["PARTIAL_TYPES", "mma_source", "pipe_shared_halves", "pipe_source"]
 
 P = 16  # page size (tokens)
@@ -168,12 +170,13 @@ __device__ __forceinline__ void mlap_page_${tag}(unsigned dst, const half* src, 
 }
 // One split block (256 threads, 16 heads): pages ids[0, npg) of the row (tokens tok0...),
 // n_vis visible keys; q: the 16 heads x ${d} of the row; final_: write out (16 x ${dl},
-// head stride ${dl}) and lse (16), else the partial state to ws_o / ws_lse.
+// head stride ${dl}) and lse (16), else the partial state to ws_o / ws_lse; n_early: only
+// with an early build (pipe_source(early=True)).${early_doc}
 __device__ __forceinline__ void mla_split_pipe_${tag}(
     const half* __restrict__ q, const half* __restrict__ pages, const int* __restrict__ ids,
     int npg, int tok0, int n_vis, float scale, int final_, half* __restrict__ out,
     float* __restrict__ lse, ${wt}* __restrict__ ws_o, float* __restrict__ ws_lse, int ws_row,
-    half* smem, const half* smem_last, int tx) {
+    half* smem, const half* smem_last, int tx, int n_early) {
   ws_o += (size_t)ws_row * ${dl};  // this block's 16 heads (row ws_row of the workspace)
   ws_lse += ws_row;
   float* s_part = reinterpret_cast<float*>(smem + ${kv_halves});
@@ -185,8 +188,9 @@ __device__ __forceinline__ void mla_split_pipe_${tag}(
   const unsigned kv0 = static_cast<unsigned>(__cvta_generic_to_shared(smem));
   const int valid0 = n_vis - tok0;  // visible rows from the first page of the split on
   // Prologue: pages 0 .. ${stages} - 2 in flight (one commit group each, empty past npg).
+  int s0 = 0;${early_issue}
 #pragma unroll
-  for (int s = 0; s < ${stages} - 1; ++s) {
+  for (int s = s0; s < ${stages} - 1; ++s) {
     if (s < npg) {
       mlap_page_${tag}(kv0 + s * ${buf_bytes}, pages + (size_t)ids[s] * ${page_elems},
                        valid0 - s * 16, tx);
@@ -339,25 +343,53 @@ PARTIAL_TYPES = tuple(_PARTIALS)  # what ``pipe_source(partials=...)`` takes
 
 
 def pipe_source(
-    tag: str, D: int, DL: int, stages: int, prims: bool = True, partials: str = "float32"
+    tag: str,
+    D: int,
+    DL: int,
+    stages: int,
+    prims: bool = True,
+    partials: str = "float32",
+    early: bool = False,
 ) -> str:
     """CUDA source of ``mla_split_pipe_<tag>`` (module docstring), the split block of the
     pipelined tensor-core path for 16 heads, rows of ``D`` (latent + rope) halves, ``DL``
     output columns (``D % 16 == 0``, ``DL % 64 == 0``) and ``stages`` (>= 2) page buffers.
     ``prims=False`` leaves out the PTX primitives (``mlap_{mma,ldsm,ldsm_t,ldsm_t2,cp,commit,
-    wait}_<tag>``) and the include guard, for a CPU emulation. ``partials``: the type of the
-    partial outputs in the workspace (``"float32"`` or ``"float16"``; the split lse stay
-    float32)."""
+    wait}_<tag>``), the PDL wait's definition and the include guard, for a CPU emulation.
+    ``partials``: the type of the partial outputs in the workspace (``"float32"`` or
+    ``"float16"``; the split lse stay float32). ``early``: the function's last argument,
+    ``n_early`` (ignored otherwise), counts the leading pages of the split that no kernel of this
+    step writes (every token of them older than the row's new tokens); it issues the copies of
+    those among its first ``stages - 1`` pages, then calls the PDL wait and releases its
+    dependents (:data:`~.cuda_call.WAIT_THEN_RELEASE`) before it issues the others and reads Q:
+    the caller must not have waited."""
     if partials not in _PARTIALS:
         raise ValueError(f"partials must be one of {PARTIAL_TYPES}, got {partials!r}")
     wt, wt2, wpack = _PARTIALS[partials]
+    early_doc = early_issue = ""
+    if early:
+        early_doc = (
+            "\n// Pages [0, n_early) are older than the row's new tokens: their copies are issued"
+            "\n// before the PDL wait, which this function calls (the caller has not waited)."
+        )
+        early_issue = (
+            "\n  for (; s0 < ${stages} - 1 && s0 < n_early && s0 < npg; ++s0) {"
+            "\n    mlap_page_${tag}(kv0 + s0 * ${buf_bytes}, pages + (size_t)ids[s0] *"
+            " ${page_elems}, valid0 - s0 * 16, tx);"
+            "\n    mlap_commit_${tag}();"
+            "\n  }"
+            f"\n  {WAIT_THEN_RELEASE}  // (PDL) what follows reads the new tokens and Q"
+        )
     srow = D + 8
     dv = D // 8
     ks = D // 16
-    body = _PIPE_PRIMS + _PIPE_BODY if prims else _PIPE_BODY
+    body = _PIPE_BODY.replace("${early_issue}", early_issue)
+    body = _PIPE_PRIMS + body if prims else body
     if prims:
         body = f"\n#ifndef MLA_SPLIT_PIPE_{tag}\n#define MLA_SPLIT_PIPE_{tag}{body}#endif\n"
-    return Template(body).substitute(
+    prefix = grid_wait_source() if prims and early else ""
+    return prefix + Template(body).substitute(
+        early_doc=early_doc,
         tag=tag,
         wt=wt,
         wt2=wt2,

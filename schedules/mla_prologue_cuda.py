@@ -59,6 +59,7 @@ def mla_prologue_cuda(
     cols: int = 64,
     threads: int = 128,
     l2_prefetch: bool = True,
+    preload: bool = False,
 ) -> tirx.PrimFunc:
     """``f(q [n, q_width], kv [n, kv_width], w_uk [H, nope, L], norm_w [L], rope [n, R] float32,
     q_lat [n, H, L + R], latent [n, L + R])``: the query heads at columns ``[0, H * (nope + R))``
@@ -66,8 +67,9 @@ def mla_prologue_cuda(
     the tokens' cos/sin table (``dsv2_mlc.model.rope.rope_table``); ``eps`` of the latent
     RMSNorm (module docstring). With ``l2_prefetch`` a column-tile block asks L2 for its
     ``W_UK`` tile (``nope`` rows of ``cols`` values) before it waits for the previous kernel (PDL),
-    so the tile loads while that kernel finishes. Raises ``ValueError`` for shapes it does not
-    handle."""
+    so the tile loads while that kernel finishes; with ``preload`` (needs ``l2_prefetch``) each
+    thread loads its share of the tile into registers instead, before the wait. Raises
+    ``ValueError`` for shapes it does not handle."""
     H, QK, L, R = num_heads, nope + rope_dim, lora, rope_dim
     VEC = _LOAD_BYTES // _ELEM_BYTES.get(dtype, 2)
     problems = []
@@ -83,6 +85,8 @@ def mla_prologue_cuda(
     RPT = (R + TILES - 1) // TILES  # query rope dims per column tile
     if RPT > threads:
         problems.append(f"rope={R} over {TILES} tiles of {threads} threads")
+    if preload and not l2_prefetch:
+        problems.append("preload without l2_prefetch (the block's wait)")
     if problems:
         raise ValueError(f"mla_prologue_cuda: unsupported {', '.join(problems)}")
 
@@ -99,6 +103,7 @@ def mla_prologue_cuda(
     L_EXACT = LPT * threads == L
     KVO, ROPE0 = kv_offset, threads - RPT
     ELEM = _ELEM_BYTES.get(dtype, 2)
+    WPRE = DPG * VEC if preload else 1  # preload: a thread's W_UK values in registers
     pf_name = _prefetch_wait_name(nope, L, ELEM)
     pf_src = _prefetch_wait_source(nope, L, ELEM, threads) if l2_prefetch else ""
 
@@ -122,17 +127,32 @@ def mla_prologue_cuda(
                     wsum = T.sblock_alloc_buffer((WARPS,), "float32", scope="shared")
                     acc = T.sblock_alloc_buffer((VEC,), "float32", scope="local")
                     wv = T.sblock_alloc_buffer((VEC,), dtype, scope="local")
+                    wpre = T.sblock_alloc_buffer((WPRE,), dtype, scope="local")
                     xs = T.sblock_alloc_buffer((LPT,), "float32", scope="local")
                     part = T.sblock_alloc_buffer((2,), "float32", scope="local")
                     t: T.let[T.int64] = bx // NB
                     b: T.let[T.int64] = bx % NB
+                    if preload:
+                        # this thread's share of the block's W_UK tile -> registers
+                        if b > 0:
+                            pre_c0: T.let[T.int64] = (b - 1) % TILES * cols + tx % CG * VEC
+                            if C_EXACT or pre_c0 < L:
+                                for dd in T.unroll(DPG):
+                                    if D_EXACT or tx // CG * DPG + dd < nope:
+                                        for j in T.vectorized(VEC):
+                                            wpre[dd * VEC + j] = w[
+                                                (b - 1) // TILES, tx // CG * DPG + dd, pre_c0 + j
+                                            ]
                     if l2_prefetch:
-                        # this block's W_UK tile -> L2, then the PDL wait (nothing read before)
+                        # this block's W_UK tile -> L2 (with preload: nothing), then the PDL
+                        # wait (nothing read before that a kernel writes)
                         pf_b: T.let[T.int64] = T.max(b - 1, 0)
                         T.cuda.func_call(
                             pf_name,
                             T.address_of(w[pf_b // TILES, 0, pf_b % TILES * cols]),
-                            T.if_then_else(b == 0, 0, T.min(cols, L - pf_b % TILES * cols)),
+                            T.if_then_else(
+                                b == 0 or preload, 0, T.min(cols, L - pf_b % TILES * cols)
+                            ),
                             tx,
                             source_code=pf_src,
                         )
@@ -187,8 +207,12 @@ def mla_prologue_cuda(
                                     qv: T.let[T.float32] = T.cast(
                                         q[t, h * QK + dg * DPG + dd], "float32"
                                     )
-                                    for j in T.vectorized(VEC):
-                                        wv[j] = w[h, dg * DPG + dd, c0 + j]
+                                    if preload:
+                                        for j in T.vectorized(VEC):
+                                            wv[j] = wpre[dd * VEC + j]
+                                    else:
+                                        for j in T.vectorized(VEC):
+                                            wv[j] = w[h, dg * DPG + dd, c0 + j]
                                     for j in T.unroll(VEC):
                                         acc[j] = acc[j] + qv * T.cast(wv[j], "float32")
                         for j in T.unroll(VEC):

@@ -69,19 +69,26 @@ def test_lab_variants_compile(tmp_path: Path, variant: str) -> None:
     check_fatbin(tmp_path / "m.so", "sm_90")
 
 
+def _pdl_source(**kwargs) -> str:
+    """The CUDA source of the V2-Lite kernel with ``kwargs``, compiled as a ``--pdl`` build."""
+    from dsv2_mlc.compiler.cuda import cuda_codegen, cuda_sources, make_cuda_target
+    from dsv2_mlc.passes.pipeline import tir_pipeline
+
+    target = make_cuda_target("sm_90")
+    func = mla_attention_cuda(16, 512, 64, **kwargs).with_attr("global_symbol", "m")
+    with cuda_codegen(), target:
+        lib = tvm.compile(tvm.IRModule({"m": func}), target=target, tir_pipeline=tir_pipeline(True))
+    (src,) = cuda_sources(lib.mod)
+    return src
+
+
 @needs_nvcc
 def test_l2_prefetch_variant_waits_after_its_prefetches() -> None:
     """In a PDL build the split kernel of ``l2_prefetch=True`` asks L2 for its pages and then
     waits itself (so the pass adds no wait in front), the merge kernel starts with the wait."""
-    from dsv2_mlc.compiler.cuda import cuda_codegen, cuda_sources, make_cuda_target
     from dsv2_mlc.passes.grid_dependency_control import WAIT, kernels_without_wait
-    from dsv2_mlc.passes.pipeline import tir_pipeline
 
-    target = make_cuda_target("sm_90")
-    func = mla_attention_cuda(16, 512, 64, l2_prefetch=True).with_attr("global_symbol", "m")
-    with cuda_codegen(), target:
-        lib = tvm.compile(tvm.IRModule({"m": func}), target=target, tir_pipeline=tir_pipeline(True))
-    (src,) = cuda_sources(lib.mod)
+    src = _pdl_source(l2_prefetch=True)
     kernels, missing = kernels_without_wait(src)
     assert len(kernels) == 2 and missing == []
     assert "cp.async.bulk.prefetch.L2.global" in src
@@ -126,6 +133,28 @@ def test_release_variant_waits_then_releases_in_both_kernels(l2: bool, merge_rel
         assert merge.index("mla_wait_release();") < merge.index("ws_n_ptr[")  # its first read
     else:
         assert "mla_wait_release" not in merge and merge.lstrip().startswith(f"{WAIT}();")
+
+
+@needs_nvcc
+def test_early_pages_variant_copies_old_pages_then_waits_in_its_block() -> None:
+    """``early_pages=True``: the split kernel's prefetch helper does not wait; the pipelined
+    block issues the copies of its old pages, then waits and releases, then issues the rest and
+    reads Q; ``ws_n`` is written after the block (its wait); idle blocks wait too; the pass adds
+    no wait of its own to the split kernel."""
+    from dsv2_mlc.passes.grid_dependency_control import WAIT, kernels_without_wait
+
+    src = _pdl_source(early_pages=True)
+    kernels, missing = kernels_without_wait(src)
+    assert len(kernels) == 2 and missing == []
+    pipe = src.split("void mla_split_pipe_16_512_576_s3_e(")[1].split("\n}\n")[0]
+    early, rest = pipe.split(f"{WAIT}();", 1)
+    assert "s0 < n_early" in early and "mlap_page_" in early  # old pages before the wait
+    assert "q + g * 576" in rest  # Q after it
+    prefetch = src.split("void mla_prefetch_16_512_576(")[1].split("\n}\n")[0]
+    assert "cp.async.bulk.prefetch" in src and WAIT not in prefetch
+    split = src.split(f" {sorted(kernels)[0]}(")[-1].split("{", 1)[1]
+    assert split.index("mla_split_pipe_16_512_576_s3_e(") < split.index("ws_n_ptr[")
+    assert "mla_wait_release();" in split  # the idle blocks'
 
 
 # Names of the PrimFunc's shape variables and buffers besides ``total_len`` (the query rows).
@@ -200,6 +229,12 @@ def test_kernel_rejects_bad_variant_arguments() -> None:
         mla_attention_cuda(16, 512, 64, stages=1, partials="float16")
     with pytest.raises(ValueError, match="float16 partials"):
         mla_attention_cuda(16, 512, 64, merge="serial", partials="float16")
+    with pytest.raises(ValueError, match="early_pages"):  # the split block waits itself
+        mla_attention_cuda(16, 512, 64, release=False, early_pages=True)
+    # the TIR page loop and the SIMT path copy no page early: the option changes nothing there
+    for kwargs in ({"stages": 1}, {"mma": False}):
+        plain = mla_attention_cuda(16, 512, 64, **kwargs).script()
+        assert mla_attention_cuda(16, 512, 64, early_pages=True, **kwargs).script() == plain
 
 
 def test_kernel_rejects_unsupported_shapes() -> None:

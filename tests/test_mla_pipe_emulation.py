@@ -10,6 +10,11 @@ hardware may do, so a wrong ring-buffer index or wait count shows up as a wrong 
 block of a few rows (empty, one key, page edges, several splits) is run, the partial states are
 merged as the merge kernel does, and out/lse are checked against a float64 softmax. Shared memory
 starts as NaN and the page rows past the visible length are NaN, so reads of unwritten data show.
+
+With ``early=True`` the block waits itself (the PDL ``griddepcontrol.wait``, emulated as a block
+barrier) after copying the pages older than the row's new tokens: those new rows stay NaN until
+the wait, as if the step's KV append were still running, so an early copy of a page it writes
+shows as a NaN result (a control case copies one page too many and must fail).
 """
 
 from __future__ import annotations
@@ -37,6 +42,11 @@ struct Block {
   std::barrier<>* wbar[8];
   char* smem;
   int late;  // cp.async copies land at the covering wait_group, else at issue
+  int waits;  // PDL waits of the block (emulated)
+  half* pages;  // the new rows [first_new, n_vis) of the row are NaN until the wait
+  const half* clean;
+  const int* ids;
+  int first_new, n_vis;
   float fst[8][32][16];
   unsigned ust[8][32][8];
 };
@@ -66,6 +76,20 @@ static inline float hi_h(unsigned u) { return lo_h(u >> 16); }
 static inline unsigned short smem_u16(unsigned addr) {
   unsigned short s; memcpy(&s, t_b->smem + addr, 2); return s;
 }
+// The PDL wait: the step's append lands the row's new tokens (as the predecessor's writes
+// become visible); its release is a no-op here.
+static inline void dsv2_griddepcontrol_wait() {
+  __syncthreads();
+  if (t_tx == 0) {
+    ++t_b->waits;
+    for (int r = t_b->first_new; r < t_b->n_vis; ++r) {
+      const size_t off = ((size_t)t_b->ids[r / 16] * 16 + r % 16) * $d;
+      memcpy(t_b->pages + off, t_b->clean + off, $d * 2);
+    }
+  }
+  __syncthreads();
+}
+static inline void dsv2_griddepcontrol_launch_dependents() {}
 static void land(const Copy& c) {
   if (c.dst % 16 || (uintptr_t)c.src % 16) fail("cp.async address not 16-byte aligned");
   char* d = t_b->smem + c.dst;
@@ -149,17 +173,19 @@ template <class T> static void save(const char* path, const std::vector<T>& v) {
   fwrite(v.data(), sizeof(T), v.size(), f);
   fclose(f);
 }
-// argv: dir late n_rows n_pages n_ids n_jobs n_ws; jobs: row ids_off npg tok0 n_vis final ws_row
+// argv: dir late n_rows n_pages n_ids n_jobs n_ws early; jobs: row ids_off npg tok0 n_vis final
+// ws_row row_ids_off first_new n_early
 int main(int argc, char** argv) {
   const std::string dir = argv[1];
   const int late = atoi(argv[2]), n_rows = atoi(argv[3]), n_pages = atoi(argv[4]);
   const int n_ids = atoi(argv[5]), n_jobs = atoi(argv[6]), n_ws = atoi(argv[7]);
+  const int early = atoi(argv[8]);
   auto q = load<half>((dir + "/q").c_str(), (size_t)n_rows * 16 * $d);
   std::vector<half> pages_v = load<half>((dir + "/pages").c_str(), (size_t)n_pages * 16 * $d);
   half* pages = (half*)aligned_alloc(64, pages_v.size() * 2);
   memcpy(pages, pages_v.data(), pages_v.size() * 2);
   auto ids = load<int>((dir + "/ids").c_str(), n_ids);
-  auto jobs = load<int>((dir + "/jobs").c_str(), (size_t)n_jobs * 7);
+  auto jobs = load<int>((dir + "/jobs").c_str(), (size_t)n_jobs * 10);
   std::vector<half> out((size_t)n_rows * 16 * $dl, (half)7.f);
   std::vector<float> lse((size_t)n_rows * 16, 7.f);
   std::vector<$wt> ws_o((size_t)n_ws * $dl, ($wt)NAN);
@@ -167,9 +193,14 @@ int main(int argc, char** argv) {
   const size_t smem_bytes = $smem_halves * 2;
   char* smem = (char*)aligned_alloc(64, (smem_bytes + 63) / 64 * 64);
   for (int j = 0; j < n_jobs; ++j) {
-    const int* jb = &jobs[(size_t)j * 7];
+    const int* jb = &jobs[(size_t)j * 10];
     memset(smem, 0xff, smem_bytes);  // NaN halves / floats
     Block blk;
+    blk.waits = 0; blk.pages = pages; blk.clean = pages_v.data(); blk.ids = ids.data() + jb[7];
+    blk.first_new = early ? jb[8] : 0; blk.n_vis = early ? jb[4] : 0;
+    for (int r = blk.first_new; r < blk.n_vis; ++r)  // the append has not run yet
+      for (int c = 0; c < $d; ++c)
+        pages[((size_t)blk.ids[r / 16] * 16 + r % 16) * $d + c] = (half)NAN;
     std::barrier<> bar(256);
     std::vector<std::barrier<>*> wb;
     for (int w = 0; w < 8; ++w) blk.wbar[w] = new std::barrier<>(32);
@@ -181,13 +212,14 @@ int main(int argc, char** argv) {
         mla_split_pipe_$tag(q.data() + (size_t)jb[0] * 16 * $d, pages, ids.data() + jb[1], jb[2],
                             jb[3], jb[4], $scale, jb[5], out.data() + (size_t)jb[0] * 16 * $dl,
                             lse.data() + (size_t)jb[0] * 16, ws_o.data(), ws_lse.data(), jb[6],
-                            (half*)smem, (const half*)smem + $smem_halves - 1, tx);
+                            (half*)smem, (const half*)smem + $smem_halves - 1, tx, jb[9]);
         if (!t_open.empty()) fail("uncommitted cp.async copies");
         for (auto& g : t_groups) if (!g.empty()) fail("copies never waited for");
       });
     }
     for (auto& t : th) t.join();
     for (int w = 0; w < 8; ++w) delete blk.wbar[w];
+    if (blk.waits != early) fail("the block's PDL waits");
   }
   save((dir + "/out").c_str(), out);
   save((dir + "/lse").c_str(), lse);
@@ -200,15 +232,17 @@ int main(int argc, char** argv) {
 SCALE = 0.25  # sm_scale * log2(e) of the test (any value)
 
 
-def _build(tmp: Path, d: int, dl: int, stages: int, partials: str = "float32") -> Path:
+def _build(
+    tmp: Path, d: int, dl: int, stages: int, partials: str = "float32", early: bool = False
+) -> Path:
     from string import Template
 
     tag = "emu"
     src = (
         TYPES
-        + _PRELUDE
+        + Template(_PRELUDE).substitute(d=d)
         + Template(_PRIMS).substitute(tag=tag, wait=stages - 2)
-        + pipe_source(tag, d, dl, stages, prims=False, partials=partials)
+        + pipe_source(tag, d, dl, stages, prims=False, partials=partials, early=early)
         + Template(_MAIN).substitute(
             tag=tag,
             d=d,
@@ -221,11 +255,14 @@ def _build(tmp: Path, d: int, dl: int, stages: int, partials: str = "float32") -
     return compile_cpp(src, tmp / "emu")
 
 
-def _plan(n_vis: list[int], min_pps: int, smax: int) -> tuple[list, list, int]:
+def _plan(
+    n_vis: list[int], min_pps: int, smax: int, new: list[int], extra_early: int = 0
+) -> tuple[list, list, int]:
     """Per row: (page_begin, n_vis); the blocks the split kernel runs (the PrimFunc's page-table
-    arithmetic: pps, nsplit, page range) as jobs; the workspace rows."""
+    arithmetic: pps, nsplit, page range, the pages older than the row's ``new`` tokens) as jobs;
+    the workspace rows. ``extra_early``: pages the blocks are told are old beyond those."""
     jobs, rows, begin = [], [], 0
-    for r, n in enumerate(n_vis):
+    for r, (n, k) in enumerate(zip(n_vis, new, strict=True)):
         vis = -(-n // P)
         want = max(min(-(-vis // min_pps), smax), 1)
         pps = max(-(-vis // want), 1)
@@ -233,15 +270,23 @@ def _plan(n_vis: list[int], min_pps: int, smax: int) -> tuple[list, list, int]:
         rows.append((begin, nsplit))
         for s in range(nsplit):
             lo, hi = min(s * pps, vis), min(s * pps + pps, vis)
-            jobs.append([r, begin + lo, hi - lo, lo * P, n, int(nsplit == 1), (r * smax + s) * H])
+            n_early = max(min((n - k) // P - lo + extra_early, hi - lo), 0)
+            jobs.append(
+                [r, begin + lo, hi - lo, lo * P, n, int(nsplit == 1), (r * smax + s) * H, begin,
+                 n - k, n_early]
+            )  # fmt: skip
         begin += max(vis, 1)
     return jobs, rows, len(n_vis) * smax * H
 
 
 def _run(tmp: Path, exe: Path, d: int, dl: int, n_vis: list[int], min_pps: int, smax: int,
-         late: int, partials: str = "float32") -> None:  # fmt: skip
+         late: int, partials: str = "float32", new: list[int] | None = None,
+         extra_early: int = 0) -> None:  # fmt: skip
+    """Run the blocks of rows of ``n_vis`` keys, the last ``new`` of each appended this step
+    (``None``: the block does not wait itself), and check them against the reference."""
     rng = np.random.default_rng(7 + late)
-    jobs, rows, n_ws = _plan(n_vis, min_pps, smax)
+    early = new is not None
+    jobs, rows, n_ws = _plan(n_vis, min_pps, smax, new or [0] * len(n_vis), extra_early)
     n_ids = sum(max(-(-n // P), 1) for n in n_vis)
     n_pages = n_ids + 3
     perm = rng.permutation(n_pages)[:n_ids].astype(np.int32)
@@ -257,7 +302,7 @@ def _run(tmp: Path, exe: Path, d: int, dl: int, n_vis: list[int], min_pps: int, 
     for name, arr in (("q", q), ("pages", pages), ("ids", perm), ("jobs", np.int32(jobs))):
         np.ascontiguousarray(arr).tofile(tmp / name)
     args = [str(exe), str(tmp), str(late), str(len(n_vis)), str(n_pages), str(n_ids)]
-    subprocess.run(args + [str(len(jobs)), str(n_ws)], check=True, timeout=600)
+    subprocess.run(args + [str(len(jobs)), str(n_ws), str(int(early))], check=True, timeout=600)
     out = np.fromfile(tmp / "out", np.float16).reshape(len(n_vis), H, dl).astype(np.float64)
     lse = np.fromfile(tmp / "lse", np.float32).reshape(len(n_vis), H).astype(np.float64)
     ws_o = np.fromfile(tmp / "ws_o", partials).reshape(len(n_vis), smax, H, dl).astype(np.float64)
@@ -303,3 +348,34 @@ def test_pipelined_split_block_with_float16_partials(tmp_path: Path) -> None:
     exe = _build(tmp_path, 576, 512, 3, partials="float16")
     for late in (0, 1):
         _run(tmp_path, exe, 576, 512, [0, 33, 200], 2, 4, late, partials="float16")
+
+
+@pytest.mark.parametrize(
+    ("d", "dl", "stages", "min_pps", "smax"),
+    [
+        (80, 64, 3, 2, 3),
+        (80, 64, 4, 3, 2),  # 3 pages before the wait
+        (576, 512, 3, 4, 4),  # V2-Lite, the long tier's 4 pages a split
+    ],
+)
+def test_pipelined_split_block_copies_old_pages_before_its_wait(
+    tmp_path: Path, d: int, dl: int, stages: int, min_pps: int, smax: int
+) -> None:
+    """``early=True``: decode rows (one new token, at a page's start, middle and end), a chunk
+    of 40 new tokens and a first chunk (every token new): the pages older than the new tokens
+    are copied before the block's own PDL wait, and the result is the reference's."""
+    exe = _build(tmp_path, d, dl, stages, early=True)
+    if d < 200:
+        n_vis, new = [1, 16, 17, 100, 300, 130], [1, 1, 1, 1, 1, 40]
+    else:
+        n_vis, new = [33, 200, 129], [1, 1, 129]
+    for late in (0, 1):
+        _run(tmp_path, exe, d, dl, n_vis, min_pps, smax, late, new=new)
+
+
+def test_pipelined_split_block_reading_a_new_page_early_fails(tmp_path: Path) -> None:
+    """The control: blocks told that one page more is old copy the page the append is still
+    writing before the wait, and the check fails (NaN rows)."""
+    exe = _build(tmp_path, 80, 64, 3, early=True)
+    with pytest.raises(AssertionError):
+        _run(tmp_path, exe, 80, 64, [100, 300], 2, 3, 0, new=[1, 1], extra_early=1)
