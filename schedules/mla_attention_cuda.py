@@ -148,7 +148,7 @@ def mla_attention_cuda(
     partials: str = "float32",
     release: bool = True,
     merge_release: bool = False,
-    early_pages: bool = False,
+    early_pages: bool = True,
 ) -> tirx.PrimFunc:
     """The split-KV MLA attention PrimFunc (module docstring) for ``num_heads`` query heads.
 
@@ -178,12 +178,13 @@ def mla_attention_cuda(
     releases its dependents right after it, as the hand decode kernels do; off:
     ``passes/grid_dependency_control.py`` puts the wait first and it releases at its exit),
     ``merge_release`` (the same for the merge kernel, its wait first thing), ``early_pages``
-    (pipelined path only, needs ``release``: a split block copies the pages among its first
-    ``stages - 1`` whose tokens are all older than the row's new tokens, which no kernel of the
-    step writes, into shared memory before its PDL wait, the others after it; the L2 prefetch
-    then covers only the pages after those). The defaults
+    (pipelined path with ``release`` only, ignored otherwise: a split block copies the pages
+    among its first ``stages - 1`` whose tokens are all older than the row's new tokens, which
+    no kernel of the step writes, into shared memory before its PDL wait, the others after it;
+    the L2 prefetch then covers only the pages after those). The defaults
     (``release`` and ``l2_prefetch`` on, ``merge_release`` off) took a V2-Lite decode graph's
-    replay on the H200 from 1,283-1,290 to 1,253-1,257 us (sixth round).
+    replay on the H200 from 1,283-1,290 to 1,253-1,257 us (sixth round); ``early_pages`` (on)
+    from 1,222 to 1,213-1,214 us at context ~4,000 (eighth round).
     """
     if dtype not in _ELEM_BYTES:
         raise ValueError(f"mla_attention_cuda supports {sorted(_ELEM_BYTES)}, got {dtype}")
@@ -243,9 +244,8 @@ def mla_attention_cuda(
     if half_ws and not (use_pipe and merge == "parallel"):
         raise ValueError("float16 partials need the pipelined split block and the parallel merge")
     mma_src = mma_source(tag, KS, KSW, NTW, SROW, PS) if use_mma and not use_pipe else ""
-    if early_pages and not release:
-        raise ValueError("early_pages needs release (the split block waits itself)")
-    early_pages = early_pages and use_pipe  # the other paths copy no page before their wait
+    # only the pipelined block copies pages before a wait it calls itself (release)
+    early_pages = early_pages and use_pipe and release
     EARLY = int(early_pages)  # the prefetch skips the pages copied before the wait
     ptag = f"{tag}_s{stages}" + ("_p16" if half_ws else "") + ("_e" if early_pages else "")
     pipe_src = (

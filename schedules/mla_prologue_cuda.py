@@ -59,7 +59,7 @@ def mla_prologue_cuda(
     cols: int = 64,
     threads: int = 128,
     l2_prefetch: bool = True,
-    preload: bool = False,
+    preload: bool = True,
 ) -> tirx.PrimFunc:
     """``f(q [n, q_width], kv [n, kv_width], w_uk [H, nope, L], norm_w [L], rope [n, R] float32,
     q_lat [n, H, L + R], latent [n, L + R])``: the query heads at columns ``[0, H * (nope + R))``
@@ -67,9 +67,12 @@ def mla_prologue_cuda(
     the tokens' cos/sin table (``dsv2_mlc.model.rope.rope_table``); ``eps`` of the latent
     RMSNorm (module docstring). With ``l2_prefetch`` a column-tile block asks L2 for its
     ``W_UK`` tile (``nope`` rows of ``cols`` values) before it waits for the previous kernel (PDL),
-    so the tile loads while that kernel finishes; with ``preload`` (needs ``l2_prefetch``) each
-    thread loads its share of the tile into registers instead, before the wait. Raises
-    ``ValueError`` for shapes it does not handle."""
+    so the tile loads while that kernel finishes; with ``preload`` (the default; ignored without
+    ``l2_prefetch``, whose helper holds the block's wait) each thread loads its share of the
+    tile into registers instead, before the wait: on the H200 that took a V2-Lite decode
+    graph's replay from 1,214 to 1,184 us at context ~4,000 with ``mla_attention_cuda``'s
+    ``early_pages`` (schedules/results/mla_prologue.md). Raises ``ValueError`` for shapes it
+    does not handle."""
     H, QK, L, R = num_heads, nope + rope_dim, lora, rope_dim
     VEC = _LOAD_BYTES // _ELEM_BYTES.get(dtype, 2)
     problems = []
@@ -85,8 +88,6 @@ def mla_prologue_cuda(
     RPT = (R + TILES - 1) // TILES  # query rope dims per column tile
     if RPT > threads:
         problems.append(f"rope={R} over {TILES} tiles of {threads} threads")
-    if preload and not l2_prefetch:
-        problems.append("preload without l2_prefetch (the block's wait)")
     if problems:
         raise ValueError(f"mla_prologue_cuda: unsupported {', '.join(problems)}")
 
@@ -103,6 +104,7 @@ def mla_prologue_cuda(
     L_EXACT = LPT * threads == L
     KVO, ROPE0 = kv_offset, threads - RPT
     ELEM = _ELEM_BYTES.get(dtype, 2)
+    preload = preload and l2_prefetch  # (the block calls its wait itself only with the prefetch)
     WPRE = DPG * VEC if preload else 1  # preload: a thread's W_UK values in registers
     pf_name = _prefetch_wait_name(nope, L, ELEM)
     pf_src = _prefetch_wait_source(nope, L, ELEM, threads) if l2_prefetch else ""

@@ -48,7 +48,8 @@ WIDTH = Q_COLS + LATENT + ROPE  # 3648
 # name -> mla_prologue_cuda keyword arguments ("ours": the defaults, the model's kernel);
 # blocks per token: 1 + 16 * ceil(512 / cols)
 VARIANTS: dict[str, dict] = {
-    "ours": {},  # 64 columns, 128 threads: 129 blocks
+    "ours": {},  # 64 columns, 128 threads: 129 blocks; W_UK tile in registers before the wait
+    "l2": {"preload": False},  # the same asking L2 for the tile (the default until round 4)
     "c32": {"cols": 32},  # 257 blocks, 32 reduction groups
     "c16": {"cols": 16},  # 513 blocks, 64 reduction groups
     "c128": {"cols": 128},  # 65 blocks (the old tiling, latent fused)

@@ -88,7 +88,7 @@ def test_l2_prefetch_variant_waits_after_its_prefetches() -> None:
     waits itself (so the pass adds no wait in front), the merge kernel starts with the wait."""
     from dsv2_mlc.passes.grid_dependency_control import WAIT, kernels_without_wait
 
-    src = _pdl_source(l2_prefetch=True)
+    src = _pdl_source(l2_prefetch=True, early_pages=False)
     kernels, missing = kernels_without_wait(src)
     assert len(kernels) == 2 and missing == []
     assert "cp.async.bulk.prefetch.L2.global" in src
@@ -100,8 +100,9 @@ def test_l2_prefetch_variant_waits_after_its_prefetches() -> None:
 @needs_nvcc
 @pytest.mark.parametrize(("l2", "merge_release"), [(False, True), (True, True), (True, False)])
 def test_release_variant_waits_then_releases_in_both_kernels(l2: bool, merge_release: bool):
-    """``release=True``: the split kernel reads its page tables, (asks L2 for its pages,) then
-    waits and releases before anything else (its first write, ``ws_n``, comes after);
+    """``release=True`` (``early_pages=False``): the split kernel reads its page tables, (asks
+    L2 for its pages,) then waits and releases before anything else (its first write,
+    ``ws_n``, comes after);
     ``merge_release=True``: the merge kernel waits and releases before it reads anything; the
     pass adds no wait of its own to them (without ``merge_release`` it puts its wait first in
     the merge kernel)."""
@@ -112,7 +113,7 @@ def test_release_variant_waits_then_releases_in_both_kernels(l2: bool, merge_rel
 
     target = make_cuda_target("sm_90")
     func = mla_attention_cuda(
-        16, 512, 64, release=True, merge_release=merge_release, l2_prefetch=l2
+        16, 512, 64, release=True, merge_release=merge_release, l2_prefetch=l2, early_pages=False
     )
     with cuda_codegen(), target:
         lib = tvm.compile(
@@ -208,7 +209,7 @@ def test_pipelined_path_source(stages: int) -> None:
     with cuda_codegen(), target:
         exe = tvm.compile(tvm.IRModule({"m": func.with_attr("global_symbol", "m")}), target)
     src = exe.mod.imports_[0].inspect_source("cuda")
-    for needle in (f"mla_split_pipe_16_512_576_s{stages}(", "cp.async.wait_group", "ldmatrix"):
+    for needle in (f"mla_split_pipe_16_512_576_s{stages}_e(", "cp.async.wait_group", "ldmatrix"):
         assert needle in src
     assert ("extern __shared__" in src) == (stages > 2)
     assert "mla_qk_" not in src  # the TIR page loop is gone
@@ -229,11 +230,10 @@ def test_kernel_rejects_bad_variant_arguments() -> None:
         mla_attention_cuda(16, 512, 64, stages=1, partials="float16")
     with pytest.raises(ValueError, match="float16 partials"):
         mla_attention_cuda(16, 512, 64, merge="serial", partials="float16")
-    with pytest.raises(ValueError, match="early_pages"):  # the split block waits itself
-        mla_attention_cuda(16, 512, 64, release=False, early_pages=True)
-    # the TIR page loop and the SIMT path copy no page early: the option changes nothing there
-    for kwargs in ({"stages": 1}, {"mma": False}):
-        plain = mla_attention_cuda(16, 512, 64, **kwargs).script()
+    # the TIR page loop, the SIMT path and a split kernel that does not wait itself copy no
+    # page early: the option changes nothing there
+    for kwargs in ({"stages": 1}, {"mma": False}, {"release": False}):
+        plain = mla_attention_cuda(16, 512, 64, early_pages=False, **kwargs).script()
         assert mla_attention_cuda(16, 512, 64, early_pages=True, **kwargs).script() == plain
 
 

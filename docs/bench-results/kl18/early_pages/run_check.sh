@@ -1,4 +1,6 @@
 #!/bin/bash
+# Run as V=build/r43/ep (early pages + the prologue preload, the adopted pair). (As run, the
+# last print said "of 1": it counted the batch, not the 64 steps; fixed since.)
 # The chosen variant V (default build/r43/e3) against base (build/r42/lite): V2-Lite logits
 # against HF fp16 after a 128-token and a 2,100-token prompt and against base's (same greedy
 # steps), the graph check, bench at prompt 4096 (two processes each, alternating; the last of V's
@@ -22,8 +24,8 @@ print('$v $p', 'max', r['max_abs_diff'], 'median', r['median_step_max_abs_diff']
 done
 python3 -c "
 import numpy as np
-a, b = np.load('$R/logits-base-$p.npy'), np.load('$R/logits-new-$p.npy')
-print('$p new vs base: max |diff|', float(np.abs(a - b).max()), 'argmax equal', int((a.argmax(-1) == b.argmax(-1)).sum()), 'of', a.shape[0])"
+a, b = np.load('$R/logits-base-$p.npy'), np.load('$R/logits-new-$p.npy')  # [batch, steps, vocab]
+print('$p new vs base: max |diff|', float(np.abs(a - b).max()), 'argmax equal', int((a.argmax(-1) == b.argmax(-1)).sum()), 'of', a.shape[1])"
 done
 rm -f $R/logits-*.npy
 timeout 240 python3 -P scripts/gpu_graph_check.py ${B[new]} --lib-dir $L --out $R/gc 2>&1 | grep "^OK\|^MISMATCH\|rror" | cut -c1-300
