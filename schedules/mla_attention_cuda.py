@@ -53,6 +53,15 @@ schedules/results/mla_attention.md, third round) 3 stages with >= 2 pages per sp
 9.6 / 21.3 us per layer at context 512 / 4K / 32K, against 9.7 / 17.3 / 37.4 for ``stages=1``
 with 1 page per split (the previous default).
 
+**Before the PDL wait (``release``, ``l2_prefetch``, ``early_pages``; all on):** a split block
+reads its page tables (the runtime writes them, no kernel), copies the pages of its split whose
+tokens are all older than the row's new tokens into its ring, asks L2 for the split's other
+pages, then waits and releases. This relies on what the cache does in a step: it appends each
+sequence's ``q_len`` new tokens (rows ``kv_len - q_len`` on), then calls this kernel. So the
+append that precedes this kernel writes only those rows. A sequence forked mid-page gets a
+copy of the partial page (the cache's ``f_copy_single_page``), so the pages it shares are full,
+and no append writes them.
+
 **Merge (default "parallel"):** grid ``total * H * (L / 64)``, 256 threads: the split lse go to
 shared memory, every warp reduces their max/sum by shuffles, 16 split lanes x 16 column lanes
 read the partial outputs (float4, 4 splits in flight per thread), a shared-memory sum finishes.
