@@ -446,8 +446,6 @@ def mla_attention_cuda(
                         if early_pages:
                             if split >= nsplit:  # idle: wait as the others do
                                 T.cuda.func_call(_WAIT_RELEASE, source_code=wr_src)
-                        elif split == 0 and by == 0 and tx == 0:
-                            ws_n[row] = nsplit
 
                         if use_pipe:
                             # The whole split block in CUDA (mla_cuda_helpers.pipe_source).
@@ -473,9 +471,6 @@ def mla_attention_cuda(
                                     n_early,
                                     source_code=pipe_src,
                                 )
-                                if early_pages:  # after the block's own wait
-                                    if split == 0 and by == 0 and tx == 0:
-                                        ws_n[row] = nsplit
                         elif use_mma:
                             # Q fragments of this warp's k-steps -> registers (global).
                             for i in T.unroll(KSW * 4):  # (full extent: no buffer compaction)
@@ -754,6 +749,9 @@ def mla_attention_cuda(
                                     lse[row, h0 + tx] = lse_v
                                 elif split < nsplit:
                                     ws_lse[bx * H + h0 + tx] = lse_v
+                        # the splits the row uses, for the merge (after every path's wait)
+                        if split == 0 and by == 0 and tx == 0:
+                            ws_n[row] = nsplit
 
         for mbx in T.thread_binding(total_len * H * n_merge_blocks, thread="blockIdx.x"):
             for mtx in T.thread_binding(MT, thread="threadIdx.x"):

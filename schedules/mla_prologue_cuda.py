@@ -134,27 +134,28 @@ def mla_prologue_cuda(
                     part = T.sblock_alloc_buffer((2,), "float32", scope="local")
                     t: T.let[T.int64] = bx // NB
                     b: T.let[T.int64] = bx % NB
+                    # a column-tile block (b > 0): tile `tile` of head `h`; this thread's
+                    # columns c0 ... c0 + VEC and reduction steps dg * DPG ...
+                    h: T.let[T.int64] = T.max(b - 1, 0) // TILES
+                    tile: T.let[T.int64] = T.max(b - 1, 0) % TILES
+                    cg: T.let[T.int32] = tx % CG
+                    dg: T.let[T.int32] = tx // CG
+                    c0: T.let[T.int64] = tile * cols + cg * VEC
                     if preload:
                         # this thread's share of the block's W_UK tile -> registers
                         if b > 0:
-                            pre_c0: T.let[T.int64] = (b - 1) % TILES * cols + tx % CG * VEC
-                            if C_EXACT or pre_c0 < L:
+                            if C_EXACT or c0 < L:
                                 for dd in T.unroll(DPG):
-                                    if D_EXACT or tx // CG * DPG + dd < nope:
+                                    if D_EXACT or dg * DPG + dd < nope:
                                         for j in T.vectorized(VEC):
-                                            wpre[dd * VEC + j] = w[
-                                                (b - 1) // TILES, tx // CG * DPG + dd, pre_c0 + j
-                                            ]
+                                            wpre[dd * VEC + j] = w[h, dg * DPG + dd, c0 + j]
                     if l2_prefetch:
                         # this block's W_UK tile -> L2 (with preload: nothing), then the PDL
                         # wait (nothing read before that a kernel writes)
-                        pf_b: T.let[T.int64] = T.max(b - 1, 0)
                         T.cuda.func_call(
                             pf_name,
-                            T.address_of(w[pf_b // TILES, 0, pf_b % TILES * cols]),
-                            T.if_then_else(
-                                b == 0 or preload, 0, T.min(cols, L - pf_b % TILES * cols)
-                            ),
+                            T.address_of(w[h, 0, tile * cols]),
+                            T.if_then_else(b == 0 or preload, 0, T.min(cols, L - tile * cols)),
                             tx,
                             source_code=pf_src,
                         )
@@ -196,11 +197,6 @@ def mla_prologue_cuda(
                                 )  # fmt: skip
                     else:
                         # Column tile `tile` of head `h`: q_nope @ W_UK, and a share of the rope.
-                        h: T.let[T.int64] = (b - 1) // TILES
-                        tile: T.let[T.int64] = (b - 1) % TILES
-                        cg: T.let[T.int32] = tx % CG
-                        dg: T.let[T.int32] = tx // CG
-                        c0: T.let[T.int64] = tile * cols + cg * VEC
                         for j in T.unroll(VEC):
                             acc[j] = T.float32(0)
                         if C_EXACT or c0 < L:
