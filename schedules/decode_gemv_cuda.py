@@ -12,7 +12,7 @@ Epilogue blocks (casts, the expert-weight multiply, a residual add) are inlined 
 output under its lanes. A K that no ``(TX, VEC)`` divides is left to dlight.
 
 The schedule is parameterised by a :class:`GemvConfig` (``DEFAULT`` is the schedule above; the
-kernel lab ``scripts/kernel_lab_gemv.py`` builds and times the ``VARIANTS``):
+kernel lab ``schedules/lab/kernel_lab_gemv.py`` builds and times the ``VARIANTS``):
 
 * ``rows``: outputs per group of lanes (R). Each lane issues R independent 16-byte weight loads
   per K step; its activation values are staged once per step and reused for the R rows.

@@ -1,7 +1,8 @@
 """CUDA kernel of absorbed MLA attention's query side alone: the kernel lab's baseline.
 
 The model now runs :mod:`dsv2_mlc.schedules.mla_prologue_cuda` instead (this query side plus the
-cached latent's RMSNorm + RoPE in one launch, with more blocks); ``scripts/kernel_lab_absorb.py``
+cached latent's RMSNorm + RoPE in one launch, with more blocks);
+``schedules/lab/kernel_lab_absorb.py``
 times the two against each other. What this kernel does:
 
 Absorbed attention needs the query in latent space, ``q_lat[t, h] = [q_nope[t, h] @ W_UK[h],
@@ -19,7 +20,7 @@ does it in one launch straight from the ``q_proj`` output ``[n, H * (nope + rope
 * rope exactly as :func:`dsv2_mlc.model.rope.apply_rope` (DeepSeek's YaRN on interleaved pairs),
   from the forward pass's cos/sin table.
 
-``scripts/kernel_lab_absorb.py`` checks this kernel against a torch float32 reference on the
+``schedules/lab/kernel_lab_absorb.py`` checks this kernel against a torch float32 reference on the
 GPU.
 """
 

@@ -161,7 +161,7 @@ def mla_attention_cuda(
 ) -> tirx.PrimFunc:
     """The split-KV MLA attention PrimFunc (module docstring) for ``num_heads`` query heads.
 
-    The keyword arguments select a variant (``scripts/kernel_lab_mla.py`` measures them; the
+    The keyword arguments select a variant (``schedules/lab/kernel_lab_mla.py`` measures them; the
     defaults are the model's kernel): ``heads_per_block`` (HG, at most 16), ``threads`` of the
     split kernel (SIMT path), ``min_pages_per_split`` and ``max_split`` (pages of a split, splits
     of a row; a row of more than ``long_pages`` visible pages takes at least ``long_min_pages``

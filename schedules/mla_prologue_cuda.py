@@ -27,7 +27,8 @@ column tiles + 1 rope tile)) for 132 SMs. Here, per token:
 The query and the latent come from the same projection output for models without q-LoRA (the
 same tensor passed twice: ``q`` at columns ``[0, H * (nope + R))``, the latent from column
 ``kv_offset``); with q-LoRA the query is ``q_b_proj``'s output. The reference is the Relax / TE
-composition of the CPU path (checked against Hugging Face in CI); ``scripts/kernel_lab_absorb.py``
+composition of the CPU path (checked against Hugging Face in CI);
+``schedules/lab/kernel_lab_absorb.py``
 checks this kernel against a torch float32 reference on the GPU and times it against the old one.
 """
 

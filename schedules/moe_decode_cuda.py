@@ -187,7 +187,7 @@ class GateUpTiles:
         return f"w{self.warps}_b{self.blocks}_h{self.run}{bound}{pf}"
 
 
-# Defaults (the kernel lab's candidates: scripts/kernel_lab_moe_decode.py).
+# Defaults (the kernel lab's candidates: schedules/lab/kernel_lab_moe_decode.py).
 GATE_UP_TILES = GateUpTiles(warps=8, blocks=264, run=16)
 DOWN_TILES = DecodeTiles(warps=8, lanes=32, rows=2, run=8)
 

@@ -28,7 +28,7 @@ bit-reproducible from one run to the next (float32 rounding; the fp16 ``h`` and 
 products are those of the two-kernel path). Needs sm_90 (``atomicAdd`` on ``float4``).
 
 Checked on the CPU against float64 NumPy (``tests/test_moe_fused_emulation.py``); timed against
-the two kernels in ``scripts/kernel_lab_moe_decode.py``. On the H200 (V2-Lite shape,
+the two kernels in ``schedules/lab/kernel_lab_moe_decode.py``. On the H200 (V2-Lite shape,
 schedules/results/moe_decode.md, round 9) it is slower at batch 1 (best tiles, 352 blocks with
 ``x`` in shared memory: 17.8 us of kernel time against the pair's 16.7) and faster at batch 4
 (58.8 against 62.6): it streams at the pair's rate, so the model keeps the pair.

@@ -27,7 +27,7 @@ stage has landed.
 Same signature as ``moe_gate_up_decode``; sm_90 or newer only (bulk copies, mbarrier
 transactions). Reference: the register kernel's (the Relax composition on the CPU, checked
 against Hugging Face in CI); ``tests/test_moe_decode_emulation.py`` runs this kernel's CUDA on the
-CPU against NumPy, ``scripts/kernel_lab_moe_decode.py`` times it on the GPU.
+CPU against NumPy, ``schedules/lab/kernel_lab_moe_decode.py`` times it on the GPU.
 """
 
 from __future__ import annotations

@@ -53,7 +53,7 @@ twice; :func:`dsv2_mlc.model.moe.grouped_experts` chains them for prefill / exte
 All CUDA kernels are returned scheduled (``tirx.is_scheduled``) and opaque to ``FuseOps``
 (``op_pattern`` 8), so the pipeline's dlight phase and fusion leave them as they are.
 
-Measured (scripts/kernel_lab_moe.py on an H200, V2-Lite shapes, INT4 group 128, one layer's
+Measured (schedules/lab/kernel_lab_moe.py on an H200, V2-Lite shapes, INT4 group 128, one layer's
 routed experts, uniform / skewed routing):
 
 ======================  ===========  =============================================  ==========

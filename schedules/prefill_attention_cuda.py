@@ -52,7 +52,7 @@ registers: per thread Q 48 + O 64 + S 16 accumulators (242 registers, no spills,
 ``BN * (Dqk + 8 + Dv + 8) * 2`` = 21.5 KB of static shared memory. ``q_smem=True`` keeps the Q
 tile in shared memory instead (168 registers, 47 KB, 3 blocks per SM): as fast within 4 %.
 
-Measured on an H200 (``scripts/kernel_lab_prefill_attn.py run``; V2-Lite: 16 heads, 192/128,
+Measured on an H200 (``schedules/lab/kernel_lab_prefill_attn.py run``; V2-Lite: 16 heads, 192/128,
 fp16, causal; us per call, TVM's kernel / this kernel / torch SDPA as a yardstick):
 n = 512: 269 / 20.7 / 43.9; n = 4096: 16163 / 374 (230 TFLOP/s of the 86 GFLOP) / 216;
 n = 8192: 64745 / 1491 / 652; 3 sequences [1000, 2500, 596]: 7757 / 201; 4 x 1024: 4132 / 115.
@@ -391,7 +391,7 @@ def prefill_attention_cuda(
     ``block_m`` (query rows per block, 16 per warp: 64 or 128) and ``block_n`` (keys per tile:
     32 or 64) and ``q_smem`` (the Q tile in shared memory, fragments by ``ldmatrix`` per k-step,
     instead of registers: fewer registers, ``block_m * (d_qk + 8) * 2`` more bytes of shared
-    memory) select a variant (``scripts/kernel_lab_prefill_attn.py`` measures them).
+    memory) select a variant (``schedules/lab/kernel_lab_prefill_attn.py`` measures them).
     """
     if dtype != "float16":
         raise ValueError(f"prefill_attention_cuda supports float16 only, got {dtype}")

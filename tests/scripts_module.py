@@ -1,4 +1,5 @@
-"""Import one of ``scripts/*.py`` (not a package) as a module, for tests of its pure parts."""
+"""Import one of ``scripts/*.py`` or ``schedules/lab/*.py`` (not packages) as a module, for tests
+of their pure parts."""
 
 from __future__ import annotations
 
@@ -6,12 +7,15 @@ import importlib.util
 from pathlib import Path
 from types import ModuleType
 
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+ROOT = Path(__file__).resolve().parents[1]
+FOLDERS = (ROOT / "scripts", ROOT / "schedules" / "lab")
 
 
 def load_script(name: str) -> ModuleType:
-    """The module of ``scripts/<name>.py``, executed (its ``main`` is not run)."""
-    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    """The module of ``scripts/<name>.py`` or ``schedules/lab/<name>.py``, executed (its ``main``
+    is not run)."""
+    path = next(f / f"{name}.py" for f in FOLDERS if (f / f"{name}.py").exists())
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

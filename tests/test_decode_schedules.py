@@ -163,7 +163,8 @@ def test_tagged_kernels_match_numpy_on_llvm():
     np.testing.assert_allclose(y, y_ref, rtol=1e-2, atol=1e-2)
 
 
-# -- schedule variants (the kernel lab, scripts/kernel_lab_gemv.py) --------------------------------
+# -- schedule variants (the kernel lab, schedules/lab/kernel_lab_gemv.py)
+# --------------------------------
 def _lab_kernels() -> dict[str, tirx.PrimFunc]:
     """Small kernels of every tagged kind: dense (K=256, and K=1408 whose steps over 32 lanes do
     not divide), the routed-expert gather with its weight epilogue, the fp32 router gate."""

@@ -1,10 +1,11 @@
 """The split-KV CUDA MLA attention kernel (``dsv2_mlc.schedules.mla_attention_cuda``), no GPU.
 
 Checks that the kernel compiles to sm_90 machine code alone (V2-Lite and tiny shapes, the way
-``scripts/kernel_lab_mla.py prepare`` builds it), that ``MLAPagedKVCache`` puts it into the MLA
+``schedules/lab/kernel_lab_mla.py prepare`` builds it), that ``MLAPagedKVCache`` puts it into the
+MLA
 attention slot of TVM's ``TIRPagedKVCache`` for CUDA (and keeps TVM's kernel with
 ``mla_kernel="tvm"``), and that a compiled tiny CUDA model carries it. Its numerics are measured
-on an H200 by ``scripts/kernel_lab_mla.py run`` (schedules/results/mla_attention.md).
+on an H200 by ``schedules/lab/kernel_lab_mla.py run`` (schedules/results/mla_attention.md).
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 compiles to sm_90 machine code at the model's shapes and the lab's variants, and a compiled tiny
 CUDA model runs one ``qkv_a_proj`` GEMV and this kernel per layer in decode (and extend) where it
 ran two GEMVs, the latent kernel and the absorb kernel. Its numerics are measured on an H200 by
-``scripts/kernel_lab_absorb.py run``; the CPU path (the Relax / TE composition) is checked against
+``schedules/lab/kernel_lab_absorb.py run``; the CPU path (the Relax / TE composition) is checked
+against
 Hugging Face by test_e2e_hf.py."""
 
 from __future__ import annotations

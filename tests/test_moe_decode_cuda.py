@@ -1,7 +1,7 @@
 """The fused MoE decode kernels (schedules/moe_decode_cuda.py): which shapes they take, that
 they compile for sm_90 over a sweep of shapes and tilings, and where the model uses them. Their
 numerics: ``tests/test_moe_decode_emulation.py`` runs them on the CPU against NumPy; on the GPU,
-``scripts/kernel_lab_moe_decode.py`` checks them against a torch float32 reference,
+``schedules/lab/kernel_lab_moe_decode.py`` checks them against a torch float32 reference,
 ``scripts/gpu_numerics.py`` the tiny models built with them against HF."""
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """The expert-sorted grouped MoE kernels (schedules/moe_grouped_cuda.py): the bookkeeping and the
 grouped GEMMs' TE against NumPy on LLVM, the CUDA schedules compiling for sm_90 (nvcc, no GPU),
-and the wiring (prefill / extend on CUDA only). GPU numerics and speed: scripts/kernel_lab_moe.py.
+and the wiring (prefill / extend on CUDA only). GPU numerics and speed:
+schedules/lab/kernel_lab_moe.py.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Checks that the kernel compiles to sm_90 machine code, that ``MLAPagedKVCache`` puts it into the
 ragged-prefill slot of TVM's ``TIRPagedKVCache`` for CUDA (and keeps TVM's kernel with
 ``prefill_kernel="tvm"``), that a tiny CUDA build carries it, and that the CPU cache is unchanged.
-Its numerics and speed are measured on an H200 by ``scripts/kernel_lab_prefill_attn.py run``.
+Its numerics and speed are measured on an H200 by ``schedules/lab/kernel_lab_prefill_attn.py run``.
 """
 
 from __future__ import annotations

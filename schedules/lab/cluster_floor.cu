@@ -20,7 +20,7 @@
 //
 // One JSON line per configuration with the microseconds per step (median of 20 timed groups of
 // 10 graph replays). Build here: nvcc -O3 -arch=sm_90 -o build/cluster_floor
-// scripts/cluster_floor.cu; run there: build/cluster_floor > $OUT/cluster_floor.jsonl
+// schedules/lab/cluster_floor.cu; run there: build/cluster_floor > $OUT/cluster_floor.jsonl
 #include <cooperative_groups.h>
 
 #include "floor_common.cuh"

@@ -24,7 +24,7 @@
 // correct chain) is the weights' stream rate alone. One JSON line per configuration with the
 // microseconds per phase (median of 20 timed launches).
 //
-// Build here: nvcc -O3 -arch=sm_90 -o build/launch_floor scripts/launch_floor.cu
+// Build here: nvcc -O3 -arch=sm_90 -o build/launch_floor schedules/lab/launch_floor.cu
 // Run there:  build/launch_floor > $OUT/launch_floor.jsonl
 #include "floor_common.cuh"
 

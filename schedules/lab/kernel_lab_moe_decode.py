@@ -1,6 +1,7 @@
 """Kernel lab, the fused MoE decode kernels (:mod:`dsv2_mlc.schedules.moe_decode_cuda`).
 
-``python scripts/kernel_lab_moe_decode.py prepare`` (build box, TVM + nvcc, no GPU): compiles one
+``python schedules/lab/kernel_lab_moe_decode.py prepare`` (build box, TVM + nvcc, no GPU): compiles
+one
 library per kernel into ``build/lab_moe_decode/``: for V2-Lite's MoE shape (hidden 2048, expert
 intermediate 1408, 2 shared experts, 64 experts, top-6 greedy, INT4 group 128) every tiling of
 :data:`GATE_UP_VARIANTS` / :data:`BULK_VARIANTS` (the bulk-copy gate/up kernel) /
@@ -10,7 +11,7 @@ limited routing over 8 groups / 3 kept, scale 16: ``gu_v2``, ``dn_v2``), the one
 of :mod:`dsv2_mlc.schedules.moe_fused_decode_cuda` (:data:`FUSED_VARIANTS`: ``mf_lite_<tiles>``),
 plus ``manifest.json``. ``--only`` (comma-separated keys) builds those alone.
 
-``python3 scripts/kernel_lab_moe_decode.py run --lib-dir .devcarry/tvm-lib --out DIR`` (GPU
+``python3 schedules/lab/kernel_lab_moe_decode.py run --lib-dir .devcarry/tvm-lib --out DIR`` (GPU
 machine; torch + ``tvm_ffi`` + TVM's runtime libraries, never imports tvm): random INT4 experts,
 activations and router logits for n tokens (1 and 4); a float32 torch reference (softmax,
 greedy or group-limited top-k, the dequantised experts, SwiGLU, the weighted sum); every

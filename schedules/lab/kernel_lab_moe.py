@@ -1,6 +1,6 @@
 """Kernel lab, routed experts in prefill: the gather kernels (today) vs the grouped GEMMs, one GPU.
 
-``python scripts/kernel_lab_moe.py prepare`` (build box, TVM + nvcc, no GPU): compiles one
+``python schedules/lab/kernel_lab_moe.py prepare`` (build box, TVM + nvcc, no GPU): compiles one
 TIR-only library for CUDA sm_90 (precompiled fatbin, :mod:`dsv2_mlc.compiler.cuda`) into
 ``build/lab_moe/moe_lab.so`` with V2-Lite's routed-expert shapes (hidden 2048, moe_intermediate
 1408, 64 experts, top-6, INT4 ``--group`` 128 or 32, fp16 activations), plus ``manifest.json``:
@@ -20,7 +20,7 @@ TIR-only library for CUDA sm_90 (precompiled fatbin, :mod:`dsv2_mlc.compiler.cud
   ``--tilings`` (``TILINGS``; default ``t8x16``, the SIMT default). The SIMT paths run with
   ``new_align_tir`` (as first measured), the mma path with ``new_align``.
 
-``python3 scripts/kernel_lab_moe.py run --lib-dir .devcarry/tvm-lib --out DIR`` (GPU machine;
+``python3 schedules/lab/kernel_lab_moe.py run --lib-dir .devcarry/tvm-lib --out DIR`` (GPU machine;
 torch + ``tvm_ffi`` + TVM's runtime libraries, never imports tvm): random INT4 experts, random
 top-6 routing (uniform, and a skewed one where 8 experts get most tokens) and activations for
 n in (512, 4096) tokens; runs the paths (the gather path only with ``--old``: 0.2 s a call),

@@ -1,6 +1,7 @@
 """Kernel lab, MLA prologue of absorbed attention: the two old kernels vs the fused one.
 
-``python scripts/kernel_lab_absorb.py prepare`` (build box, TVM + nvcc, no GPU): compiles TIR-only
+``python schedules/lab/kernel_lab_absorb.py prepare`` (build box, TVM + nvcc, no GPU): compiles
+TIR-only
 libraries for CUDA sm_90 (precompiled fatbins, :mod:`dsv2_mlc.compiler.cuda`) into
 ``build/lab_absorb/`` at V2-Lite's shapes (16 heads, nope 128, rope 64, latent 512, fp16, no
 q-LoRA: the query and the latent come from one ``qkv_a_proj`` output ``[n, 3648]``):
@@ -16,7 +17,9 @@ q-LoRA: the query and the latent come from one ``qkv_a_proj`` output ``[n, 3648]
 
 plus ``manifest.json`` (which lists them).
 
-``python3 scripts/kernel_lab_absorb.py run --lib-dir .devcarry/tvm-lib --out $OUT`` (GPU machine;
+
+``python3 schedules/lab/kernel_lab_absorb.py run --lib-dir .devcarry/tvm-lib --out $OUT`` (GPU
+machine;
 torch and ``tvm_ffi``, compiles nothing, never imports tvm): for 1, 4, 16 and 128 tokens, random
 inputs; every kernel is checked against a float32 torch reference (relative L2 and max abs error
 of ``q_lat`` and of the latent; outputs are NaN-filled first, so an unwritten element shows) and

@@ -1,6 +1,7 @@
 """Kernel lab, MLA attention over the paged latent cache: TVM 0.27's kernel vs our variants.
 
-``python scripts/kernel_lab_mla.py prepare`` (build box, TVM + nvcc, no GPU): compiles TIR-only
+``python schedules/lab/kernel_lab_mla.py prepare`` (build box, TVM + nvcc, no GPU): compiles
+TIR-only
 libraries for CUDA sm_90 (precompiled fatbins, :mod:`dsv2_mlc.compiler.cuda`) into
 ``build/lab/``: ``mla_tvm.so`` (TVM's ``batch_prefill_paged_kv_mla``, what
 ``TIRPagedKVCache(attn_kind="mla")`` uses for decode and extend) and one ``mla_<variant>.so`` per
@@ -8,7 +9,9 @@ entry of :data:`VARIANTS` (:func:`dsv2_mlc.schedules.mla_attention_cuda.mla_atte
 those keyword arguments; ``ours`` = the defaults, what the model uses), all for V2-Lite's shapes
 (16 heads, latent 512, rope 64, fp16, page size 16), plus ``manifest.json`` (which lists them).
 
-``python3 scripts/kernel_lab_mla.py run --lib-dir .devcarry/tvm-lib`` (GPU machine; needs torch
+
+``python3 schedules/lab/kernel_lab_mla.py run --lib-dir .devcarry/tvm-lib`` (GPU machine; needs
+torch
 and ``tvm_ffi``, compiles nothing, never imports tvm): random q / pages / page tables for decode
 (batch 1, 4, 16 x context 512, 4K, 32K), an extend case (several rows per sequence, causal 0
 and 1) and a batch with an empty sequence; runs every kernel of the manifest, checks it against a

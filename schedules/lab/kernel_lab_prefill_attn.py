@@ -1,6 +1,7 @@
 """Kernel lab, causal ragged prefill attention (MLA ``self_attention``): TVM 0.27's kernel vs ours.
 
-``python scripts/kernel_lab_prefill_attn.py prepare`` (build box, TVM + nvcc, no GPU): compiles
+``python schedules/lab/kernel_lab_prefill_attn.py prepare`` (build box, TVM + nvcc, no GPU):
+compiles
 TIR-only libraries for CUDA sm_90 (precompiled fatbins, :mod:`dsv2_mlc.compiler.cuda`) into
 ``build/lab_attn/``: ``attn_tvm.so`` (TVM's ``_attention_prefill_ragged``, what
 ``TIRPagedKVCache(attn_kind="mla")`` puts in the ragged-prefill slot) and one ``attn_<variant>.so``
@@ -9,7 +10,7 @@ prefill_attention_cuda` with those keyword arguments; ``ours`` = the defaults, t
 kernel), all for V2-Lite's shapes (16 heads, q/k head dim 192, v head dim 128, fp16), plus
 ``manifest.json``.
 
-``python3 scripts/kernel_lab_prefill_attn.py run --lib-dir .devcarry/tvm-lib --out DIR`` (GPU
+``python3 schedules/lab/kernel_lab_prefill_attn.py run --lib-dir .devcarry/tvm-lib --out DIR`` (GPU
 machine; torch and ``tvm_ffi`` only, never imports tvm): random ragged batches (causal; a 1-token
 sequence; an empty one; ``q_len < kv_len``; non-causal; n = 512, 4096; 3 sequences of mixed
 lengths), every kernel of the manifest checked against a float32 torch reference (relative L2

@@ -1,4 +1,5 @@
-"""Plumbing shared by the kernel labs (``scripts/kernel_lab_*.py``), imported as a sibling module.
+"""Plumbing shared by the kernel labs (``schedules/lab/kernel_lab_*.py``), imported as a sibling
+module.
 
 Build side (``prepare``, build box with TVM + nvcc, no GPU): TIR-only libraries for CUDA
 (:func:`tir_module`, :func:`apply_dlight`, :func:`compile_cuda_library`,

@@ -1,6 +1,7 @@
 """Kernel lab, batch-1 INT4 decode GEMVs: schedule variants of :mod:`decode_gemv_cuda` vs dlight.
 
-``python scripts/kernel_lab_gemv.py prepare`` (build box, TVM + nvcc, no GPU): builds the decode
+``python schedules/lab/kernel_lab_gemv.py prepare`` (build box, TVM + nvcc, no GPU): builds the
+decode
 GEMV kernels at V2-Lite shapes from the model's own TE builders (``dequantize_matmul_te`` with the
 epilogues FuseOps gives them, ``gather_matmul_te`` with the INT4 reader of ``GroupQuantExperts``,
 ``gate_logits_te``), batch symbolic as in the model, schedules each with every
@@ -8,7 +9,9 @@ epilogues FuseOps gives them, ``gather_matmul_te`` with the INT4 reader of ``Gro
 exports one TIR-only sm_90 library per (kernel, variant) into ``build/lab_gemv/`` plus
 ``manifest.json``.
 
-``python3 scripts/kernel_lab_gemv.py run --lib-dir .devcarry/tvm-lib --out $OUT`` (GPU box: torch
+
+``python3 schedules/lab/kernel_lab_gemv.py run --lib-dir .devcarry/tvm-lib --out $OUT`` (GPU box:
+torch
 + tvm_ffi + the TVM runtime libraries; never imports tvm): random inputs at batch 1, each kernel
 checked against a float32 torch reference (relative L2), timed with CUDA events as the median of
 loops of back-to-back calls: ``cold`` rotates over enough copies of the weights (or, for the

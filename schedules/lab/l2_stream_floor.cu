@@ -27,7 +27,7 @@
 // kernel started (last replay). `hit_test`: a 5.5 MB read after a prefetch of it, against a cold
 // and a warm read (event-timed, launch included). One JSON line per configuration with the
 // microseconds per kernel (median of 20 timed groups of 10 graph replays).
-// Build here: nvcc -O3 -arch=sm_90 -o build/l2_stream_floor scripts/l2_stream_floor.cu
+// Build here: nvcc -O3 -arch=sm_90 -o build/l2_stream_floor schedules/lab/l2_stream_floor.cu
 // Run there:  build/l2_stream_floor > $OUT/l2_stream_floor.jsonl
 #include <chrono>
 #include <thread>
