@@ -256,12 +256,14 @@ def _compile_library(
 
     from ..passes.pipeline import PipelineOptions, build_pipeline, tir_pipeline
     from .extern_gemm import LINK_OPTIONS, build_cublas_shim
+    from .tvm_log import benign_tvm_lines_hidden
 
     with tempfile.TemporaryDirectory() as work:
         # the shim first: a missing C++ compiler fails before minutes of codegen
         addons = [str(build_cublas_shim(work))] if options.gemm == "cublas" else []
         codegen = cuda_codegen() if device == "cuda" else contextlib.nullcontext()
-        with target, codegen:  # the nvcc callback reads its -arch from Target.current()
+        # the nvcc callback reads its -arch from Target.current(); TVM's benign warnings hidden
+        with target, codegen, benign_tvm_lines_hidden():
             executable = tvm.compile(
                 mod,
                 target=target,
