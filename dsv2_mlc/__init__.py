@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from .version import __version__
+
 __all__ = [
     "ChatSession",
     "Engine",
@@ -35,11 +36,13 @@ _LAZY = {
 
 
 def load(model: str | None = None, **kwargs: Any) -> Engine:
-    """Open MODEL (a checkpoint folder, compiled on first use and cached; a compiled folder; or
-    ``None`` for the embedded default model); keyword arguments go to :meth:`Engine.open`."""
-    from .runtime.engine import Engine
+    """Open MODEL (a checkpoint folder, compiled on first use and cached; a compiled folder; an
+    installed artifact's name; or ``None`` for the embedded default model); keyword arguments go to
+    :func:`dsv2_mlc.resolve.open_engine` (cache_dir, device, dtype, quantization, context_window,
+    max_batch_size, prefill_chunk_size, progress, log)."""
+    from .resolve import open_engine
 
-    return Engine.open(model, **kwargs)
+    return open_engine(model, **kwargs)
 
 
 def __getattr__(name: str) -> Any:

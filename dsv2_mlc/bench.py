@@ -395,9 +395,8 @@ def _gpu_info() -> dict[str, str]:
 
 
 def _open_engine(opts: BenchOptions, log: Callable[[str], None]) -> tuple[Any, float]:
+    from .layout import PARAMS_DIR, BuildConfig, has_spec
     from .runtime.engine import Engine
-    from .runtime.layout import PARAMS_DIR, BuildConfig
-    from .runtime.random_params import has_spec
 
     path = Path(opts.model)
     build = BuildConfig.read(path)
@@ -433,7 +432,8 @@ def _open_engine(opts: BenchOptions, log: Callable[[str], None]) -> tuple[Any, f
 def run_bench(opts: BenchOptions, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Run the benchmark; returns the report (every raw number; see the module docstring)."""
     opts.check()
-    from .runtime.layout import BuildConfig
+    from .layout import BuildConfig
+    from .model.config import DeepseekV2Config
     from .runtime.tvm_runtime import load_runtime
 
     build_device = BuildConfig.read(opts.model).device
@@ -442,7 +442,7 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None] = print) -> dict[st
     memory.sample()  # before the model: the CUDA context (and nothing else)
     engine, load_s = _open_engine(opts, log)
     memory.sample()
-    cfg, vocab = engine.config, engine.config.vocab_size
+    cfg, vocab = DeepseekV2Config.from_dict(engine.build.model), engine.config.vocab_size
     rng = np.random.default_rng(opts.seed)
     prompts = rng.integers(0, vocab, (opts.batch, opts.prompt_len), dtype=np.int64)
 

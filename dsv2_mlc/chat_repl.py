@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from .errors import USER_ERRORS
+from .errors import Dsv2Error
+from .resolve import open_engine
 from .runtime.chat import ChatSession
-from .runtime.engine import Engine
 from .runtime.sampling import SamplingParams
 
 HELP = """\
@@ -57,7 +57,7 @@ def run_chat(
     def note(msg: str) -> None:
         print(msg, file=stderr, flush=True)
 
-    engine = Engine.open(
+    engine = open_engine(
         options.model,
         cache_dir=options.cache_dir,
         device=options.device,
@@ -161,7 +161,7 @@ class ChatRepl:
                 continue
             try:
                 self.answer(text)
-            except USER_ERRORS as err:
+            except Dsv2Error as err:
                 self._note(f"error: {err}")
 
     def answer(self, text: str) -> None:

@@ -6,7 +6,7 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 
-from .errors import USER_ERRORS
+from .errors import Dsv2Error
 
 
 def _compile(args: argparse.Namespace) -> int:
@@ -329,7 +329,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     func: Callable[[argparse.Namespace], int] = args.func
     try:
         return func(args)
-    except USER_ERRORS as err:
+    except Dsv2Error as err:
         print(f"dsv2-mlc {args.command}: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

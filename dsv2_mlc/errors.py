@@ -1,36 +1,16 @@
-"""The errors a user can cause (bad input, not bugs): the CLI prints them as one line."""
+"""The errors a user can cause (bad input, not bugs): the CLI prints them as one line.
+
+Every error class of dsv2-mlc derives from :class:`Dsv2Error` (and keeps a standard base such as
+``ValueError``), so ``except Dsv2Error`` catches all of them. This module imports nothing of the
+project: any layer may import it.
+"""
 
 from __future__ import annotations
 
-from .artifacts.errors import ArtifactError
-from .model.checkpoint import CheckpointError
-from .model.config import ConfigError
-from .model.weights import WeightMapError
-from .runtime.chat_template import ChatTemplateError
-from .runtime.engine import ContextLengthError, PromptError
-from .runtime.layout import BuildError
-from .runtime.model_cache import ModelNotFoundError
-from .runtime.sampling import SamplingError
-from .runtime.tokenizer import TokenizerError
-from .runtime.tvm_runtime import RuntimeLibraryError
+
+class Dsv2Error(Exception):
+    """The base of every dsv2-mlc error: the message names the problem and the fix."""
 
 
-class UsageError(ValueError):
+class UsageError(Dsv2Error, ValueError):
     """A request the library cannot honour (unknown option value, unsupported combination)."""
-
-
-USER_ERRORS: tuple[type[BaseException], ...] = (
-    UsageError,
-    ConfigError,
-    CheckpointError,
-    WeightMapError,
-    BuildError,
-    ContextLengthError,
-    RuntimeLibraryError,
-    SamplingError,
-    TokenizerError,
-    ChatTemplateError,
-    ModelNotFoundError,
-    PromptError,
-    ArtifactError,
-)

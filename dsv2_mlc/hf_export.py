@@ -200,6 +200,11 @@ def _hub_tensors(cfg: DeepseekV2Config, params: _FloatParams) -> Iterator[tuple[
             yield name, tensor
 
 
+def _model_config(engine: Engine) -> DeepseekV2Config:
+    """The model config the engine's build was compiled from."""
+    return DeepseekV2Config.from_dict(engine.build.model)
+
+
 def _engine_group(engine: Engine) -> int:
     return get_quantization(engine.build.quantization).group_size
 
@@ -211,7 +216,7 @@ def hf_state(engine: Engine) -> Iterator[tuple[str, np.ndarray]]:
 
     tensors = dict(engine.named_params())
     ops = _Ops(lambda name: to_numpy(tensors[name]), _engine_group(engine), use_torch=False)
-    yield from _hub_tensors(engine.config, _FloatParams(list(tensors), ops))
+    yield from _hub_tensors(_model_config(engine), _FloatParams(list(tensors), ops))
 
 
 # -- safetensors on disk (NumPy only) -------------------------------------------------------------
@@ -288,7 +293,7 @@ def save_hf_checkpoint(
     (out / INDEX_FILE).write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_index}, indent=1)
     )
-    (out / "config.json").write_text(json.dumps(hf_config(engine.config, dtype), indent=1))
+    (out / "config.json").write_text(json.dumps(hf_config(_model_config(engine), dtype), indent=1))
     return out
 
 
@@ -330,7 +335,8 @@ def load_into_hf(
     from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
 
     torch_dtype = getattr(torch, dtype)
-    config = DeepseekV2Config(**hf_config(engine.config, dtype))
+    cfg = _model_config(engine)
+    config = DeepseekV2Config(**hf_config(cfg, dtype))
     with torch.device(device):
         model = DeepseekV2ForCausalLM._from_config(
             config, dtype=torch_dtype, attn_implementation=attn_implementation
@@ -340,8 +346,8 @@ def load_into_hf(
     own = dict(model.named_parameters())
     filled: set[str] = set()
     with torch.no_grad():
-        for name, tensor in _hub_tensors(engine.config, _FloatParams(_names(engine), ops)):
-            dest, rows = _hf_param(name, own, engine.config.moe_intermediate_size)
+        for name, tensor in _hub_tensors(cfg, _FloatParams(_names(engine), ops)):
+            dest, rows = _hf_param(name, own, cfg.moe_intermediate_size)
             (own[dest] if rows is None else own[dest][rows]).copy_(tensor)
             filled.add(dest)
     missing = sorted(set(own) - filled)

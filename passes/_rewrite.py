@@ -8,9 +8,7 @@ import tvm
 from tvm import relax
 from tvm.ir import IRModule
 
-# Relax function attribute naming what an entry point runs ("prefill", "extend" or "decode"), set
-# by the model when it is exported (``DeepseekV2ForCausalLM.annotate_entries``).
-ENTRY_KIND_ATTR = "dsv2_mlc.entry_kind"
+from ..model.attrs import ENTRY_KIND_ATTR
 
 
 def entry_kind(func: relax.Function) -> str | None:

@@ -29,7 +29,7 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.script import tirx as T
 
-from ..model.rope import rotate_pair
+from ..rope import rotate_pair
 
 __all__ = ["absorb_q_cuda"]
 

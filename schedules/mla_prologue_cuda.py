@@ -37,7 +37,7 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.script import tirx as T
 
-from ..model.rope import rotate_pair
+from ..rope import rotate_pair
 from .cuda_call import L2_PREFETCH, WAIT_THEN_RELEASE, grid_wait_source, l2_prefetch_source
 
 __all__ = ["mla_prologue_cuda"]

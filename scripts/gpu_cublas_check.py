@@ -42,8 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import tvm_ffi
 
+    from dsv2_mlc.layout import LIBRARY
     from dsv2_mlc.runtime.cublas import init_cublas
-    from dsv2_mlc.runtime.layout import LIBRARY
     from dsv2_mlc.runtime.tvm_runtime import global_func, load_runtime
 
     load_runtime("cuda", args.lib_dir)

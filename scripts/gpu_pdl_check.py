@@ -46,9 +46,9 @@ def main(argv: list[str] | None = None) -> int:
         "--variants", default=",".join(GRAPH_VARIANTS), help="graph edge variants to run"
     )
     args = p.parse_args(argv)
+    from dsv2_mlc.layout import BuildConfig
     from dsv2_mlc.runtime.device import to_numpy
     from dsv2_mlc.runtime.engine import Engine
-    from dsv2_mlc.runtime.layout import BuildConfig
 
     build = BuildConfig.read(args.build)
     if not build.pdl:

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 from chat_fixtures import copy_model, deepseek_chat_template, write_tokenizer
 
+import dsv2_mlc
 from dsv2_mlc.artifacts import (
     ArtifactExistsError,
     CorruptArtifactError,
@@ -39,8 +40,8 @@ from dsv2_mlc.artifacts.index import entry_for, write_index
 from dsv2_mlc.artifacts.manifest import MANIFEST, Manifest, Target
 from dsv2_mlc.artifacts.store import artifacts_root, downloads_root, get_installed
 from dsv2_mlc.cli import main
+from dsv2_mlc.layout import BUILD_CONFIG, LIBRARY
 from dsv2_mlc.runtime.engine import Engine
-from dsv2_mlc.runtime.layout import BUILD_CONFIG, LIBRARY
 
 NAME = "tiny-q0f32-cpu"
 PROMPT = [0, 17, 301, 44, 9, 250, 111, 7]
@@ -218,7 +219,7 @@ def test_pull_local_file_url_and_folder_then_list_and_rm(artifact, tmp_path, cap
 def test_engine_opens_an_installed_artifact_by_name(artifact, chat_model, tmp_path):
     root = tmp_path / "cache"
     pull(str(artifact.path), cache_dir=root, progress=False)
-    by_name = Engine.open(NAME, cache_dir=root, context_window=64, max_batch_size=1)
+    by_name = dsv2_mlc.load(NAME, cache_dir=root, context_window=64, max_batch_size=1)
     assert by_name.path == artifacts_root(root) / NAME
     direct = Engine(chat_model, context_window=64, max_batch_size=1)
     assert by_name.generate(PROMPT, 6).token_ids == direct.generate(PROMPT, 6).token_ids
@@ -264,8 +265,8 @@ def _guard(self, name, *args, **kwargs):
 ctypes.CDLL.__init__ = _guard
 
 from dsv2_mlc.cli import main
-from dsv2_mlc.runtime.engine import Engine
-engine = Engine.open(sys.argv[1], context_window=64, max_batch_size=1)
+import dsv2_mlc
+engine = dsv2_mlc.load(sys.argv[1], context_window=64, max_batch_size=1)
 tokens = engine.generate(json.loads(sys.argv[2]), 6).token_ids
 del engine
 rc = main(["chat", sys.argv[1], "--prompt", "hello", "--max-tokens", "8", "--temperature", "0"])
@@ -398,7 +399,7 @@ def test_tvm_ffi_version_mismatch_is_refused(artifact, cache, tmp_path, capsys):
     # Installed anyway (--no-check), it is refused when opened.
     pull(str(folder), cache_dir=cache, check=False, progress=False)
     with pytest.raises(RuntimeVersionError, match="pip install apache-tvm-ffi=="):
-        Engine.open(NAME, cache_dir=cache)
+        dsv2_mlc.load(NAME, cache_dir=cache)
 
 
 def test_missing_file_is_refused(artifact, cache, tmp_path):
@@ -412,7 +413,7 @@ def test_missing_file_is_refused(artifact, cache, tmp_path):
     installed = pull(str(artifact.path), cache_dir=cache, progress=False).path
     (installed / LIBRARY).unlink()
     with pytest.raises(MissingFileError, match=rf"`dsv2-mlc rm {NAME}` then `dsv2-mlc pull"):
-        Engine.open(NAME, cache_dir=cache)
+        dsv2_mlc.load(NAME, cache_dir=cache)
     # Pulling it again repairs it.
     assert not pull(str(artifact.path), cache_dir=cache, progress=False).already_installed
     assert (installed / LIBRARY).is_file()

@@ -14,9 +14,9 @@ from conftest import CONFIGS, PROMPT
 from hf_reference import hf_logits
 
 from dsv2_mlc.cli import main
+from dsv2_mlc.layout import BuildError
 from dsv2_mlc.quantization import dequantize_int4
 from dsv2_mlc.runtime.device import to_numpy
-from dsv2_mlc.runtime.layout import BuildError
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +56,8 @@ def test_config_only_build_has_no_weights_and_needs_a_seed(random_builds):
 
 @pytest.mark.parametrize("quant", ["q0f32", "q4f32_g32"])
 def test_random_params_are_deterministic_per_seed(quant, random_builds):
-    from dsv2_mlc.runtime.random_params import read_spec, reference_fill
+    from dsv2_mlc.layout import read_spec
+    from dsv2_mlc.runtime.random_params import reference_fill
 
     path = random_builds[quant]
     a, b, c = (_host_params(_engine(path, s)) for s in (7, 7, 8))

@@ -18,11 +18,11 @@ import pytest
 from chat_fixtures import copy_model, deepseek_chat_template, write_tokenizer
 
 import dsv2_mlc
+from dsv2_mlc import resolve
 from dsv2_mlc.cli import main
-from dsv2_mlc.runtime import model_cache
+from dsv2_mlc.layout import BUILD_CONFIG
 from dsv2_mlc.runtime.chat import ChatSession
 from dsv2_mlc.runtime.engine import ContextLengthError, Engine
-from dsv2_mlc.runtime.layout import BUILD_CONFIG
 from dsv2_mlc.runtime.sampling import SamplingParams
 
 WINDOW = 256
@@ -47,7 +47,7 @@ def cache_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def chat_dir(chat_ckpt, cache_dir) -> Path:
-    return model_cache.resolve_model(chat_ckpt, cache_dir=cache_dir)  # compiles: first use
+    return resolve.resolve_model(chat_ckpt, cache_dir=cache_dir)  # compiles: first use
 
 
 @pytest.fixture(scope="module")
@@ -109,28 +109,28 @@ def test_second_open_uses_the_cache(chat_ckpt, cache_dir, chat_dir, monkeypatch)
     calls = []
     monkeypatch.setattr(compiler, "compile_model", lambda *a, **k: calls.append(a))
     stamp = (chat_dir / BUILD_CONFIG).stat().st_mtime_ns
-    assert model_cache.resolve_model(chat_ckpt, cache_dir=cache_dir) == chat_dir
-    assert Engine.open(chat_ckpt, cache_dir=cache_dir, context_window=32).path == chat_dir
+    assert resolve.resolve_model(chat_ckpt, cache_dir=cache_dir) == chat_dir
+    assert dsv2_mlc.load(chat_ckpt, cache_dir=cache_dir, context_window=32).path == chat_dir
     # The embedded default model goes through the same cache.
-    monkeypatch.setattr(model_cache, "default_model_dir", lambda: chat_ckpt)
-    assert model_cache.resolve_model(None, cache_dir=cache_dir) == chat_dir
+    monkeypatch.setattr(resolve, "default_model_dir", lambda: chat_ckpt)
+    assert resolve.resolve_model(None, cache_dir=cache_dir) == chat_dir
     assert dsv2_mlc.load(cache_dir=cache_dir, context_window=32).path == chat_dir
     assert calls == []
     assert (chat_dir / BUILD_CONFIG).stat().st_mtime_ns == stamp
-    assert chat_dir.parent == cache_dir / model_cache.BUILDS_DIR
+    assert chat_dir.parent == cache_dir / resolve.BUILDS_DIR
     assert chat_dir.name.startswith("tiny-chat-q0f32-cpu-")
 
     # A changed checkpoint file is a new entry, compiled on its first use.
     changed = copy_model(chat_ckpt, cache_dir.parent / "changed")
     cfg = json.loads((changed / "config.json").read_text())
     (changed / "config.json").write_text(json.dumps({**cfg, "rms_norm_eps": 1e-5}))
-    model_cache.resolve_model(changed, cache_dir=cache_dir)
+    resolve.resolve_model(changed, cache_dir=cache_dir)
     assert len(calls) == 1 and Path(calls[0][1]) != chat_dir
 
 
 def test_cache_key_covers_everything_that_changes_the_build(chat_ckpt, tmp_path, monkeypatch):
     def key(ckpt=chat_ckpt, **kw):
-        return model_cache.cache_key(ckpt, **{"dtype": None, "device": "cpu", **kw})
+        return resolve.cache_key(ckpt, **{"dtype": None, "device": "cpu", **kw})
 
     base = key()
     assert key() == base and key(dtype="float32") != base  # explicit inputs are part of it
@@ -141,31 +141,31 @@ def test_cache_key_covers_everything_that_changes_the_build(chat_ckpt, tmp_path,
         with open(other / name, "ab") as f:
             f.write(b" ")
         assert key(other) != base, name
-    monkeypatch.setattr(model_cache, "tvm_version", lambda: "0.0.0")
+    monkeypatch.setattr(resolve, "tvm_version", lambda: "0.0.0")
     assert key() != base
     monkeypatch.undo()
-    sources = model_cache.compiler_sources()
+    sources = resolve.compiler_sources()
     assert any(p.match("passes/*.py") for p in sources)
     assert any(p.match("schedules/*.py") for p in sources)
     assert any(p.match("dsv2_mlc/model/*.py") for p in sources)
     assert any(p.match("dsv2_mlc/compiler/compile.py") for p in sources)
     src = tmp_path / "extra_pass.py"
     src.write_text("x = 1\n")
-    monkeypatch.setattr(model_cache, "compiler_sources", lambda: [*sources, src])
+    monkeypatch.setattr(resolve, "compiler_sources", lambda: [*sources, src])
     one = key()
     src.write_text("x = 2\n")
     assert key() != one != base
 
 
 def test_cache_dir_defaults(monkeypatch, tmp_path):
-    monkeypatch.delenv(model_cache.CACHE_DIR_ENV, raising=False)
+    monkeypatch.delenv(resolve.CACHE_DIR_ENV, raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert model_cache.default_cache_dir() == tmp_path / "xdg" / "dsv2-mlc"
+    assert resolve.default_cache_dir() == tmp_path / "xdg" / "dsv2-mlc"
     monkeypatch.delenv("XDG_CACHE_HOME")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    assert model_cache.default_cache_dir() == tmp_path / "home" / ".cache" / "dsv2-mlc"
-    monkeypatch.setenv(model_cache.CACHE_DIR_ENV, str(tmp_path / "mine"))
-    assert model_cache.default_cache_dir() == tmp_path / "mine"
+    assert resolve.default_cache_dir() == tmp_path / "home" / ".cache" / "dsv2-mlc"
+    monkeypatch.setenv(resolve.CACHE_DIR_ENV, str(tmp_path / "mine"))
+    assert resolve.default_cache_dir() == tmp_path / "mine"
 
 
 # -- generate and stream -------------------------------------------------------------------------
@@ -437,7 +437,7 @@ def test_cli_default_model_compiles_once(tmp_path):
     first = _cli("--prompt", "def ", "--max-tokens", "8", "--cache-dir", str(cache), timeout=600)
     assert first.returncode == 0, first.stderr
     assert "compiling" in first.stderr
-    env = {**os.environ, model_cache.CACHE_DIR_ENV: str(cache)}
+    env = {**os.environ, resolve.CACHE_DIR_ENV: str(cache)}
     second = subprocess.run(
         [sys.executable, "-m", "dsv2_mlc.cli", "chat", "--prompt", "def ", "--max-tokens", "8"],
         capture_output=True,
@@ -447,6 +447,6 @@ def test_cli_default_model_compiles_once(tmp_path):
     )
     assert second.returncode == 0, second.stderr
     assert "compiling" not in second.stderr  # the cached build was used
-    eng = Engine.open(cache_dir=cache)
+    eng = dsv2_mlc.load(cache_dir=cache)
     params = SamplingParams.from_generation_config(eng.path).updated(max_tokens=8)
     assert first.stdout == second.stdout == eng.generate("def ", sampling=params).text + "\n"

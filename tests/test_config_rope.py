@@ -10,7 +10,7 @@ import torch
 from hf_reference import CONFIG_A, CONFIG_B
 
 from dsv2_mlc.model.config import ConfigError, DeepseekV2Config
-from dsv2_mlc.model.rope import rope_cos_sin_scale, rope_inv_freq
+from dsv2_mlc.rope import rope_cos_sin_scale, rope_inv_freq
 
 
 def test_published_and_transformers5_spellings_agree():

@@ -16,7 +16,7 @@ from cuda_builds import needs_nvcc
 from hf_reference import CONFIG_A
 
 from dsv2_mlc.compiler.compile import CompileError, _build_options, compile_random_model
-from dsv2_mlc.runtime.layout import BUILD_CONFIG, LIBRARY, BuildConfig
+from dsv2_mlc.layout import BUILD_CONFIG, LIBRARY, BuildConfig
 from dsv2_mlc.runtime.tvm_runtime import RuntimeLibraryError
 
 

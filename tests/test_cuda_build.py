@@ -17,7 +17,7 @@ import pytest
 from cuda_builds import needs_nvcc  # noqa: E402
 
 from dsv2_mlc.compiler.cuda import CudaBuildError, build_driver_stub, check_fatbin, make_cuda_target
-from dsv2_mlc.runtime.layout import BUILD_CONFIG, LIBRARY
+from dsv2_mlc.layout import BUILD_CONFIG, LIBRARY
 
 
 @pytest.fixture(scope="module")

@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 import torch
 
+from dsv2_mlc import resolve
 from dsv2_mlc.evaluate import heldout_files, perplexity, token_windows
-from dsv2_mlc.runtime import model_cache
 from dsv2_mlc.runtime.tokenizer import Tokenizer
 
-MODEL = model_cache.default_model_dir()
+MODEL = resolve.default_model_dir()
 
 
 @pytest.fixture(scope="module")

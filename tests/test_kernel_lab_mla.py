@@ -277,7 +277,7 @@ def test_tiny_cuda_model_carries_split_kv_kernel(checkpoints, tmp_path: Path) ->
     """A tiny model compiled for CUDA through our pipeline holds the kernel in its fatbin."""
     from dsv2_mlc.compiler.compile import compile_model
     from dsv2_mlc.compiler.cuda import check_fatbin
-    from dsv2_mlc.runtime.layout import LIBRARY
+    from dsv2_mlc.layout import LIBRARY
 
     out = compile_model(
         checkpoints["A"], tmp_path / "A", device="cuda", dtype="float16", progress=False

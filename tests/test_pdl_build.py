@@ -17,6 +17,7 @@ from tvm.script import tirx as T
 
 from dsv2_mlc.compiler.compile import CompileError, compile_random_model, make_target
 from dsv2_mlc.compiler.cuda import check_fatbin, cuda_codegen, cuda_sources
+from dsv2_mlc.layout import BUILD_CONFIG, BuildConfig
 from dsv2_mlc.passes.grid_dependency_control import (
     LAUNCH_DEPENDENTS,
     WAIT,
@@ -26,7 +27,6 @@ from dsv2_mlc.passes.grid_dependency_control import (
     kernels_without_wait,
 )
 from dsv2_mlc.passes.pipeline import tir_pipeline
-from dsv2_mlc.runtime.layout import BUILD_CONFIG, BuildConfig
 
 sys.path.insert(0, str(Path(__file__).parent))
 from cuda_builds import needs_nvcc  # noqa: E402

@@ -10,10 +10,10 @@ import json
 import numpy as np
 import pytest
 
+from dsv2_mlc.layout import BUILD_CONFIG, BuildConfig, BuildError
 from dsv2_mlc.runtime.cuda_graph import DecodeGraphs
 from dsv2_mlc.runtime.cudart import CudaRuntime, EdgeData
 from dsv2_mlc.runtime.engine import _pdl_port
-from dsv2_mlc.runtime.layout import BUILD_CONFIG, BuildConfig, BuildError
 from dsv2_mlc.runtime.pdl import (
     DEFAULT_EDGE,
     PORT_LAUNCH_COMPLETION,

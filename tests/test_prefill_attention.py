@@ -97,7 +97,7 @@ def test_tiny_cuda_build_carries_the_kernel(tmp_path: Path) -> None:
     functions.)"""
     from dsv2_mlc.compiler.compile import compile_random_model
     from dsv2_mlc.compiler.cuda import check_fatbin
-    from dsv2_mlc.runtime.layout import LIBRARY
+    from dsv2_mlc.layout import LIBRARY
 
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps({**CONFIG_A, "qk_nope_head_dim": 24}))

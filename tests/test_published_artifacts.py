@@ -17,11 +17,11 @@ CPU_ARTIFACTS = [
 
 @pytest.mark.parametrize("name", CPU_ARTIFACTS)
 def test_published_cpu_artifact_pulls_and_runs(name, tmp_path):
-    from dsv2_mlc.runtime.engine import Engine
+    import dsv2_mlc
 
     result = pull(name, cache_dir=tmp_path, index=str(INDEX), progress=False)
     assert result.name == name
-    eng = Engine.open(name, cache_dir=tmp_path, context_window=256)
+    eng = dsv2_mlc.load(name, cache_dir=tmp_path, context_window=256)
     text = eng.generate("def main(", 24).text
     assert text.strip() and "\ufffd" not in text
 

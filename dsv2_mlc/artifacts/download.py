@@ -21,7 +21,7 @@ _CONTENT_RANGE = re.compile(r"bytes\s+(\d+|\*)-?(\d*)/(\d+|\*)")
 
 
 def _user_agent() -> str:
-    from .. import __version__
+    from ..version import __version__
 
     return f"dsv2-mlc/{__version__}"
 

@@ -6,8 +6,10 @@ kept for resuming lives beside it, in ``downloads/``).
 
 from __future__ import annotations
 
+from ..errors import Dsv2Error
 
-class ArtifactError(ValueError):
+
+class ArtifactError(Dsv2Error, ValueError):
     """An artifact that cannot be packaged, pulled, installed or opened."""
 
 

@@ -21,7 +21,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..runtime.layout import BUILD_CONFIG, LIBRARY, PARAMS_DIR, TOKENIZER_FILES, BuildConfig
+from ..layout import BUILD_CONFIG, LIBRARY, PARAMS_DIR, TOKENIZER_FILES, BuildConfig
 from .errors import ArtifactError, MissingFileError, RuntimeVersionError
 from .manifest import (
     MANIFEST,
@@ -119,8 +119,8 @@ def _runtime_libs(build: BuildConfig, lib_dir: str | Path | None) -> dict[str, P
     """The TVM runtime libraries to bundle (``lib/NAME`` -> file), checked against the build."""
     import importlib.util
 
-    from ..runtime.model_cache import tvm_version
     from ..runtime.tvm_runtime import find_lib_dir
+    from ..version import tvm_version
 
     found = find_lib_dir(lib_dir).resolve()
     spec = importlib.util.find_spec("tvm")
@@ -175,7 +175,7 @@ def build_manifest(
     lib_dir: str | Path | None = None,
 ) -> tuple[Manifest, dict[str, Path]]:
     """The manifest of ``compiled_dir`` as an artifact, and where each listed file comes from."""
-    from .. import __version__
+    from ..version import __version__
 
     compiled = Path(compiled_dir)
     build = BuildConfig.read(compiled)

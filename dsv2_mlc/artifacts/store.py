@@ -1,7 +1,7 @@
 """The installed artifacts in the per-user cache: install atomically, list, remove, open by name.
 
 Layout under the cache folder (``$DSV2_MLC_CACHE_DIR``, else ``$XDG_CACHE_HOME/dsv2-mlc``, else
-``~/.cache/dsv2-mlc``; see :mod:`dsv2_mlc.runtime.model_cache`)::
+``~/.cache/dsv2-mlc``; see :mod:`dsv2_mlc.paths`)::
 
     artifacts/NAME/                  one installed artifact: manifest.json + its files
     artifacts/.NAME.staging-XXXX/    an install in progress (renamed to NAME when verified)
@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from ..fsutil import replace_dir
-from ..runtime.model_cache import default_cache_dir
+from ..paths import default_cache_dir
 from .errors import (
     ArtifactExistsError,
     ArtifactNotFoundError,
@@ -284,7 +284,7 @@ def open_installed(name: str, cache_dir: str | Path | None = None) -> Path:
 
 
 def installed_artifact(model: str, cache_dir: str | Path | None = None) -> Path | None:
-    """The hook MODEL resolution calls (:func:`dsv2_mlc.runtime.model_cache.resolve_model`):
+    """The hook MODEL resolution calls (:func:`dsv2_mlc.resolve.resolve_model`):
     the ready folder of the installed artifact called ``model``, or ``None`` if there is none."""
     if get_installed(model, cache_dir) is None:
         return None

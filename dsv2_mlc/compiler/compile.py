@@ -21,11 +21,7 @@ import numpy as np
 
 from ..errors import UsageError
 from ..fsutil import staged_dir
-from ..model.checkpoint import SafetensorsCheckpoint
-from ..model.config import DeepseekV2Config
-from ..model.weights import check_checkpoint, convert, weight_map
-from ..quantization import Quantization, get_quantization
-from ..runtime.layout import (
+from ..layout import (
     BUILD_CONFIG,
     FORMAT_VERSION,
     LIBRARY,
@@ -33,6 +29,10 @@ from ..runtime.layout import (
     TOKENIZER_FILES,
     BuildConfig,
 )
+from ..model.checkpoint import SafetensorsCheckpoint
+from ..model.config import DeepseekV2Config
+from ..model.weights import check_checkpoint, convert, weight_map
+from ..quantization import Quantization, get_quantization
 from .cuda import DEFAULT_ARCH, check_fatbin, cuda_codegen, cuda_sources, make_cuda_target
 
 DTYPES = ("float32", "float16")
@@ -256,12 +256,14 @@ def _compile_library(
 
     from ..passes.pipeline import PipelineOptions, build_pipeline, tir_pipeline
     from .extern_gemm import LINK_OPTIONS, build_cublas_shim
+    from .tvm_log import benign_tvm_lines_hidden
 
     with tempfile.TemporaryDirectory() as work:
         # the shim first: a missing C++ compiler fails before minutes of codegen
         addons = [str(build_cublas_shim(work))] if options.gemm == "cublas" else []
         codegen = cuda_codegen() if device == "cuda" else contextlib.nullcontext()
-        with target, codegen:  # the nvcc callback reads its -arch from Target.current()
+        # the nvcc callback reads its -arch from Target.current(); TVM's benign warnings hidden
+        with target, codegen, benign_tvm_lines_hidden():
             executable = tvm.compile(
                 mod,
                 target=target,
@@ -344,7 +346,7 @@ def compile_random_model(
     on the device at load time (``Engine(OUT, random_weights=SEED)``; see
     :mod:`dsv2_mlc.runtime.random_params`). Options as :func:`compile_model`.
     """
-    from ..runtime.random_params import init_spec, write_spec
+    from ..layout import init_spec, write_spec
     from .random_fill import add_fill_kernels
 
     start = time.perf_counter()

@@ -23,17 +23,11 @@ from __future__ import annotations
 from tvm import te, tirx
 from tvm.ir import IRModule
 
+from ..layout import INT4_KERNEL, uniform_kernel
+
 FILL_DTYPES = ("float16", "float32")
 GOLDEN = 0x9E3779B1
 FMIX_C1, FMIX_C2 = 0x85EBCA6B, 0xC2B2AE35
-
-
-def uniform_kernel_name(dtype: str) -> str:
-    """The fill kernel for float tensors of ``dtype``."""
-    return f"dsv2_fill_uniform_{dtype}"
-
-
-INT4_KERNEL = "dsv2_fill_int4_uint32"
 
 
 def _u32(v: int) -> tirx.PrimExpr:
@@ -91,7 +85,7 @@ def _int4_func() -> tirx.PrimFunc:
 
 def add_fill_kernels(mod: IRModule, dtypes: tuple[str, ...] = FILL_DTYPES) -> IRModule:
     """``mod`` plus the public fill kernels (one per float dtype, one for packed INT4)."""
-    funcs = {uniform_kernel_name(d): _uniform_func(d) for d in dtypes}
+    funcs = {uniform_kernel(d): _uniform_func(d) for d in dtypes}
     funcs[INT4_KERNEL] = _int4_func()
     for name, func in funcs.items():
         mod[name] = func.with_attr("global_symbol", name)

@@ -16,8 +16,10 @@ from pathlib import Path
 
 import numpy as np
 
+from ..errors import Dsv2Error
 
-class CheckpointError(ValueError):
+
+class CheckpointError(Dsv2Error, ValueError):
     """A checkpoint that cannot be read (the message names the file and the fix)."""
 
 

@@ -8,28 +8,16 @@ cannot honour is rejected with an error that names the key.
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..errors import Dsv2Error
+from ..rope import RopeConfig, yarn_get_mscale
 
-class ConfigError(ValueError):
+
+class ConfigError(Dsv2Error, ValueError):
     """A ``config.json`` value this compiler does not support (the message names the key)."""
-
-
-@dataclass(frozen=True)
-class RopeConfig:
-    """Rotary embedding parameters (plain RoPE when ``kind == "default"``, else YaRN)."""
-
-    kind: str = "default"
-    theta: float = 10000.0
-    factor: float = 1.0
-    original_max_position_embeddings: int = 4096
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    mscale: float = 1.0
-    mscale_all_dim: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -157,13 +145,6 @@ class DeepseekV2Config:
         except json.JSONDecodeError as err:
             raise ConfigError(f"{path}: not valid JSON ({err})") from err
         return cls.from_hf(hf)
-
-
-def yarn_get_mscale(scale: float = 1.0, mscale: float = 1.0) -> float:
-    """DeepSeek's YaRN magnitude correction: 0.1 * mscale * ln(scale) + 1 (1 when scale <= 1)."""
-    if scale <= 1:
-        return 1.0
-    return 0.1 * mscale * math.log(scale) + 1.0
 
 
 _SUPPORTED = {

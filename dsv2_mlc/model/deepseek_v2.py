@@ -35,10 +35,11 @@ from tvm.relax.frontend.nn import Tensor, op
 from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache
 from tvm.target import Target
 
-from ..passes._rewrite import ENTRY_KIND_ATTR
+from ..rope import rope_table
 from ..schedules.argmax import greedy_argmax
 from ..schedules.norm_gemv_cuda import add_norm_gemv_q4, add_norm_router, add_norm_unsupported
 from ..schedules.rms_norm_cuda import RMS_NORM_ATTR  # the RMSNorm kernels' tag (epsilon)
+from .attrs import ENTRY_KIND_ATTR
 from .config import DeepseekV2Config
 from .decode_linear import int4_decode_gemv, int4_group
 from .kv_cache import MLAPagedKVCache
@@ -52,7 +53,6 @@ from .mla_ops import (
     prefill_query,
 )
 from .moe import DeepseekV2MLP, DeepseekV2MoE
-from .rope import rope_table
 
 Mode = Literal["prefill", "extend", "decode"]
 

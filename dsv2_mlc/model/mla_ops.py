@@ -30,12 +30,12 @@ from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import Tensor, op
 from tvm.target import Target
 
+from ..rope import apply_rope, rotate_pair
 from ..schedules.decode_gemv_cuda import DECODE_GEMV
 from ..schedules.mla_prologue_cuda import mla_prologue_cuda
 from ..schedules.prefetch_gemv_cuda import absorb_v_decode, absorb_v_unsupported
 from ..schedules.prefill_qk_cuda import KEY_ATTR, QUERY_ATTR
 from .config import DeepseekV2Config
-from .rope import apply_rope, rotate_pair
 
 __all__ = [
     "absorb_query",

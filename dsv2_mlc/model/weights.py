@@ -27,13 +27,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..errors import Dsv2Error
 from .checkpoint import SafetensorsCheckpoint
 from .config import DeepseekV2Config
 
 Transform = Callable[[list[np.ndarray]], list[np.ndarray]]
 
 
-class WeightMapError(ValueError):
+class WeightMapError(Dsv2Error, ValueError):
     """The checkpoint does not match the config (every problem is listed in the message)."""
 
 

@@ -14,8 +14,10 @@ from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
+from ..errors import Dsv2Error
 
-class ChatTemplateError(ValueError):
+
+class ChatTemplateError(Dsv2Error, ValueError):
     """A chat template that cannot be rendered for the given messages (the message says why)."""
 
 

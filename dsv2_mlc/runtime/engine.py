@@ -15,12 +15,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import tvm_ffi
 
-from ..model.config import DeepseekV2Config
+from ..errors import Dsv2Error
+from ..layout import LIBRARY, PARAMS_DIR, BuildConfig, BuildError, ModelInfo, has_spec, read_spec
 from .cublas import init_cublas
 from .cuda_graph import DecodeGraphs, decode_graph_key, same_greedy, same_logits
 from .device import copy_into, to_device, to_numpy
 from .generation import GenerationResult, GenerationStream, StreamDelta, run_generation
-from .layout import LIBRARY, PARAMS_DIR, BuildConfig, BuildError
 from .pdl import PORTS as PDL_PORTS
 from .pending import PendingTokens
 from .sampling import SamplingParams
@@ -61,11 +61,11 @@ MAX_DECODE_GROUP = 31
 EXPERT_MAJOR_FROM = 16
 
 
-class ContextLengthError(ValueError):
+class ContextLengthError(Dsv2Error, ValueError):
     """A request that does not fit the context window or the KV cache."""
 
 
-class PromptError(ValueError):
+class PromptError(Dsv2Error, ValueError):
     """A prompt that cannot be run (empty, or text for a model without a tokenizer)."""
 
 
@@ -91,10 +91,11 @@ def _pdl_port(build: BuildConfig, pdl: str | None) -> int | None:
 class Engine:
     """A compiled DeepSeek-V2 model with its KV cache.
 
-    ``model`` is a folder written by ``dsv2-mlc compile``. ``context_window`` bounds one sequence
-    (default: the model's maximum, capped at 4096); a prefill or decode step takes at most
-    ``max_batch_size`` sequences; the live sequences share a page pool of ``kv_capacity`` tokens
-    (default: context_window x max_batch_size).
+    ``model`` is a folder written by ``dsv2-mlc compile`` (:func:`dsv2_mlc.load` also opens
+    checkpoints, compiling them on first use, and installed artifacts). ``context_window`` bounds
+    one sequence (default: the model's maximum, capped at 4096); a prefill or decode step takes at
+    most ``max_batch_size`` sequences; the live sequences share a page pool of ``kv_capacity``
+    tokens (default: context_window x max_batch_size).
     """
 
     def __init__(
@@ -136,7 +137,7 @@ class Engine:
         self.path = Path(model)
         self.overlap_steps = overlap_steps
         self.build = BuildConfig.read(self.path)
-        self.config = DeepseekV2Config.from_dict(self.build.model)
+        self.config = ModelInfo.from_build(self.build)  # vocabulary, context limit, EOS
         self.device = self.build.device
         port = _pdl_port(self.build, pdl)
         limit = self.config.max_position_embeddings
@@ -169,7 +170,7 @@ class Engine:
         if random_weights is None:
             self._params = self._load_params(dev)
         else:
-            from .random_params import create_random_params, read_spec
+            from .random_params import create_random_params
 
             spec = read_spec(self.path)
             self._params = create_random_params(library, spec, self.device, random_weights)
@@ -219,46 +220,6 @@ class Engine:
         self._tokenizer: Tokenizer | None = None
         self._chat: ChatNamespace | None = None
 
-    @classmethod
-    def open(
-        cls,
-        model: str | Path | None = None,
-        *,
-        cache_dir: str | Path | None = None,
-        device: str | None = None,
-        dtype: str | None = None,
-        quantization: str | None = None,
-        context_window: int | None = None,
-        max_batch_size: int = 4,
-        prefill_chunk_size: int | None = None,
-        progress: bool = False,
-        log: Callable[[str], None] | None = None,
-    ) -> Engine:
-        """Open MODEL: a compiled folder, a checkpoint folder (compiled on first use into the
-        per-user cache, see :mod:`dsv2_mlc.runtime.model_cache`) or ``None`` for the embedded
-        default model."""
-        from .model_cache import resolve_model
-
-        if context_window is not None and context_window < 2:
-            raise ContextLengthError(
-                f"context window must be at least 2 tokens (got {context_window})"
-            )
-        path = resolve_model(
-            model,
-            cache_dir=cache_dir,
-            device=device,
-            dtype=dtype,
-            quantization=quantization,
-            progress=progress,
-            log=log,
-        )
-        return cls(
-            path,
-            context_window=context_window,
-            max_batch_size=max_batch_size,
-            prefill_chunk_size=prefill_chunk_size,
-        )
-
     @property
     def tokenizer(self) -> Tokenizer:
         """The model's tokenizer (read from the compiled folder on first use)."""
@@ -303,8 +264,6 @@ class Engine:
     def _load_params(self, dev: int) -> tvm_ffi.Array:
         params_dir = (self.path / PARAMS_DIR).resolve()
         if not (params_dir / "tensor-cache.json").is_file():
-            from .random_params import has_spec
-
             if has_spec(self.path):
                 raise BuildError(
                     f"{self.path}: a config-only build (compiled with --random-weights) has no "

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..errors import Dsv2Error
+
 __all__ = ["Capture", "Node", "NotRelocatable", "Relocation", "derive", "owner"]
 
 NODE_KERNEL = 0  # cudaGraphNodeTypeKernel: the only nodes whose arguments are rewritten
@@ -42,7 +44,7 @@ class Node:
     args: tuple[bytes, ...]
 
 
-class NotRelocatable(Exception):
+class NotRelocatable(Dsv2Error):
     """Captures of one step differ in a way a move between page buckets does not explain."""
 
 

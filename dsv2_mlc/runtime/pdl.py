@@ -27,6 +27,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from ..errors import Dsv2Error
+
 __all__ = [
     "BrokenGraphError",
     "PORT_LAUNCH_COMPLETION",
@@ -81,7 +83,7 @@ def _programmatic_data(port: int) -> tuple[int, int, int]:
     return (port, 0, DEPENDENCY_PROGRAMMATIC)
 
 
-class BrokenGraphError(RuntimeError):
+class BrokenGraphError(Dsv2Error, RuntimeError):
     """A graph whose edges could not be put back as captured: it must not be instantiated."""
 
 

@@ -22,10 +22,12 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import Dsv2Error
+
 GENERATION_CONFIG = "generation_config.json"
 
 
-class SamplingError(ValueError):
+class SamplingError(Dsv2Error, ValueError):
     """An invalid sampling value (the message names the parameter and its valid range)."""
 
 

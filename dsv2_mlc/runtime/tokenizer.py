@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from ..errors import Dsv2Error
 from .chat_template import render_chat_template
 
 TOKENIZER_JSON = "tokenizer.json"
@@ -29,7 +30,7 @@ SPECIAL_TOKEN_KEYS = (
 )
 
 
-class TokenizerError(ValueError):
+class TokenizerError(Dsv2Error, ValueError):
     """A missing or unreadable tokenizer (the message names the file and the fix)."""
 
 

@@ -13,12 +13,14 @@ from pathlib import Path
 
 import tvm_ffi
 
+from ..errors import Dsv2Error
+
 LIB_DIR_ENV = "DSV2_MLC_TVM_LIB_DIR"
 _loaded: dict[str, ctypes.CDLL] = {}
 _preferred: list[Path] = []  # runtime folders bundled in opened artifacts (dsv2_mlc.artifacts)
 
 
-class RuntimeLibraryError(RuntimeError):
+class RuntimeLibraryError(Dsv2Error, RuntimeError):
     """The TVM runtime libraries cannot be found or loaded (the message says how to fix it)."""
 
 

@@ -1,22 +1,24 @@
-"""Which compiled folder a MODEL names, compiling checkpoints on first use into a per-user cache.
+"""Which compiled folder a MODEL names, compiling checkpoints on first use into a per-user cache,
+and :func:`open_engine` (what :func:`dsv2_mlc.load` runs): that folder opened as an Engine.
 
 MODEL is a compiled folder (``dsv2-mlc.json``), a Hugging Face checkpoint folder (``config.json``
 + safetensors), or nothing for the model embedded in the package. A checkpoint is compiled once
 per cache key: a SHA-256 over the checkpoint files' contents, the dtype and device, the dsv2-mlc
-version, the source of its compiler (compiler/model/passes/schedules and the build layout) and
-the TVM version, so anything that changes the build gives a new entry.
+version, the source of its compiler (compiler/model/passes/quant/schedules, the build layout, RoPE)
+and the TVM version, so anything that changes the build gives a new entry.
 
 The cache is ``cache_dir``, else ``$DSV2_MLC_CACHE_DIR``, else ``$XDG_CACHE_HOME/dsv2-mlc``, else
 ``~/.cache/dsv2-mlc``; builds go to its ``builds/NAME-QUANT-DEVICE-KEY/`` (beside the installed
 artifacts of :mod:`dsv2_mlc.artifacts`). The compiler is imported only when something must be
-compiled.
+compiled, so a compiled folder or an installed artifact opens without TVM's compiler.
+
+This module sits above the compiler, the runtime and the artifacts: none of them imports it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
-import importlib.metadata
 import importlib.util
 import json
 import os
@@ -24,34 +26,42 @@ import re
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from .errors import Dsv2Error
 from .layout import BUILD_CONFIG, TOKENIZER_FILES, BuildConfig
+from .paths import CACHE_DIR_ENV, default_cache_dir
+from .version import __version__, tvm_version
 
-CACHE_DIR_ENV = "DSV2_MLC_CACHE_DIR"
+if TYPE_CHECKING:
+    from .runtime.engine import Engine
+
+__all__ = [
+    "CACHE_DIR_ENV",
+    "ModelNotFoundError",
+    "cache_key",
+    "cached_build",
+    "default_cache_dir",
+    "open_engine",
+    "resolve_model",
+]
+
 BUILDS_DIR = "builds"
 DEFAULT_MODEL = "default_model"
 CHECKPOINT_PATTERNS = ("config.json", "*.safetensors", "*.safetensors.index.json")
 EXTRA_TOKENIZER_FILES = ("special_tokens_map.json", "chat_template.jinja")
-COMPILER_PACKAGES = ("compiler", "model", "passes", "schedules")
-COMPILER_MODULES = ("quantization.py", "runtime/layout.py", "runtime/cublas_gemm.cc")
+COMPILER_PACKAGES = ("compiler", "model", "passes", "quant", "schedules")
+COMPILER_MODULES = ("layout.py", "quantization.py", "rope.py", "runtime/cublas_gemm.cc")
 _HASH_MEMO = "file-hashes.json"
 
 
-class ModelNotFoundError(ValueError):
+class ModelNotFoundError(Dsv2Error, ValueError):
     """MODEL names nothing that can be run (the message lists what MODEL may be)."""
-
-
-def default_cache_dir() -> Path:
-    """``$DSV2_MLC_CACHE_DIR``, else ``$XDG_CACHE_HOME/dsv2-mlc``, else ``~/.cache/dsv2-mlc``."""
-    if os.environ.get(CACHE_DIR_ENV):
-        return Path(os.environ[CACHE_DIR_ENV]).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base).expanduser() / "dsv2-mlc"
 
 
 def default_model_dir() -> Path:
     """The checkpoint folder embedded in the package."""
-    return Path(__file__).resolve().parent.parent / DEFAULT_MODEL
+    return Path(__file__).resolve().parent / DEFAULT_MODEL
 
 
 def checkpoint_files(ckpt_dir: Path) -> list[Path]:
@@ -72,23 +82,9 @@ def compiler_sources() -> list[Path]:
             continue
         for root in spec.submodule_search_locations:
             files.extend(sorted(Path(root).rglob("*.py")))
-    package = Path(__file__).resolve().parent.parent
+    package = Path(__file__).resolve().parent
     files.extend(package / m for m in COMPILER_MODULES if (package / m).is_file())
     return files
-
-
-def tvm_version() -> str:
-    """The installed TVM version (read from package metadata, without importing TVM)."""
-    for dist in ("apache-tvm", "tvm"):
-        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
-            return importlib.metadata.version(dist)
-    return "none"
-
-
-def _package_version() -> str:
-    from .. import __version__
-
-    return __version__
 
 
 class _HashMemo:
@@ -150,7 +146,7 @@ def cache_key(
     def put(label: str, value: str) -> None:
         h.update(f"{label}\0{value}\0".encode())
 
-    put("dsv2-mlc", _package_version())
+    put("dsv2-mlc", __version__)
     put("tvm", tvm_version())
     put("dtype", dtype or "")
     put("quantization", build_scheme(dtype, quantization))
@@ -203,7 +199,7 @@ def cached_build(
     with _locked(root / f".{entry.name}.lock"):
         if (entry / BUILD_CONFIG).is_file():  # built by another process meanwhile
             return entry
-        from ..compiler import compile as compiler  # lazily: running needs no compiler
+        from .compiler import compile as compiler  # lazily: running needs no compiler
 
         if log is not None:
             log(f"compiling {ckpt_dir} for {device} ({scheme}) on first use into {entry}")
@@ -240,7 +236,7 @@ def resolve_model(
     else:
         path = Path(model).expanduser()
         if not path.exists():  # an installed artifact's name (dsv2_mlc.artifacts, `dsv2-mlc pull`)
-            from ..artifacts.store import installed_artifact
+            from .artifacts.store import installed_artifact
 
             path = installed_artifact(str(model), cache_dir) or path
         if not path.exists():
@@ -279,4 +275,41 @@ def resolve_model(
         quantization=quantization,
         progress=progress,
         log=log,
+    )
+
+
+def open_engine(
+    model: str | Path | None = None,
+    *,
+    cache_dir: str | Path | None = None,
+    device: str | None = None,
+    dtype: str | None = None,
+    quantization: str | None = None,
+    context_window: int | None = None,
+    max_batch_size: int = 4,
+    prefill_chunk_size: int | None = None,
+    progress: bool = False,
+    log: Callable[[str], None] | None = None,
+) -> Engine:
+    """Open MODEL as an :class:`~dsv2_mlc.runtime.engine.Engine`: a compiled folder, an installed
+    artifact's name, a checkpoint folder (compiled on first use into the per-user cache, see
+    :func:`resolve_model`) or ``None`` for the embedded default model."""
+    from .runtime.engine import ContextLengthError, Engine
+
+    if context_window is not None and context_window < 2:
+        raise ContextLengthError(f"context window must be at least 2 tokens (got {context_window})")
+    path = resolve_model(
+        model,
+        cache_dir=cache_dir,
+        device=device,
+        dtype=dtype,
+        quantization=quantization,
+        progress=progress,
+        log=log,
+    )
+    return Engine(
+        path,
+        context_window=context_window,
+        max_batch_size=max_batch_size,
+        prefill_chunk_size=prefill_chunk_size,
     )

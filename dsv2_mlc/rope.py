@@ -5,18 +5,43 @@ match DeepSeek (notes/tvm-0.27.md section 8). Here the inverse frequencies are c
 DeepSeek's ``DeepseekV2YarnRotaryEmbedding`` (floor/ceil correction range, ramp over dim // 2) and
 applied to interleaved pairs ``(x[2i], x[2i+1])`` as Hugging Face's ``apply_rotary_emb`` does, so
 checkpoint weights are used unpermuted.
+
+The parameters and the tables are plain NumPy, so :mod:`dsv2_mlc.model.config` (which holds a
+:class:`RopeConfig`) reads without TVM; the TIR builders import TVM when they are called.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-from tvm import te, tirx
-from tvm.ir.expr import Expr
-from tvm.relax.frontend import nn
 
-from .config import RopeConfig, yarn_get_mscale
+if TYPE_CHECKING:
+    from tvm.ir.expr import Expr
+    from tvm.relax.frontend import nn
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding parameters (plain RoPE when ``kind == "default"``, else YaRN)."""
+
+    kind: str = "default"
+    theta: float = 10000.0
+    factor: float = 1.0
+    original_max_position_embeddings: int = 4096
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+
+
+def yarn_get_mscale(scale: float = 1.0, mscale: float = 1.0) -> float:
+    """DeepSeek's YaRN magnitude correction: 0.1 * mscale * ln(scale) + 1 (1 when scale <= 1)."""
+    if scale <= 1:
+        return 1.0
+    return 0.1 * mscale * math.log(scale) + 1.0
 
 
 def _yarn_correction_dim(num_rotations: float, dim: int, base: float, max_pos: int) -> float:
@@ -58,6 +83,8 @@ def rope_cos_sin_scale(rope: RopeConfig) -> float:
 def rope_cos_sin(rope: RopeConfig, dim: int, pos: Expr, pair: Expr) -> tuple[Expr, Expr]:
     """float32 ``(cos, sin)`` of pair ``pair`` (of ``dim // 2``) at position ``pos`` (a TIR
     expression), with DeepSeek's cos/sin scale folded in."""
+    from tvm import tirx
+
     inv_freq = [float(v) for v in rope_inv_freq(rope, dim)]
     scale = tirx.const(rope_cos_sin_scale(rope), "float32")
     # A select chain over compile-time constants: exact float32 values, no parameter needed.
@@ -70,6 +97,8 @@ def rope_cos_sin(rope: RopeConfig, dim: int, pos: Expr, pair: Expr) -> tuple[Exp
 
 def rotate_pair(d: Expr, even: Expr, odd: Expr, cos: Expr, sin: Expr) -> Expr:
     """Element ``d`` of a rotated interleaved pair ``(even, odd)`` (float32 values)."""
+    from tvm import tirx
+
     return tirx.Select(d % 2 == 0, even * cos - odd * sin, odd * cos + even * sin)
 
 
@@ -77,6 +106,8 @@ def rope_table(positions: nn.Tensor, rope: RopeConfig, dim: int) -> nn.Tensor:
     """``[n, dim]`` float32: ``(cos, sin)`` of pair ``p`` at columns ``2p, 2p + 1`` for each
     position (DeepSeek's cos/sin scale folded in). Computed once per forward pass and read by
     every RoPE of every layer, instead of each of them evaluating cos and sin per element."""
+    from tvm import te, tirx
+    from tvm.relax.frontend import nn
 
     def compute(pos: te.Tensor) -> te.Tensor:
         def f(t: Expr, j: Expr) -> Expr:
@@ -94,6 +125,9 @@ def apply_rope(x: nn.Tensor, table: nn.Tensor, name: str) -> nn.Tensor:
 
     The rotation is computed in float32 whatever the dtype of ``x``.
     """
+    from tvm import te
+    from tvm.relax.frontend import nn
+
     dtype = x.dtype
 
     def compute(xt: te.Tensor, tab: te.Tensor) -> te.Tensor:
