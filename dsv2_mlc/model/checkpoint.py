@@ -8,7 +8,9 @@ for, so converting never holds the model twice in memory.
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
 import mmap
 import struct
 from dataclasses import dataclass
@@ -34,6 +36,12 @@ _NUMPY_DTYPES = {
     "U8": np.uint8,
     "BOOL": np.bool_,
 }
+_ITEM_SIZES = {"BF16": 2, **{k: np.dtype(v).itemsize for k, v in _NUMPY_DTYPES.items()}}
+FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
+"""The safetensors dtypes a weight may have (the model's parameters are floating point)."""
+
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+"""The largest JSON header read (the safetensors format's own limit)."""
 
 
 @dataclass(frozen=True)
@@ -48,20 +56,87 @@ class TensorInfo:
 
 
 def _read_header(path: Path) -> tuple[int, dict]:
+    """(offset of the data, the parsed JSON header) of one safetensors file, bounded in size."""
     try:
+        file_size = path.stat().st_size
         with open(path, "rb") as f:
             raw = f.read(8)
             if len(raw) < 8:
                 raise CheckpointError(f"{path}: truncated safetensors file (no header)")
             (size,) = struct.unpack("<Q", raw)
+            if size > min(MAX_HEADER_BYTES, file_size - 8):
+                raise CheckpointError(
+                    f"{path}: the header claims {size} bytes but the file holds {file_size - 8} "
+                    f"after its size field (limit {MAX_HEADER_BYTES}); not a safetensors file, or "
+                    "truncated: download it again"
+                )
             header = json.loads(f.read(size))
     except (OSError, json.JSONDecodeError, UnicodeDecodeError) as err:
         raise CheckpointError(f"{path}: not a readable safetensors file ({err})") from err
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: the safetensors header is not a JSON object")
     return 8 + size, header
 
 
+def _tensor_info(path: Path, name: str, meta: object, data_start: int, size: int) -> TensorInfo:
+    """Validate one header entry: dtype known, shape of non-negative integers, offsets in order
+    and inside the file, and a byte range exactly as long as dtype and shape say."""
+
+    def bad(problem: str) -> CheckpointError:
+        return CheckpointError(
+            f"{path}: tensor {name!r} {problem}; the file is damaged or not a safetensors "
+            "checkpoint: download it again"
+        )
+
+    if not isinstance(meta, dict):
+        raise bad("has no header entry object")
+    dtype, shape, offsets = meta.get("dtype"), meta.get("shape"), meta.get("data_offsets")
+    if not isinstance(dtype, str) or dtype not in _ITEM_SIZES:
+        raise bad(f"has unknown dtype {dtype!r} (known: {', '.join(_ITEM_SIZES)})")
+    if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+        raise bad(f"has shape {shape!r}, not a list of non-negative integers")
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(_is_count(o) for o in offsets)
+        or offsets[0] > offsets[1]
+    ):
+        raise bad(f"has data_offsets {offsets!r}, not two non-negative integers [begin, end]")
+    if offsets[1] > size:
+        raise CheckpointError(
+            f"{path}: tensor {name!r} extends past the end of the file (truncated "
+            "download?); download the shard again"
+        )
+    count = math.prod(shape)
+    if count * _ITEM_SIZES[dtype] != offsets[1] - offsets[0]:
+        raise bad(
+            f"has {offsets[1] - offsets[0]} bytes for {count} values of {dtype} "
+            f"({count * _ITEM_SIZES[dtype]} expected)"
+        )
+    return TensorInfo(path, dtype, tuple(shape), data_start + offsets[0], data_start + offsets[1])
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _check_overlap(path: Path, infos: list[tuple[str, TensorInfo]]) -> None:
+    """Refuse tensors whose byte ranges overlap (a crafted header aliasing one tensor's bytes)."""
+    ranges = sorted((i.begin, i.end, n) for n, i in infos if i.end > i.begin)
+    for (_, end, a), (begin, _, b) in itertools.pairwise(ranges):
+        if begin < end:
+            raise CheckpointError(
+                f"{path}: tensors {a!r} and {b!r} share bytes; the file is damaged or crafted: "
+                "download it again"
+            )
+
+
 class SafetensorsCheckpoint:
-    """All tensors of a Hugging Face checkpoint folder, by name."""
+    """All tensors of a Hugging Face checkpoint folder, by name.
+
+    Every header is validated when the checkpoint is opened (dtypes, shapes, offsets inside the
+    file, byte counts, no overlap), so a damaged or crafted file is refused before anything is
+    converted."""
 
     def __init__(self, model_dir: str | Path):
         self.model_dir = Path(model_dir)
@@ -69,27 +144,36 @@ class SafetensorsCheckpoint:
         self._maps: dict[Path, mmap.mmap] = {}
         for file in self._shard_files():
             data_start, header = _read_header(file)
-            file_size = file.stat().st_size
-            for name, meta in header.items():
-                if name == "__metadata__":
-                    continue
-                begin, end = (data_start + int(o) for o in meta["data_offsets"])
-                if end > file_size:
+            size = file.stat().st_size - data_start
+            infos = [
+                (name, _tensor_info(file, name, meta, data_start, size))
+                for name, meta in header.items()
+                if name != "__metadata__"
+            ]
+            _check_overlap(file, infos)
+            for name, info in infos:
+                if name in self.tensors:
                     raise CheckpointError(
-                        f"{file}: tensor {name!r} extends past the end of the file (truncated "
-                        "download?); download the shard again"
+                        f"{file}: tensor {name!r} is also in {self.tensors[name].file.name}; "
+                        "a checkpoint holds each tensor once"
                     )
-                self.tensors[name] = TensorInfo(
-                    file, meta["dtype"], tuple(int(s) for s in meta["shape"]), begin, end
-                )
+                self.tensors[name] = info
 
     def _shard_files(self) -> list[Path]:
         index = self.model_dir / "model.safetensors.index.json"
         if index.is_file():
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError) as err:
-                raise CheckpointError(f"{index}: malformed index ({err})") from err
+            except (OSError, json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as err:
+                raise CheckpointError(f"{index}: malformed index ({err!r})") from err
+            if not isinstance(weight_map, dict) or not all(
+                isinstance(f, str) and f and Path(f).name == f and f not in (".", "..")
+                for f in weight_map.values()
+            ):
+                raise CheckpointError(
+                    f"{index}: weight_map must map tensor names to shard file names inside the "
+                    "model folder (no paths); the index is damaged: download it again"
+                )
             files = sorted(set(weight_map.values()))
             missing = [f for f in files if not (self.model_dir / f).is_file()]
             if missing:

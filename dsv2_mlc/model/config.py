@@ -8,6 +8,7 @@ cannot honour is rejected with an error that names the key.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -97,37 +98,44 @@ class DeepseekV2Config:
     # -- HF config.json ------------------------------------------------------------------------
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> DeepseekV2Config:
-        """Build and validate a config from a parsed HF ``config.json``."""
+        """Build and validate a config from a parsed HF ``config.json``: every value is checked
+        for its type, range and finiteness, and an error names the key."""
+        if not isinstance(hf, dict):
+            raise ConfigError(
+                f"config.json: expected a JSON object of settings, found {type(hf).__name__}"
+            )
         _validate_hf(hf)
-        q_lora_rank = hf.get("q_lora_rank")
-        n_routed = int(hf.get("n_routed_experts") or 0)
+        layers = _int(hf, "num_hidden_layers")
+        vocab = _int(hf, "vocab_size")
         cfg = cls(
-            vocab_size=_req_int(hf, "vocab_size"),
-            hidden_size=_req_int(hf, "hidden_size"),
-            intermediate_size=_req_int(hf, "intermediate_size"),
-            moe_intermediate_size=int(hf.get("moe_intermediate_size") or 0),
-            num_hidden_layers=_req_int(hf, "num_hidden_layers"),
-            num_attention_heads=_req_int(hf, "num_attention_heads"),
-            q_lora_rank=int(q_lora_rank) if q_lora_rank else None,
-            kv_lora_rank=_req_int(hf, "kv_lora_rank"),
-            qk_nope_head_dim=_req_int(hf, "qk_nope_head_dim"),
-            qk_rope_head_dim=_req_int(hf, "qk_rope_head_dim"),
-            v_head_dim=_req_int(hf, "v_head_dim"),
-            n_routed_experts=n_routed,
-            n_shared_experts=int(hf.get("n_shared_experts") or 0),
-            num_experts_per_tok=int(hf.get("num_experts_per_tok") or 0),
-            first_k_dense_replace=int(hf.get("first_k_dense_replace") or 0),
-            topk_method=str(hf.get("topk_method", "greedy")),
-            n_group=int(hf.get("n_group") or 1),
-            topk_group=int(hf.get("topk_group") or 1),
-            norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
-            routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+            vocab_size=vocab,
+            hidden_size=_int(hf, "hidden_size"),
+            intermediate_size=_int(hf, "intermediate_size"),
+            moe_intermediate_size=_int(hf, "moe_intermediate_size", 0, low=0),
+            num_hidden_layers=layers,
+            num_attention_heads=_int(hf, "num_attention_heads"),
+            q_lora_rank=_int(hf, "q_lora_rank", 0, low=0) or None,
+            kv_lora_rank=_int(hf, "kv_lora_rank"),
+            qk_nope_head_dim=_int(hf, "qk_nope_head_dim"),
+            qk_rope_head_dim=_int(hf, "qk_rope_head_dim"),
+            v_head_dim=_int(hf, "v_head_dim"),
+            n_routed_experts=_int(hf, "n_routed_experts", 0, low=0),
+            n_shared_experts=_int(hf, "n_shared_experts", 0, low=0),
+            num_experts_per_tok=_int(hf, "num_experts_per_tok", 0, low=0),
+            first_k_dense_replace=_int(hf, "first_k_dense_replace", 0, low=0, high=layers),
+            topk_method=str(hf.get("topk_method") or "greedy"),
+            n_group=_int(hf, "n_group", 1),
+            topk_group=_int(hf, "topk_group", 1),
+            norm_topk_prob=_bool(hf, "norm_topk_prob", False),
+            routed_scaling_factor=_float(hf, "routed_scaling_factor", 1.0),
+            rms_norm_eps=_float(hf, "rms_norm_eps", 1e-6, high=1.0),
+            max_position_embeddings=_int(
+                hf, "max_position_embeddings", 4096, high=MAX_POSITION_EMBEDDINGS
+            ),
             rope=_parse_rope(hf),
-            bos_token_id=hf.get("bos_token_id"),
-            eos_token_id=hf.get("eos_token_id"),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            bos_token_id=_token_ids(hf, "bos_token_id", vocab, allow_list=False),
+            eos_token_id=_token_ids(hf, "eos_token_id", vocab, allow_list=True),
+            tie_word_embeddings=_bool(hf, "tie_word_embeddings", False),
         )
         _validate_sizes(cfg)
         return cfg
@@ -161,7 +169,8 @@ _SUPPORTED = {
 
 def _validate_hf(hf: dict[str, Any]) -> None:
     for key, allowed in _SUPPORTED.items():
-        if key in hf and hf[key] is not None and hf[key] not in allowed:
+        value = hf.get(key)
+        if value is not None and not any(type(value) is type(v) and value == v for v in allowed):
             raise ConfigError(
                 f"config.json: unsupported {key}={hf[key]!r}; supported: "
                 + ", ".join(repr(v) for v in sorted(allowed, key=str))
@@ -174,13 +183,76 @@ def _validate_hf(hf: dict[str, Any]) -> None:
         )
 
 
-def _req_int(hf: dict[str, Any], key: str) -> int:
-    if hf.get(key) is None:
-        raise ConfigError(f"config.json: missing required key {key!r}")
-    try:
-        return int(hf[key])
-    except (TypeError, ValueError) as err:
-        raise ConfigError(f"config.json: {key}={hf[key]!r} is not an integer") from err
+MAX_DIMENSION = 1 << 20
+"""The largest size a config may give one dimension (vocabulary, widths, counts): ~8x the
+largest DeepSeek-V2 value, far below what would exhaust a host's memory."""
+
+MAX_POSITION_EMBEDDINGS = 1 << 21
+"""The longest context a config may declare (the RoPE tables are sized by it)."""
+
+_REQUIRED = object()
+
+
+def _value(hf: dict[str, Any], key: str, default: Any) -> Any:
+    """``hf[key]``; a missing or null key gives ``default`` (an error when it is required)."""
+    value = hf.get(key)
+    if value is None:
+        if default is _REQUIRED:
+            raise ConfigError(f"config.json: missing required key {key!r}")
+        return default
+    return value
+
+
+def _int(
+    hf: dict[str, Any],
+    key: str,
+    default: Any = _REQUIRED,
+    *,
+    low: int = 1,
+    high: int = MAX_DIMENSION,
+) -> int:
+    """An integer setting in ``[low, high]`` (a bool or a fraction is refused, not truncated)."""
+    value = _value(hf, key, default)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"config.json: {key}={value!r} is not an integer")
+    if not low <= value <= high:
+        raise ConfigError(f"config.json: {key}={value} must be in [{low}, {high}]")
+    return value
+
+
+def _float(hf: dict[str, Any], key: str, default: float, *, high: float = math.inf) -> float:
+    """A finite number in ``(0, high]``."""
+    value = _value(hf, key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"config.json: {key}={value!r} is not a number")
+    if not (math.isfinite(value) and 0 < value <= high):
+        bound = "" if high == math.inf else f" and at most {high}"
+        raise ConfigError(f"config.json: {key}={value!r} must be a finite number above 0{bound}")
+    return float(value)
+
+
+def _bool(hf: dict[str, Any], key: str, default: bool) -> bool:
+    value = _value(hf, key, default)
+    if not isinstance(value, bool):
+        raise ConfigError(f"config.json: {key}={value!r} must be true or false")
+    return value
+
+
+def _token_ids(
+    hf: dict[str, Any], key: str, vocab: int, *, allow_list: bool
+) -> int | list[int] | None:
+    """A token id (or, where allowed, a list of ids) inside the vocabulary, or None."""
+    value = hf.get(key)
+    ids = value if allow_list and isinstance(value, list) else [value]
+    if value is None:
+        return None
+    for i in ids:
+        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < vocab:
+            raise ConfigError(
+                f"config.json: {key}={value!r} must be a token id in [0, vocab_size={vocab})"
+                + (" or a list of them" if allow_list else "")
+            )
+    return value
 
 
 def _parse_rope(hf: dict[str, Any]) -> RopeConfig:
@@ -189,7 +261,10 @@ def _parse_rope(hf: dict[str, Any]) -> RopeConfig:
     key = "rope_parameters"
     if not params:
         params, key = hf.get("rope_scaling"), "rope_scaling"
-    theta = float((params or {}).get("rope_theta", hf.get("rope_theta", 10000.0)))
+    if params is not None and not isinstance(params, dict):
+        raise ConfigError(f"config.json: {key} must be an object, found {params!r}")
+    theta_src = params if params and "rope_theta" in params else hf
+    theta = _float(theta_src, "rope_theta", 10000.0)
     if not params:
         return RopeConfig(theta=theta)
     kind = params.get("rope_type", params.get("type", "default"))
@@ -208,13 +283,27 @@ def _parse_rope(hf: dict[str, Any]) -> RopeConfig:
     return RopeConfig(
         kind="yarn",
         theta=theta,
-        factor=float(params["factor"]),
-        original_max_position_embeddings=int(params.get("original_max_position_embeddings", 4096)),
-        beta_fast=float(params.get("beta_fast") or 32),
-        beta_slow=float(params.get("beta_slow") or 1),
-        mscale=float(params.get("mscale", 1.0) or 1.0),
-        mscale_all_dim=float(params.get("mscale_all_dim", 0.0) or 0.0),
+        factor=_float(params, "factor", 1.0),
+        original_max_position_embeddings=_int(
+            params, "original_max_position_embeddings", 4096, high=MAX_POSITION_EMBEDDINGS
+        ),
+        beta_fast=_float(params, "beta_fast", 32.0),
+        beta_slow=_float(params, "beta_slow", 1.0),
+        mscale=_nonneg_float(params, "mscale", 1.0),
+        mscale_all_dim=_nonneg_float(params, "mscale_all_dim", 0.0),
     )
+
+
+def _nonneg_float(params: dict[str, Any], key: str, default: float) -> float:
+    """A finite number >= 0 (``default`` when absent)."""
+    value = _value(params, key, default)
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not (math.isfinite(value) and value >= 0)
+    ):
+        raise ConfigError(f"config.json: {key}={value!r} must be a finite number >= 0")
+    return float(value)
 
 
 def _validate_sizes(cfg: DeepseekV2Config) -> None:

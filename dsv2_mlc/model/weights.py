@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import Dsv2Error
-from .checkpoint import SafetensorsCheckpoint
+from .checkpoint import FLOAT_DTYPES, SafetensorsCheckpoint
 from .config import DeepseekV2Config
 
 Transform = Callable[[list[np.ndarray]], list[np.ndarray]]
@@ -154,7 +154,8 @@ def weight_map(cfg: DeepseekV2Config) -> list[Conversion]:
 
 
 def check_checkpoint(convs: list[Conversion], ckpt: SafetensorsCheckpoint) -> None:
-    """Raise :class:`WeightMapError` listing every missing, mis-shaped or unexpected tensor."""
+    """Raise :class:`WeightMapError` listing every missing, mis-shaped, non-float or unexpected
+    tensor."""
     expected = {name: shape for conv in convs for name, shape in conv.sources}
     missing = sorted(name for name in expected if name not in ckpt)
     misshaped = sorted(
@@ -163,10 +164,16 @@ def check_checkpoint(convs: list[Conversion], ckpt: SafetensorsCheckpoint) -> No
         if name in ckpt and tuple(ckpt.shape(name)) != tuple(shape)
     )
     unexpected = sorted(name for name in ckpt.tensors if name not in expected)
+    not_float = sorted(
+        f"{name}: {ckpt.tensors[name].dtype}"
+        for name in expected
+        if name in ckpt and ckpt.tensors[name].dtype not in FLOAT_DTYPES
+    )
     problems = []
     for title, items in (
         ("missing tensors", missing),
         ("tensors with the wrong shape", misshaped),
+        (f"tensors that are not floating point ({', '.join(FLOAT_DTYPES)})", not_float),
         ("unexpected tensors (not consumed by the model)", unexpected),
     ):
         if items:

@@ -17,6 +17,7 @@ import tvm_ffi
 
 from ..errors import Dsv2Error
 from ..layout import LIBRARY, PARAMS_DIR, BuildConfig, BuildError, ModelInfo, has_spec, read_spec
+from . import api_checks as check
 from .cublas import init_cublas
 from .cuda_graph import DecodeGraphs, decode_graph_key, same_greedy, same_logits
 from .device import copy_into, to_device, to_numpy
@@ -79,7 +80,7 @@ def _pdl_port(build: BuildConfig, pdl: str | None) -> int | None:
         return None
     name = pdl or "programmatic"
     if name not in PDL_PORTS:
-        raise ValueError(f"pdl={pdl!r}: use one of off, {', '.join(PDL_PORTS)}")
+        raise check.EngineOptionError(f"pdl={pdl!r}: use one of off, {', '.join(PDL_PORTS)}")
     if not build.pdl:
         raise BuildError(
             f"pdl={pdl!r} needs a build compiled with --pdl (its kernels wait for their "
@@ -141,11 +142,17 @@ class Engine:
         self.device = self.build.device
         port = _pdl_port(self.build, pdl)
         limit = self.config.max_position_embeddings
-        self.context_window = min(context_window or min(limit, 4096), limit)
-        self.max_batch_size = max_batch_size
-        self.kv_capacity = kv_capacity or self.context_window * max_batch_size
-        if prefill_chunk_size is not None and prefill_chunk_size < 1:
-            raise ValueError(f"prefill_chunk_size must be at least 1 (got {prefill_chunk_size})")
+        window = check.positive_option("context_window", context_window, limit, optional=True)
+        self.context_window = window or min(limit, 4096)
+        self.max_batch_size = check.positive_option(
+            "max_batch_size", max_batch_size, check.MAX_BATCH_SIZE
+        )
+        self.kv_capacity = check.positive_option(
+            "kv_capacity", kv_capacity, check.MAX_KV_CAPACITY, optional=True
+        ) or min(self.context_window * self.max_batch_size, check.MAX_KV_CAPACITY)
+        check.positive_option(
+            "prefill_chunk_size", prefill_chunk_size, check.MAX_KV_CAPACITY, optional=True
+        )
         self.prefill_chunk_size = prefill_chunk_size or min(
             DEFAULT_PREFILL_CHUNK[self.device], self.kv_capacity
         )
@@ -177,7 +184,9 @@ class Engine:
         self.random_weights = random_weights
         self._fn = {name: vm[name] for name in ("batch_prefill", "batch_extend", "batch_decode")}
         if expert_major_from is not None and expert_major_from < 1:
-            raise ValueError(f"expert_major_from must be at least 1 (got {expert_major_from})")
+            raise check.EngineOptionError(
+                f"expert_major_from must be at least 1 (got {expert_major_from})"
+            )
         major = vm.implements_function("batch_decode_expert_major")  # CUDA builds since it exists
         self._major_from = expert_major_from if major else None
         if major:
@@ -291,6 +300,7 @@ class Engine:
 
     def remove_sequence(self, seq: int) -> None:
         """Drop a sequence and free its pages."""
+        seq = check.live_sequence(seq, self._seq_len)
         self.settle()
         self._kv_state["remove_sequence"](self._cache, seq)
         del self._seq_len[seq]
@@ -298,7 +308,9 @@ class Engine:
 
     def fork_sequence(self, parent: int, fork_pos: int = -1) -> int:
         """A new sequence sharing ``parent``'s first ``fork_pos`` tokens (-1: all of them)."""
+        parent = check.live_sequence(parent, self._seq_len)
         self.settle()
+        fork_pos = check.fork_position(fork_pos, self._seq_len[parent])
         child = next(self._ids)
         self._kv_state["fork_sequence"](self._cache, parent, child, fork_pos)
         self._shared.update((parent, child))
@@ -308,14 +320,18 @@ class Engine:
 
     def popn(self, seq: int, n: int) -> None:
         """Remove the last ``n`` tokens of a sequence."""
+        seq = check.live_sequence(seq, self._seq_len)
         self.settle()
-        if not 0 <= n <= self._seq_len[seq]:
-            raise ValueError(f"cannot pop {n} tokens from a sequence of {self._seq_len[seq]}")
+        if not check._is_int(n) or not 0 <= n <= self._seq_len[seq]:
+            raise check.SequenceError(
+                f"cannot pop {n!r} tokens from a sequence of {self._seq_len[seq]}"
+            )
         self._kv_state["popn"](self._cache, seq, n)
         self._seq_len[seq] -= n
 
     def sequence_length(self, seq: int) -> int:
         """Tokens cached for ``seq`` (a followed step nobody has asked for yet not counted)."""
+        seq = check.live_sequence(seq, self._seq_len)
         ahead = self._followed is not None and seq in self._followed[0]
         return self._seq_len[seq] - int(ahead)
 
@@ -354,7 +370,7 @@ class Engine:
     def _check_room(self, seq_ids: Sequence[int], lengths: Sequence[int]) -> None:
         # the KV cache's auxiliary arrays (page tables, positions) hold max_batch_size sequences
         if len(seq_ids) > self.max_batch_size:
-            raise ValueError(
+            raise check.SequenceError(
                 f"a step of {len(seq_ids)} sequences exceeds max_batch_size="
                 f"{self.max_batch_size}; run them in smaller groups or open the engine with a "
                 "larger max_batch_size"
@@ -390,7 +406,7 @@ class Engine:
         token, picked on the device."""
         lengths = [len(c) for c in chunks]
         if greedy and any(n != 1 for n in lengths):
-            raise ValueError("greedy steps take one token per sequence")
+            raise check.TokenIdError("greedy steps take one token per sequence")
         if all(n == 1 for n in lengths) and len(seq_ids) > MAX_DECODE_GROUP:
             parts = range(0, len(seq_ids), MAX_DECODE_GROUP)
             return np.concatenate(
@@ -404,7 +420,7 @@ class Engine:
                     for i in parts
                 ]
             )
-        ids = self._checked_ids([t for c in chunks for t in c])
+        ids = np.array([t for c in chunks for t in c], dtype=np.int32)  # checked by the caller
         if greedy:
             return self._greedy_step(seq_ids, ids, ahead=False).result()
         fresh = all(self._seq_len[s] == 0 for s in seq_ids)
@@ -431,19 +447,6 @@ class Engine:
             self._seq_len[seq] += n
         logits = to_numpy(out[0])  # a copy on the host, whatever the device
         return logits.reshape(-1, self.config.vocab_size)
-
-    def _checked_ids(self, tokens: list[int]) -> np.ndarray:
-        """``tokens`` as int32, each checked against the vocabulary (the embedding kernel does
-        not bounds-check: never hand it a bad id)."""
-        vocab = self.config.vocab_size
-        ids = np.array(tokens, dtype=np.int64)
-        if len(tokens) <= 8:  # a decode step's few ids: faster without NumPy
-            bad = [t for t in tokens if not 0 <= t < vocab]
-        else:
-            bad = ids[(ids < 0) | (ids >= vocab)].tolist()
-        if bad:
-            raise ValueError(f"token id {int(bad[0])} is outside the vocabulary [0, {vocab})")
-        return ids.astype(np.int32)
 
     def _begin(self, seq_ids: list[int], lengths: list[int]) -> None:
         """``begin_forward`` for one chunk per sequence: after :meth:`settle`, or nothing when
@@ -567,11 +570,14 @@ class Engine:
         Returns, per sequence, the float32 logits of its last token ``[vocab]``, or of every new
         token ``[len, vocab]`` with ``all_logits``.
         """
-        seq_ids = list(seq_ids)
-        if any(len(t) == 0 for t in token_lists):
-            raise ValueError("every sequence needs at least one token to prefill")
-        self._check_room(seq_ids, [len(t) for t in token_lists])
-        pending = {s: list(t) for s, t in zip(seq_ids, token_lists, strict=True)}
+        seq_ids = check.sequence_ids(seq_ids, self._seq_len)
+        check.same_length(seq_ids, token_lists, "token lists")
+        vocab = self.config.vocab_size
+        lists = [check.token_ids(t, vocab, "each token list") for t in token_lists]
+        if any(len(t) == 0 for t in lists):
+            raise check.TokenIdError("every sequence needs at least one token to prefill")
+        self._check_room(seq_ids, [len(t) for t in lists])
+        pending = dict(zip(seq_ids, lists, strict=True))
         collected: dict[int, list[np.ndarray]] = {s: [] for s in seq_ids}
         while any(pending.values()):
             budget = self.prefill_chunk_size
@@ -600,9 +606,18 @@ class Engine:
 
     def decode(self, seq_ids: Sequence[int], tokens: Sequence[int]) -> np.ndarray:
         """Append one token to each sequence; returns float32 logits ``[len(seq_ids), vocab]``."""
-        seq_ids = list(seq_ids)
+        seq_ids, tokens = self._step_args(seq_ids, tokens)
         self._check_room(seq_ids, [1] * len(seq_ids))
-        return self._forward(seq_ids, [[int(t)] for t in tokens], all_logits=False)
+        return self._forward(seq_ids, [[t] for t in tokens], all_logits=False)
+
+    def _step_args(self, seq_ids: Sequence[int], tokens: Sequence[int]) -> tuple[list, list]:
+        """A decode step's sequences (live, each once) and tokens (one in the vocabulary each)."""
+        seq_ids = check.sequence_ids(seq_ids, self._seq_len)
+        tokens = check.token_ids(tokens, self.config.vocab_size, "tokens")
+        check.same_length(seq_ids, tokens, "tokens")
+        if not seq_ids:
+            raise check.SequenceError("a decode step needs at least one sequence")
+        return seq_ids, tokens
 
     @property
     def has_device_greedy(self) -> bool:
@@ -617,9 +632,9 @@ class Engine:
         build without ``greedy_tokens`` copies the logits and takes the arg-max on the host."""
         if self._greedy is None:
             return self.decode(seq_ids, tokens).argmax(-1)
-        seq_ids = list(seq_ids)
+        seq_ids, tokens = self._step_args(seq_ids, tokens)
         self._check_room(seq_ids, [1] * len(seq_ids))
-        return self._forward(seq_ids, [[int(t)] for t in tokens], all_logits=False, greedy=True)
+        return self._forward(seq_ids, [[t] for t in tokens], all_logits=False, greedy=True)
 
     def launch_greedy(
         self,
@@ -641,9 +656,9 @@ class Engine:
         (streaming the text, checking stop conditions) delays the device. The caller's next
         ``launch_greedy`` with exactly those tokens returns the running step; anything else
         (other tokens or sequences, any call that touches the cache) first undoes it."""
-        seq_ids = list(seq_ids)
+        seq_ids, tokens = self._step_args(seq_ids, tokens)
         if follow and not next_step:
-            raise ValueError("follow launches the next step: it needs next_step")
+            raise check.EngineOptionError("follow launches the next step: it needs next_step")
         if self._greedy is None or len(seq_ids) > MAX_DECODE_GROUP:
             tokens_now = self.decode_greedy(seq_ids, tokens)
             return PendingTokens(lambda: tokens_now)
@@ -651,7 +666,7 @@ class Engine:
         if pending is None:
             if self._ahead != seq_ids:  # a step begun ahead was checked for room then
                 self._check_room(seq_ids, [1] * len(seq_ids))
-            ids = self._checked_ids([int(t) for t in tokens])
+            ids = np.array(tokens, dtype=np.int32)
             pending = self._greedy_step(seq_ids, ids, ahead=next_step)
         if follow:
             pending._follow(functools.partial(self._launch_followed, seq_ids))
@@ -688,7 +703,13 @@ class Engine:
 
     def encode_prompt(self, prompt: str | Sequence[int]) -> list[int]:
         """Token ids of a prompt: text is tokenized (BOS first when the model wants it)."""
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+        else:
+            try:
+                ids = check.token_ids(prompt, self.config.vocab_size, "a prompt of token ids")
+            except check.TokenIdError as err:
+                raise PromptError(str(err)) from err
         if not ids:
             raise PromptError("the prompt is empty; give at least one token of text")
         return ids
