@@ -4,9 +4,9 @@ TVM's ``tir_kv_cache_transpose_append_mla`` (the cache's ``f_transpose_append_ml
 new tokens' latent rows ``[n, L + R]`` into their page slots) is a scheduled TIR kernel; in a
 ``--pdl`` build ``passes/grid_dependency_control.py`` starts it with the PDL wait and it releases
 the next kernel at its exit. In a decode step that next kernel is the attention's split kernel,
-so the split block's own preamble (page tables, the page ids of its split, and with
-``mla_attention_cuda(l2_prefetch=True)`` its pages asked of L2) starts only once the append has
-finished, and the append only once the MLA prologue has.
+so the split block's own preamble (page tables, the page ids of its split, its pages asked of
+L2 and its old pages copied) would start only once the append has finished, and the append only
+once the MLA prologue has.
 
 :func:`mla_append_cuda` has the same ABI, one block of ``(L + R) / 8`` threads a token, a
 16-byte copy per thread (rows of ``position_map == -1`` are skipped, as in TVM's kernel), and

@@ -2,8 +2,9 @@
 
 TVM 0.27 has no MLA decode kernel: ``cross_attention`` runs its paged *prefill* kernel
 ``batch_prefill_paged_kv_mla`` with one query row, i.e. one thread block per sequence, which
-takes 4.96 ms per layer at 4K context on an H200 (docs/benchmarks.md). This kernel has the same
-ABI (the ``TIRPagedPrefillFunc::MLA`` slot of ``vm.builtin.paged_attention_kv_cache_create``)::
+takes milliseconds per layer at a 4K context (schedules/results/mla_attention.md). This kernel
+has the same ABI (the ``TIRPagedPrefillFunc::MLA`` slot of
+``vm.builtin.paged_attention_kv_cache_create``)::
 
     f(q[total, H, L+R], qo_indptr[b+1] int32, pages[num_pages, 16, L+R], page_indptr[b+1] int32,
       page_indices[nnz] int32, length_info[b] int32 (last page length),
@@ -12,78 +13,70 @@ ABI (the ``TIRPagedPrefillFunc::MLA`` slot of ``vm.builtin.paged_attention_kv_ca
 with the conventions of :mod:`dsv2_mlc.schedules.mla_cpu` (``lse`` in base 2, rows that see no
 key get ``out = 0`` and ``lse = -inf``, ``causal=1`` lets query ``r`` of a ``q_len``-row chunk see
 the KV positions ``< kv_len - q_len + r + 1``). ``L`` is ``kv_lora_rank`` (512), ``R`` the rope
-width (64); the page size is 16 (as TVM's CUDA kernels and the C++ cache use).
+width (64); the page size is 16 (as TVM's CUDA kernels and the C++ cache use). The tile sizes
+come from :data:`~.tiles.TABLE` (``"mla_attention"``, :class:`~.tiles.MLAAttentionTiles`).
 
 Design (one PrimFunc, two kernels):
 
 1. **Split kernel**, grid ``(total * smax, H / HG)``, 256 threads. A block owns one query row,
    a group of ``HG = min(H, 16)`` heads and a contiguous range of the row's pages (split ``s`` of
    ``nsplit``). All heads of a row attend to the *same* latent rows, so the block loads each page
-   (16 tokens x 576 fp16 = 18 KB, 16-byte vector loads) into shared memory **once** and uses it
-   for all 16 heads; Q (16 x 576 fp16) stays in shared memory for the whole block. Per page:
-   scores ``S[16 heads, 16 tokens]`` (each thread a 2x2 head/token register tile over a quarter of
-   the 576 dims, partial sums reduced through shared memory), an online-softmax update (fp32, base
-   2), then ``O[16, 512] += P @ V`` with ``V = page[:, :512]`` (each thread 4 heads x 8 columns,
-   32 fp32 accumulators in registers). Shared-memory rows are padded to ``L+R+8`` halves so the
-   column reads of 8 rows hit 8 different bank groups and the rows stay 16-byte aligned.
-2. **Merge kernel**, grid ``total * H``: combines the ``nsplit`` partial states ``(o_s, lse_s)``
-   of a row/head from a float32 workspace (``TVMBackendAllocWorkspace``, pooled by the runtime):
-   ``lse = m + log2(sum 2^(lse_s - m))``, ``o = sum 2^(lse_s - lse) o_s``. With ``nsplit == 1``
-   the split kernel writes ``out``/``lse`` itself and the merge kernel returns at once.
+   (16 tokens x 576 fp16 = 18 KB) into shared memory **once** and uses it for all its heads.
+   Two block codes:
 
-**Tensor-core path (fp16, 16 heads per block; with ``stages=1``):** Q stays in registers as
-``mma.sync.m16n8k16`` A fragments (each of the 8 warps holds its k-steps ``w, w + 8, ...`` of the
-36), scores come from 16x8x16 MMAs against the shared page (partial sums of the 8 warps through
-shared memory), the online softmax runs on all 256 threads (one head per 16 lanes, warp-shuffle
-max/sum), P goes to shared as fp16 and ``O += P @ V`` is 8 MMAs per warp (64 columns each) with
-the accumulators in registers (CUDA helpers passed as source through ``T.cuda.func_call``).
+   * **Pipelined tensor-core block** (float16, 16 heads a block, ``(L + R) % 16 == 0``,
+     ``L % 64 == 0``: DeepSeek-V2's shapes): one CUDA device function
+     (:func:`~.mla_cuda_helpers.pipe_source`; the PrimFunc keeps the page-table preamble). It
+     walks its pages with a ring of ``stages`` shared page buffers: the first ``stages - 1``
+     pages go out as ``cp.async`` 16-byte copies (one commit group each, rows past the visible
+     length zero-filled), then the Q fragments (``mma.sync.m16n8k16`` A operands, in registers
+     for the whole block) are loaded while they fly; per page: ``cp.async.wait_group(stages -
+     2)`` + barrier, issue page ``i + stages - 1`` into the buffer page ``i - 1`` used, QK^T
+     with K fragments by ``ldmatrix.x4``, the online softmax (fp32, base 2, one head per 16
+     lanes, warp-shuffle max/sum), PV with V fragments by ``ldmatrix.x4.trans`` (3 barriers a
+     page). Shared memory: ``stages * 18.7 KB`` + 9 KB (past 48 KB ``shared.dyn``, which TVM's
+     launcher opts in). With ``min_pages_per_split >= stages - 1`` every page of a split is in
+     flight at once.
+   * **SIMT block** (other dtypes and head counts): Q (HG x 576) stays in shared memory; per
+     page: scores ``S[HG heads, 16 tokens]`` (each thread a 2x2 head/token register tile over a
+     share of the 576 dims, partial sums reduced through shared memory), an online-softmax
+     update (fp32, base 2), then ``O[HG, 512] += P @ V`` with ``V = page[:, :512]`` (fp32
+     accumulators in registers). Shared-memory rows are padded to ``L+R+8`` halves so the column
+     reads of 8 rows hit 8 different bank groups and the rows stay 16-byte aligned.
 
-**Pipelined tensor-core path (``stages >= 2``; the default, 3 stages):** the split
-block is one CUDA device function (:func:`~.mla_cuda_helpers.pipe_source`; the PrimFunc keeps the
-page-table preamble). It walks its pages with a ring of ``stages`` shared page buffers: the
-prologue issues the first ``stages - 1`` pages as ``cp.async`` 16-byte copies (one commit group
-each, rows past the visible length zero-filled), then the Q fragments are loaded while they fly;
-per page: ``cp.async.wait_group(stages - 2)`` + barrier, issue page ``i + stages - 1`` into the
-buffer page ``i - 1`` used (its id read one page ahead), QK^T with K fragments by ``ldmatrix.x4``,
-the same online softmax, PV with V fragments by ``ldmatrix.x4.trans`` (3 barriers a page, the
-TIR path has 4). Shared memory: ``stages * 18.7 KB`` + 9 KB (2 stages: 46.5 KB static; more:
-``shared.dyn``, which TVM's launcher opts in past 48 KB). With ``min_pages_per_split >=
-stages - 1`` every page of a split is in flight at once. On the H200 (CUPTI, batch 1, V2-Lite;
-schedules/results/mla_attention.md, third round) 3 stages with >= 2 pages per split take 7.4 /
-9.6 / 21.3 us per layer at context 512 / 4K / 32K, against 9.7 / 17.3 / 37.4 for ``stages=1``
-with 1 page per split (the previous default).
+2. **Merge kernel**, grid ``total * H * (L / merge_cols)``, 256 threads: combines the ``nsplit``
+   partial states ``(o_s, lse_s)`` of a row/head from a float32 workspace
+   (``TVMBackendAllocWorkspace``, pooled by the runtime): ``lse = m + log2(sum 2^(lse_s - m))``,
+   ``o = sum 2^(lse_s - lse) o_s``. The split lse go to shared memory, every warp reduces their
+   max/sum by shuffles, 16 split lanes x 16 column lanes read the partial outputs (float4, 4
+   splits in flight per thread), a shared-memory sum finishes. With ``nsplit == 1`` the split
+   kernel writes ``out``/``lse`` itself and the merge kernel returns at once.
 
-**Before the PDL wait (``release``, ``l2_prefetch``, ``early_pages``; all on):** a split block
-reads its page tables (the runtime writes them, no kernel), copies the pages of its split whose
-tokens are all older than the row's new tokens into its ring, asks L2 for the split's other
-pages, then waits and releases. This relies on what the cache does in a step: it appends each
-sequence's ``q_len`` new tokens (rows ``kv_len - q_len`` on), then calls this kernel. So the
-append that precedes this kernel writes only those rows. A sequence forked mid-page gets a
-copy of the partial page (the cache's ``f_copy_single_page``), so the pages it shares are full,
-and no append writes them.
+**Before the PDL wait** (the split kernel calls the wait itself, after its page-table preamble,
+and releases its dependents right after it, as the hand decode kernels do): a split block reads
+its page tables (the runtime writes them, no kernel). The pipelined block then copies the pages
+of its split whose tokens are all older than the row's new tokens into its ring and asks L2 for
+the split's other pages (``cp.async.bulk.prefetch``), then waits. This relies on what the cache
+does in a step: it appends each sequence's ``q_len`` new tokens (rows ``kv_len - q_len`` on),
+then calls this kernel, so the append that precedes this kernel writes only those rows. A
+sequence forked mid-page gets a copy of the partial page (the cache's ``f_copy_single_page``),
+so the pages it shares are full, and no append writes them. Behind
+:mod:`~.mla_append_cuda`'s append, which releases first, this preamble overlaps the MLA
+prologue.
 
-**Merge (default "parallel"):** grid ``total * H * (L / 64)``, 256 threads: the split lse go to
-shared memory, every warp reduces their max/sum by shuffles, 16 split lanes x 16 column lanes
-read the partial outputs (float4, 4 splits in flight per thread), a shared-memory sum finishes.
-With ``merge_prefetch`` the lse of all ``smax`` slots are loaded together with ``ws_n`` (two
-dependent global round trips instead of three; the slots past ``ws_n`` are ignored).
-
-The grid provides ``smax = clamp(ceil(target_blocks / total), 1, max_split)`` splits per row
-(defaults 528 and 256); a row uses ``pps = ceil(visible_pages / clamp(ceil(visible_pages /
-m), 1, smax))`` pages per split, with ``m = min_pages_per_split`` (default 2) up to
-``long_pages`` visible pages (default 128, 2K tokens) and ``long_min_pages`` past them (default
-4), and ``nsplit = ceil(visible_pages / pps)`` splits, read from its page table on the device
-(``ws_n`` tells the merge), and the blocks past it do nothing. So the launch configuration
-depends on the number of rows only, not on the context length: a captured CUDA graph of a
-decode step stays valid while the sequence grows (:mod:`dsv2_mlc.runtime.cuda_graph`).
-Multi-row queries (chunked prefill / extend) run one block per row, each reading the row's whole
-prefix (from L2 after the first): correct, but a prefill-style kernel that tiles rows would read
-less (see schedules/results/mla_attention.md).
+The grid provides ``smax = clamp(ceil(target_blocks / total), 1, max_split)`` splits per row; a
+row uses ``pps`` pages per split (:func:`split_pages`) and ``nsplit = ceil(visible_pages /
+pps)`` splits, read from its page table on the device (``ws_n`` tells the merge), and the blocks
+past it do nothing. So the launch configuration depends on the number of rows only, not on the
+context length: a captured CUDA graph of a decode step stays valid while the sequence grows
+(:mod:`dsv2_mlc.runtime.cuda_graph`). Multi-row queries (chunked prefill / extend) run one block
+per row, each reading the row's whole prefix (from L2 after the first): correct, but a
+prefill-style kernel that tiles rows would read less.
 
 Bytes and FLOPs, V2-Lite (H=16, L=512, R=64), batch 1, 4K context, one layer: the pages are
 ``4096 * 576 * 2 B = 4.7 MB`` (at 3-4 TB/s about 1.5 us), the workspace ``64 * 16 * 512 * 4 B =
-2 MB`` written and read once (L2), FLOPs ``2 * 16 * 4096 * (576 + 512) = 143 MFLOP`` (fp32 SIMT
-on 132 SMs: a few us). The target is tens of microseconds per layer instead of 4.96 ms.
+2 MB`` written and read once (L2), FLOPs ``2 * 16 * 4096 * (576 + 512) = 143 MFLOP``: the kernel
+is bound by its launch, the page reads and the split/merge round trip, not by arithmetic.
 """
 
 import math
@@ -92,20 +85,27 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from .cuda_call import (
-    GRID_WAIT,
     L2_PREFETCH,
     WAIT_THEN_RELEASE,
     grid_wait_source,
     l2_prefetch_source,
 )
-from .mla_cuda_helpers import PARTIAL_TYPES, mma_source, pipe_shared_halves, pipe_source
+from .mla_cuda_helpers import pipe_shared_halves, pipe_source
 from .mla_paging import find_sequence, kv_length, visible_length
+from .tiles import MLAAttentionTiles, tuned
 
-__all__ = ["MLA_CUDA_PAGE_SIZE", "mla_attention_cuda", "mla_attention_cuda_supports", "split_pages"]
+__all__ = [
+    "MLA_CUDA_PAGE_SIZE",
+    "build_mla_attention",
+    "mla_attention_cuda",
+    "mla_attention_cuda_supports",
+    "split_pages",
+]
 
 MLA_CUDA_PAGE_SIZE = 16
 _LOG2E = math.log2(math.e)
-_MERGE_THREADS = 256
+_HEADS_PER_BLOCK = 16  # at most; the pipelined block's only shape
+_THREADS = 256  # of a split block (8 warps) and of a merge block
 _LOAD_BYTES = 16  # one vector load per thread and step
 _ELEM_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 _MAX_SHARED_BYTES = 49152  # static shared memory of one block (no opt-in)
@@ -116,9 +116,9 @@ _MERGE_UNROLL = 4  # splits a merge thread has in flight
 def split_pages(vis_pages, smax, min_pages: int, long_min_pages: int, long_pages: int):
     """Pages a split of a row of ``vis_pages`` visible pages takes (``PrimExpr``s or ints; an
     ``IntImm`` for constants): at least ``min_pages`` (``long_min_pages`` past ``long_pages``
-    pages), and at most ``smax`` splits. On the H200 (V2-Lite, batch 1; schedules/results/
-    mla_attention.md, seventh round) 2 pages a split were fastest at 512 tokens (32 pages) and 4 at
-    4K (256 pages): a split's fixed cost against the merge's, which grows with the splits."""
+    pages), and at most ``smax`` splits. Longer rows take longer splits because a split's fixed
+    cost competes with the merge's, which grows with the splits
+    (schedules/results/mla_attention.md)."""
     least = T.if_then_else(vis_pages > long_pages, long_min_pages, min_pages)
     want = T.max(T.min(T.floordiv(vis_pages + least - 1, least), smax), 1)
     return T.max(T.floordiv(vis_pages + want - 1, want), 1)
@@ -136,98 +136,52 @@ def mla_attention_cuda_supports(
 
 
 def mla_attention_cuda(
-    num_heads: int,
-    latent_dim: int,
-    rope_dim: int,
-    dtype: str = "float16",
-    *,
-    heads_per_block: int = 16,
-    threads: int = 256,
-    min_pages_per_split: int = 2,
-    long_min_pages: int = 4,
-    long_pages: int = 128,
-    max_split: int = 256,
-    target_blocks: int = 528,
-    mma: bool = True,
-    merge: str = "parallel",
-    merge_cols: int = 64,
-    stages: int = 3,
-    merge_prefetch: bool = False,
-    l2_prefetch: bool = True,
-    partials: str = "float32",
-    release: bool = True,
-    merge_release: bool = False,
-    early_pages: bool = True,
+    num_heads: int, latent_dim: int, rope_dim: int, dtype: str = "float16"
 ) -> tirx.PrimFunc:
-    """The split-KV MLA attention PrimFunc (module docstring) for ``num_heads`` query heads.
+    """The split-KV MLA attention PrimFunc (module docstring) for ``num_heads`` query heads of
+    ``latent_dim + rope_dim`` values, with the tiles of :data:`~.tiles.TABLE`. Raises
+    ``ValueError`` for shapes it does not handle (the cache then keeps TVM's kernel)."""
+    tiles = tuned("mla_attention", shape=(num_heads, latent_dim, rope_dim, dtype))
+    return build_mla_attention(num_heads, latent_dim, rope_dim, dtype, tiles)
 
-    The keyword arguments select a variant (``schedules/lab/kernel_lab_mla.py`` measures them; the
-    defaults are the model's kernel): ``heads_per_block`` (HG, at most 16), ``threads`` of the
-    split kernel (SIMT path), ``min_pages_per_split`` and ``max_split`` (pages of a split, splits
-    of a row; a row of more than ``long_pages`` visible pages takes at least ``long_min_pages``
-    pages a split: :func:`split_pages`), ``target_blocks`` (split blocks the grid aims at:
-    ``smax = clamp(ceil(target_blocks / rows), 1, max_split)``), ``mma`` (tensor-core scores
-    and PV: used when ``dtype`` is float16, HG is 16, the threads are 256, ``(L + R) % 16 == 0`` and
-    ``L % 64 == 0``; else the SIMT path), ``merge`` (``"parallel"``: splits and column chunks of
-    ``merge_cols`` over the threads and blocks; ``"serial"``: one block per row/head looping over
-    the splits), ``stages`` (tensor-core path only: 1 = the TIR page loop, one page loaded then
-    computed; ``>= 2`` = the pipelined split block of :func:`~.mla_cuda_helpers.pipe_source`,
-    ``cp.async`` ``stages - 1`` pages ahead into a ring of ``stages`` shared page buffers,
-    dynamic shared memory past 48 KB), ``merge_prefetch`` (parallel merge: read the split lse
-    of all ``smax`` slots without waiting for ``ws_n``, one dependent global round trip less),
-    ``l2_prefetch`` (pipelined path: before its PDL wait each split block asks L2 for its pages,
-    :func:`_prefetch_wait_source`; behind TVM's KV append, which releases at its exit, it changed
-    nothing in the model, schedules/results/mla_attention.md, fourth round; behind
-    :mod:`~.mla_append_cuda`'s append, which releases first, the preamble and the prefetches
-    overlap the MLA prologue: sixth round),
-    ``partials`` (the workspace's partial outputs, ``"float32"`` or ``"float16"``: half the
-    bytes the split writes and the merge reads; float16 needs the pipelined path and the
-    parallel merge; the split lse stay float32), ``release`` (the split kernel calls the PDL
-    wait itself, after its page-table preamble, which reads only what the runtime writes, and
-    releases its dependents right after it, as the hand decode kernels do; off:
-    ``passes/grid_dependency_control.py`` puts the wait first and it releases at its exit),
-    ``merge_release`` (the same for the merge kernel, its wait first thing), ``early_pages``
-    (pipelined path with ``release`` only, ignored otherwise: a split block copies the pages
-    among its first ``stages - 1`` whose tokens are all older than the row's new tokens, which
-    no kernel of the step writes, into shared memory before its PDL wait, the others after it;
-    the L2 prefetch then covers only the pages after those). The defaults
-    (``release`` and ``l2_prefetch`` on, ``merge_release`` off) took a V2-Lite decode graph's
-    replay on the H200 from 1,283-1,290 to 1,253-1,257 us (sixth round); ``early_pages`` (on)
-    from 1,222 to 1,213-1,214 us at context ~4,000 (eighth round).
-    """
+
+def build_mla_attention(
+    num_heads: int, latent_dim: int, rope_dim: int, dtype: str, tiles: MLAAttentionTiles
+) -> tirx.PrimFunc:
+    """:func:`mla_attention_cuda` with the tiles given (the lab sweeps them)."""
     if dtype not in _ELEM_BYTES:
         raise ValueError(f"mla_attention_cuda supports {sorted(_ELEM_BYTES)}, got {dtype}")
-    if merge not in ("parallel", "serial"):
-        raise ValueError(f"merge must be 'parallel' or 'serial', got {merge!r}")
-    if min(min_pages_per_split, long_min_pages, max_split, target_blocks) < 1 or long_pages < 0:
+    stages = tiles.stages
+    min_pps, long_min_pages, long_pages = (
+        tiles.min_pages_per_split,
+        tiles.long_min_pages,
+        tiles.long_pages,
+    )
+    max_split, target_blocks = tiles.max_split, tiles.target_blocks
+    if min(min_pps, long_min_pages, max_split, target_blocks) < 1 or long_pages < 0:
         raise ValueError(
             "min_pages_per_split, long_min_pages, max_split and target_blocks must be >= 1, "
             "long_pages >= 0"
         )
-    if stages < 1:
-        raise ValueError(f"stages must be >= 1, got {stages}")
+    if stages < 2:
+        raise ValueError(f"stages must be >= 2, got {stages}")
     _VEC = _LOAD_BYTES // _ELEM_BYTES[dtype]  # lanes of one 16-byte load
     H = num_heads
     DL = latent_dim
     D = latent_dim + rope_dim
     P = MLA_CUDA_PAGE_SIZE
-    HG = min(H, heads_per_block)  # heads per block
+    HG = min(H, _HEADS_PER_BLOCK)  # heads per block
     if H % HG or HG not in (2, 4, 8, 16):
         raise ValueError(
-            f"mla_attention_cuda needs 2, 4, 8 or 16 heads or a multiple of 16, got {H} "
-            f"(heads per block {heads_per_block})"
+            f"mla_attention_cuda needs 2, 4, 8 or 16 heads or a multiple of 16, got {H}"
         )
     if D % _VEC:
         raise ValueError(f"mla_attention_cuda needs (latent + rope) % {_VEC} == 0, got {D}")
-    NT = threads
-    if NT not in (128, 256, 512, 1024):
-        raise ValueError(f"threads must be 128, 256, 512 or 1024, got {threads}")
-    use_mma = bool(mma) and dtype == "float16" and HG == 16 and NT == 256
-    use_mma = use_mma and D % 16 == 0 and DL % 64 == 0
+    NT = _THREADS
+    # the pipelined tensor-core block: 16 heads of fp16, whole k-steps and 64-column n-tiles
+    pipe = dtype == "float16" and HG == 16 and D % 16 == 0 and DL % 64 == 0
     HGH = HG // 2
-    TT = HGH * 8  # score tile threads: (head pair, token pair) per thread
-    if NT % TT:
-        raise ValueError(f"threads {NT} not a multiple of {TT} (heads per block {HG})")
+    TT = HGH * 8  # SIMT score tile threads: (head pair, token pair) per thread
     DS = NT // TT  # the head dim is split over DS thread groups
     DCH = (D + DS - 1) // DS
     D_EXACT = DCH * DS == D
@@ -240,40 +194,15 @@ def mla_attention_cuda(
     DV = D // _VEC
     LOAD_ITERS = (P * DV + NT - 1) // NT
     Q_ITERS = (HG * DV + NT - 1) // NT
-    # tensor-core path: 8 warps; k-steps of QK^T and n-tiles of PV per warp
-    KS = D // 16
-    KSW = (KS + 7) // 8
-    NTW = max(DL // 64, 1)
-    PS = 24  # p_s row stride (halves): conflict-free A-fragment loads
     tag = f"{H}_{DL}_{D}"
-    use_pipe = use_mma and stages >= 2
-    if partials not in PARTIAL_TYPES:
-        raise ValueError(f"partials must be one of {PARTIAL_TYPES}, got {partials!r}")
-    half_ws = partials == "float16"
-    if half_ws and not (use_pipe and merge == "parallel"):
-        raise ValueError("float16 partials need the pipelined split block and the parallel merge")
-    mma_src = mma_source(tag, KS, KSW, NTW, SROW, PS) if use_mma and not use_pipe else ""
-    # only the pipelined block copies pages before a wait it calls itself (release)
-    early_pages = early_pages and use_pipe and release
-    EARLY = int(early_pages)  # the prefetch skips the pages copied before the wait
-    ptag = f"{tag}_s{stages}" + ("_p16" if half_ws else "") + ("_e" if early_pages else "")
-    pipe_src = (
-        pipe_source(ptag, D, DL, stages, partials=partials, early=early_pages) if use_pipe else ""
-    )
-    use_l2 = use_pipe and l2_prefetch
-    pf_name, pf_src = (
-        _prefetch_wait_source(tag, P * D * _ELEM_BYTES[dtype], NT, release, wait=not early_pages)
-        if use_l2
-        else ("", "")
-    )
-    wr_src = _wait_release_source() if release or merge_release else ""
-    SMEM_N = pipe_shared_halves(D, stages) if use_pipe else 1  # pipelined path: one buffer
+    ptag = f"{tag}_s{stages}_e"
+    pipe_src = pipe_source(ptag, D, DL, stages) if pipe else ""
+    pf_name, pf_src = _prefetch_source(tag, P * D * _ELEM_BYTES[dtype], NT) if pipe else ("", "")
+    wr_src = _wait_release_source()
+    SMEM_N = pipe_shared_halves(D, stages) if pipe else 1  # pipelined path: one buffer
     SMEM_SCOPE = "shared.dyn" if SMEM_N * 2 > _MAX_SHARED_BYTES else "shared"
-    if use_pipe:
+    if pipe:
         smem, smem_max = SMEM_N * 2, _MAX_DYN_SHARED_BYTES
-    elif use_mma:
-        smem = P * SROW * 2 + 8 * HG * P * 4 + HG * PS * 2 + 3 * HG * 4
-        smem_max = _MAX_SHARED_BYTES
     else:
         smem = (HG + P) * SROW * _ELEM_BYTES[dtype] + (DS + 2) * HG * P * 4 + 3 * HG * 4
         smem_max = _MAX_SHARED_BYTES
@@ -283,10 +212,9 @@ def mla_attention_cuda(
             f"more than {smem_max}"
         )
     # merge kernel
-    MT = _MERGE_THREADS
-    MCPT = (DL + MT - 1) // MT  # serial merge: columns per thread
-    MV = 4 if DL % 4 == 0 else 1  # parallel merge: float4 workspace reads
-    MCOLS = min(merge_cols, DL)
+    MT = _THREADS
+    MV = 4 if DL % 4 == 0 else 1  # float4 workspace reads
+    MCOLS = min(tiles.merge_cols, DL)
     if MCOLS % MV or DL % MCOLS or MCOLS // MV > 32:
         MCOLS = DL if DL // MV <= 32 else 32 * MV
         if DL % MCOLS:
@@ -299,15 +227,13 @@ def mla_attention_cuda(
     log2e = _LOG2E
     n_hg = H // HG
     neg_inf = -math.inf
-    min_pps = min_pages_per_split
-    n_merge_blocks = NCH if merge == "parallel" else 1
-    Q_SH = 1 if use_mma else HG * SROW
-    KV_N = 1 if use_pipe else P * SROW
-    SP_N = 1 if use_pipe else (8 if use_mma else DS)
-    SIMT_HP = 1 if use_mma else HG * P
-    PH_N = HG * PS if use_mma and not use_pipe else 1
-    LSE_SH = SMX if merge == "parallel" else 1
-    RED_N = SL * MCOLS if merge == "parallel" else 1
+    n_merge_blocks = NCH
+    Q_SH = 1 if pipe else HG * SROW
+    KV_N = 1 if pipe else P * SROW
+    SP_N = 1 if pipe else DS
+    SIMT_HP = 1 if pipe else HG * P
+    LSE_SH = SMX
+    RED_N = SL * MCOLS
 
     def max_splits(total_len):
         # Splits per row the grid and workspace provide for: depends on the row count only, so
@@ -367,7 +293,7 @@ def mla_attention_cuda(
                     max_splits(total_len) > 1, total_len * max_splits(total_len) * H * DL, 1
                 ),
             ),
-            partials,
+            "float32",
             scope="global",
         )
         ws_lse = T.alloc_buffer((total_len * max_splits(total_len) * H,), "float32", scope="global")
@@ -385,7 +311,6 @@ def mla_attention_cuda(
                         smem = T.sblock_alloc_buffer((SMEM_N,), dtype, scope=SMEM_SCOPE)
                         s_s = T.sblock_alloc_buffer((SIMT_HP,), "float32", scope="shared")
                         p_s = T.sblock_alloc_buffer((SIMT_HP,), "float32", scope="shared")
-                        ph_s = T.sblock_alloc_buffer((PH_N,), dtype, scope="shared")
                         m_s = T.sblock_alloc_buffer((HG,), "float32", scope="shared")
                         d_s = T.sblock_alloc_buffer((HG,), "float32", scope="shared")
                         r_s = T.sblock_alloc_buffer((HG,), "float32", scope="shared")
@@ -396,10 +321,6 @@ def mla_attention_cuda(
                         tmax = T.sblock_alloc_buffer((1,), "float32", scope="local")
                         pl = T.sblock_alloc_buffer((P,), "float32", scope="local")
                         psum = T.sblock_alloc_buffer((1,), "float32", scope="local")
-                        qf = T.sblock_alloc_buffer((KSW * 4,), "uint32", scope="local")
-                        macc = T.sblock_alloc_buffer((NTW * 4,), "float32", scope="local")
-                        m_run = T.sblock_alloc_buffer((1,), "float32", scope="local")
-                        d_run = T.sblock_alloc_buffer((1,), "float32", scope="local")
 
                         smax: T.let[T.int32] = max_splits(total_len)
                         row: T.let[T.int32] = bx // smax
@@ -419,35 +340,35 @@ def mla_attention_cuda(
                         pg_lo: T.let[T.int32] = T.min(split * pps, vis_pages)
                         pg_hi: T.let[T.int32] = T.min(pg_lo + pps, vis_pages)
                         h0: T.let[T.int32] = by * HG
-                        # early_pages: the split's leading pages older than the row's new
-                        # tokens (those the KV append of this step writes), and how many of
-                        # them the pipelined block copies before its wait
+                        # the split's leading pages older than the row's new tokens (those
+                        # the KV append of this step writes), and how many of them the
+                        # pipelined block copies before its wait
                         n_early: T.let[T.int32] = T.max(
                             T.min(T.floordiv(kv_len - q_len, P) - pg_lo, pg_hi - pg_lo), 0
                         )
                         n_pre: T.let[T.int32] = T.if_then_else(
                             split < nsplit, T.min(n_early, stages - 1), 0
                         )
-                        if use_l2:
-                            # this split's pages -> L2 (those it copies early excepted), then
-                            # the PDL wait unless the pipelined block waits itself (page tables
-                            # only before it: the runtime, not a kernel, writes them)
+                        if pipe:
+                            # this split's pages -> L2 (those it copies before its wait
+                            # excepted; the pipelined block waits itself); an idle block
+                            # waits as the others do
                             T.cuda.func_call(
                                 pf_name,
                                 T.address_of(pages[0, 0, 0]),
                                 T.address_of(page_values[page_begin]),
-                                pg_lo + n_pre * EARLY,
-                                pg_hi - pg_lo - n_pre * EARLY,
+                                pg_lo + n_pre,
+                                pg_hi - pg_lo - n_pre,
                                 tx,
                                 source_code=pf_src,
                             )
-                        elif release and not early_pages:
-                            T.cuda.func_call(_WAIT_RELEASE, source_code=wr_src)
-                        if early_pages:
-                            if split >= nsplit:  # idle: wait as the others do
+                            if split >= nsplit:
                                 T.cuda.func_call(_WAIT_RELEASE, source_code=wr_src)
+                        else:
+                            # page tables only before the wait: the runtime writes them
+                            T.cuda.func_call(_WAIT_RELEASE, source_code=wr_src)
 
-                        if use_pipe:
+                        if pipe:
                             # The whole split block in CUDA (mla_cuda_helpers.pipe_source).
                             if split < nsplit:
                                 T.cuda.func_call(
@@ -471,126 +392,6 @@ def mla_attention_cuda(
                                     n_early,
                                     source_code=pipe_src,
                                 )
-                        elif use_mma:
-                            # Q fragments of this warp's k-steps -> registers (global).
-                            for i in T.unroll(KSW * 4):  # (full extent: no buffer compaction)
-                                qf[i] = T.uint32(0)
-                            if split < nsplit:
-                                T.cuda.func_call(
-                                    f"mla_load_q_{tag}",
-                                    T.address_of(qf[0]),
-                                    T.address_of(q[row, h0, 0]),
-                                    D,
-                                    tx // 32,
-                                    tx % 32,
-                                    source_code=mma_src,
-                                )
-                            m_run[0] = T.float32(neg_inf)
-                            d_run[0] = T.float32(0)
-                            for i in T.unroll(NTW * 4):
-                                macc[i] = T.float32(0)
-                            for upg in T.serial(pg_hi - pg_lo):
-                                upage: T.let[T.int32] = page_values[page_begin + pg_lo + upg]
-                                utok0: T.let[T.int32] = (pg_lo + upg) * P
-                                for it in T.serial(LOAD_ITERS):
-                                    if it * NT + tx < P * DV:
-                                        ukt: T.let[T.int32] = (it * NT + tx) // DV
-                                        ukv: T.let[T.int32] = (it * NT + tx) % DV
-                                        if utok0 + ukt < n_vis:
-                                            for k in T.vectorized(_VEC):
-                                                kv_s[ukt * SROW + ukv * _VEC + k] = pages[
-                                                    upage, ukt, ukv * _VEC + k
-                                                ]
-                                        else:
-                                            for k in T.serial(_VEC):
-                                                kv_s[ukt * SROW + ukv * _VEC + k] = T.cast(0, dtype)
-                                T.tvm_storage_sync("shared")
-                                # Partial scores of this warp's k-steps (tensor cores).
-                                T.cuda.func_call(
-                                    f"mla_qk_{tag}",
-                                    T.address_of(s_part[0, 0, 0]),
-                                    T.address_of(qf[0]),
-                                    T.address_of(kv_s[0]),
-                                    tx // 32,
-                                    tx % 32,
-                                    source_code=mma_src,
-                                )
-                                T.tvm_storage_sync("shared")
-                                # Online softmax: thread (head tx/16, token tx%16); the
-                                # running max/sum live in the 16 lanes of a head.
-                                ush: T.let[T.int32] = tx // P
-                                ust: T.let[T.int32] = tx % P
-                                psum[0] = T.float32(0)
-                                for k in T.unroll(8):
-                                    psum[0] = psum[0] + s_part[k, ush, ust]
-                                usv: T.let[T.float32] = T.if_then_else(
-                                    utok0 + ust < n_vis,
-                                    psum[0] * sm_scale * log2e,
-                                    T.float32(neg_inf),
-                                )
-                                umax: T.let[T.float32] = T.max(
-                                    m_run[0], T.cuda.warp_reduce(usv, "max", P)
-                                )
-                                upv: T.let[T.float32] = T.if_then_else(
-                                    umax == T.float32(neg_inf),
-                                    T.float32(0),
-                                    T.exp2(usv - umax),
-                                )
-                                urs: T.let[T.float32] = T.if_then_else(
-                                    m_run[0] == T.float32(neg_inf),
-                                    T.float32(0),
-                                    T.exp2(m_run[0] - umax),
-                                )
-                                d_run[0] = d_run[0] * urs + T.cuda.warp_reduce(upv, "sum", P)
-                                m_run[0] = umax
-                                ph_s[ush * PS + ust] = T.cast(upv, dtype)
-                                if ust == 0:
-                                    r_s[ush] = urs
-                                T.tvm_storage_sync("shared")
-                                # O = O * rescale + P @ V (tensor cores).
-                                T.cuda.func_call(
-                                    f"mla_pv_{tag}",
-                                    T.address_of(macc[0]),
-                                    T.address_of(ph_s[0]),
-                                    T.address_of(kv_s[0]),
-                                    T.address_of(r_s[0]),
-                                    tx // 32,
-                                    tx % 32,
-                                    source_code=mma_src,
-                                )
-                                T.tvm_storage_sync("shared")
-                            if tx % P == 0:
-                                m_s[tx // P] = m_run[0]
-                                d_s[tx // P] = d_run[0]
-                            T.tvm_storage_sync("shared")
-                            # Epilogue (mma C layout): final state or a partial one.
-                            uw: T.let[T.int32] = tx // 32
-                            ug: T.let[T.int32] = (tx % 32) // 4
-                            ut: T.let[T.int32] = tx % 4
-                            for j in T.unroll(NTW):
-                                for e in T.unroll(4):
-                                    uhl: T.let[T.int32] = ug + 8 * (e // 2)
-                                    ucol: T.let[T.int32] = uw * (NTW * 8) + j * 8 + ut * 2 + e % 2
-                                    udsum: T.let[T.float32] = d_s[uhl]
-                                    uval: T.let[T.float32] = T.if_then_else(
-                                        udsum > T.float32(0),
-                                        macc[j * 4 + e] / udsum,
-                                        T.float32(0),
-                                    )
-                                    if nsplit == 1 and split == 0:
-                                        output[row, h0 + uhl, ucol] = T.cast(uval, dtype)
-                                    elif split < nsplit:
-                                        ws_o[((bx * H) + h0 + uhl) * DL + ucol] = uval
-                            if tx < HG:
-                                ulse: T.let[T.float32] = T.if_then_else(
-                                    d_s[tx] > T.float32(0),
-                                    m_s[tx] + T.log2(d_s[tx]),
-                                    T.float32(neg_inf),
-                                )
-                                if nsplit == 1 and split == 0:
-                                    lse[row, h0 + tx] = ulse
-                                elif split < nsplit:
-                                    ws_lse[bx * H + h0 + tx] = ulse
                         else:
                             # Q rows of the head group -> shared (16-byte vectors).
                             for it in T.serial(Q_ITERS):
@@ -760,148 +561,91 @@ def mla_attention_cuda(
                     T.writes()
                     mmax = T.sblock_alloc_buffer((1,), "float32", scope="local")
                     wsum = T.sblock_alloc_buffer((1,), "float32", scope="local")
-                    macc = T.sblock_alloc_buffer((MCPT,), "float32", scope="local")
                     vacc = T.sblock_alloc_buffer((MV,), "float32", scope="local")
                     vld = T.sblock_alloc_buffer((MV,), "float32", scope="local")
                     csum = T.sblock_alloc_buffer((1,), "float32", scope="local")
                     lse_sh = T.sblock_alloc_buffer((LSE_SH,), "float32", scope="shared")
                     red = T.sblock_alloc_buffer((RED_N,), "float32", scope="shared")
-                    if merge_release:
-                        T.cuda.func_call(_WAIT_RELEASE, source_code=wr_src)
                     mrow: T.let[T.int32] = mbx // (H * n_merge_blocks)
                     msplit: T.let[T.int32] = ws_n[mrow]
                     mmax_s: T.let[T.int32] = max_splits(total_len)
                     mh: T.let[T.int32] = (mbx // n_merge_blocks) % H
                     mch: T.let[T.int32] = mbx % n_merge_blocks
-                    if merge == "parallel":
-                        # Block (row, head, column chunk); thread (split lane, column lane).
-                        if merge_prefetch:
-                            # All smax slots, not waiting for ws_n (unused ones are ignored).
-                            for i in T.serial((SMX + MT - 1) // MT):
-                                if i * MT + mtx < mmax_s:
-                                    lse_sh[i * MT + mtx] = ws_lse[
-                                        (mrow * mmax_s + i * MT + mtx) * H + mh
-                                    ]
-                            T.tvm_storage_sync("shared")
-                        if msplit > 1:
-                            if not merge_prefetch:
-                                for i in T.serial((SMX + MT - 1) // MT):
-                                    if i * MT + mtx < msplit:
-                                        lse_sh[i * MT + mtx] = ws_lse[
-                                            (mrow * mmax_s + i * MT + mtx) * H + mh
-                                        ]
-                                T.tvm_storage_sync("shared")
-                            mlane: T.let[T.int32] = mtx % 32
-                            mmax[0] = T.float32(neg_inf)
+                    # Block (row, head, column chunk); thread (split lane, column lane).
+                    if msplit > 1:
+                        for i in T.serial((SMX + MT - 1) // MT):
+                            if i * MT + mtx < msplit:
+                                lse_sh[i * MT + mtx] = ws_lse[
+                                    (mrow * mmax_s + i * MT + mtx) * H + mh
+                                ]
+                        T.tvm_storage_sync("shared")
+                        mlane: T.let[T.int32] = mtx % 32
+                        mmax[0] = T.float32(neg_inf)
+                        for i in T.serial((SMX + 31) // 32):
+                            if i * 32 + mlane < msplit:
+                                mmax[0] = T.max(mmax[0], lse_sh[i * 32 + mlane])
+                        gmax: T.let[T.float32] = T.cuda.warp_reduce(mmax[0], "max", 32)
+                        wsum[0] = T.float32(0)
+                        if gmax > T.float32(neg_inf):
                             for i in T.serial((SMX + 31) // 32):
                                 if i * 32 + mlane < msplit:
-                                    mmax[0] = T.max(mmax[0], lse_sh[i * 32 + mlane])
-                            gmax: T.let[T.float32] = T.cuda.warp_reduce(mmax[0], "max", 32)
-                            wsum[0] = T.float32(0)
-                            if gmax > T.float32(neg_inf):
-                                for i in T.serial((SMX + 31) // 32):
-                                    if i * 32 + mlane < msplit:
-                                        wsum[0] = wsum[0] + T.exp2(lse_sh[i * 32 + mlane] - gmax)
-                            gsum: T.let[T.float32] = T.cuda.warp_reduce(wsum[0], "sum", 32)
-                            msl: T.let[T.int32] = mtx // CL
-                            mcl: T.let[T.int32] = mtx % CL
-                            mcol: T.let[T.int32] = mch * MCOLS + mcl * MV
-                            for v in T.unroll(MV):
-                                vacc[v] = T.float32(0)
-                            if gmax > T.float32(neg_inf) and (MC_EXACT or mcol < DL):
-                                for so in T.serial(
-                                    (msplit + SL * _MERGE_UNROLL - 1) // (SL * _MERGE_UNROLL)
-                                ):
-                                    for u in T.unroll(_MERGE_UNROLL):
-                                        ms: T.let[T.int32] = (so * _MERGE_UNROLL + u) * SL + msl
-                                        if ms < msplit:
-                                            mw: T.let[T.float32] = T.exp2(lse_sh[ms] - gmax)
-                                            for v in T.vectorized(MV):
-                                                vld[v] = T.Cast(
-                                                    "float32",
-                                                    ws_o[
-                                                        ((mrow * mmax_s + ms) * H + mh) * DL
-                                                        + mcol
-                                                        + v
-                                                    ],
-                                                )
-                                            for v in T.unroll(MV):
-                                                vacc[v] = vacc[v] + mw * vld[v]
-                            for v in T.unroll(MV):
-                                red[msl * MCOLS + mcl * MV + v] = vacc[v]
-                            T.tvm_storage_sync("shared")
-                            for i in T.serial((MCOLS + MT - 1) // MT):
-                                if i * MT + mtx < MCOLS and (
-                                    MC_EXACT or mch * MCOLS + i * MT + mtx < DL
-                                ):
-                                    csum[0] = T.float32(0)
-                                    for k in T.serial(SL):
-                                        csum[0] = csum[0] + red[k * MCOLS + i * MT + mtx]
-                                    output[mrow, mh, mch * MCOLS + i * MT + mtx] = T.cast(
-                                        T.if_then_else(
-                                            gsum > T.float32(0), csum[0] / gsum, T.float32(0)
-                                        ),
-                                        dtype,
-                                    )
-                            if mch == 0 and mtx == 0:
-                                lse[mrow, mh] = T.if_then_else(
-                                    gsum > T.float32(0),
-                                    gmax + T.log2(gsum),
-                                    T.float32(neg_inf),
+                                    wsum[0] = wsum[0] + T.exp2(lse_sh[i * 32 + mlane] - gmax)
+                        gsum: T.let[T.float32] = T.cuda.warp_reduce(wsum[0], "sum", 32)
+                        msl: T.let[T.int32] = mtx // CL
+                        mcl: T.let[T.int32] = mtx % CL
+                        mcol: T.let[T.int32] = mch * MCOLS + mcl * MV
+                        for v in T.unroll(MV):
+                            vacc[v] = T.float32(0)
+                        if gmax > T.float32(neg_inf) and (MC_EXACT or mcol < DL):
+                            for so in T.serial(
+                                (msplit + SL * _MERGE_UNROLL - 1) // (SL * _MERGE_UNROLL)
+                            ):
+                                for u in T.unroll(_MERGE_UNROLL):
+                                    ms: T.let[T.int32] = (so * _MERGE_UNROLL + u) * SL + msl
+                                    if ms < msplit:
+                                        mw: T.let[T.float32] = T.exp2(lse_sh[ms] - gmax)
+                                        for v in T.vectorized(MV):
+                                            vld[v] = T.Cast(
+                                                "float32",
+                                                ws_o[
+                                                    ((mrow * mmax_s + ms) * H + mh) * DL + mcol + v
+                                                ],
+                                            )
+                                        for v in T.unroll(MV):
+                                            vacc[v] = vacc[v] + mw * vld[v]
+                        for v in T.unroll(MV):
+                            red[msl * MCOLS + mcl * MV + v] = vacc[v]
+                        T.tvm_storage_sync("shared")
+                        for i in T.serial((MCOLS + MT - 1) // MT):
+                            if i * MT + mtx < MCOLS and (
+                                MC_EXACT or mch * MCOLS + i * MT + mtx < DL
+                            ):
+                                csum[0] = T.float32(0)
+                                for k in T.serial(SL):
+                                    csum[0] = csum[0] + red[k * MCOLS + i * MT + mtx]
+                                output[mrow, mh, mch * MCOLS + i * MT + mtx] = T.cast(
+                                    T.if_then_else(
+                                        gsum > T.float32(0), csum[0] / gsum, T.float32(0)
+                                    ),
+                                    dtype,
                                 )
-                    else:
-                        if msplit > 1:
-                            mmax[0] = T.float32(neg_inf)
-                            for s in T.serial(msplit):
-                                mmax[0] = T.max(mmax[0], ws_lse[(mrow * mmax_s + s) * H + mh])
-                            wsum[0] = T.float32(0)
-                            for j in T.unroll(MCPT):
-                                macc[j] = T.float32(0)
-                            if mmax[0] > T.float32(neg_inf):
-                                for s in T.serial(msplit):
-                                    ls: T.let[T.float32] = ws_lse[(mrow * mmax_s + s) * H + mh]
-                                    if ls > T.float32(neg_inf):
-                                        w: T.let[T.float32] = T.exp2(ls - mmax[0])
-                                        wsum[0] = wsum[0] + w
-                                        for j in T.unroll(MCPT):
-                                            if mtx + j * MT < DL:
-                                                macc[j] = (
-                                                    macc[j]
-                                                    + w
-                                                    * ws_o[
-                                                        ((mrow * mmax_s + s) * H + mh) * DL
-                                                        + mtx
-                                                        + j * MT
-                                                    ]
-                                                )
-                            for j in T.unroll(MCPT):
-                                if mtx + j * MT < DL:
-                                    output[mrow, mh, mtx + j * MT] = T.cast(
-                                        T.if_then_else(
-                                            wsum[0] > T.float32(0), macc[j] / wsum[0], T.float32(0)
-                                        ),
-                                        dtype,
-                                    )
-                            if mtx == 0:
-                                lse[mrow, mh] = T.if_then_else(
-                                    wsum[0] > T.float32(0),
-                                    mmax[0] + T.log2(wsum[0]),
-                                    T.float32(neg_inf),
-                                )
+                        if mch == 0 and mtx == 0:
+                            lse[mrow, mh] = T.if_then_else(
+                                gsum > T.float32(0),
+                                gmax + T.log2(gsum),
+                                T.float32(neg_inf),
+                            )
 
     return batch_mla_paged_attention_split_kv
 
 
-def _prefetch_wait_source(
-    tag: str, page_bytes: int, threads: int, release: bool, wait: bool = True
-) -> tuple[str, str]:
-    """(name, CUDA) of ``mla_prefetch_wait[_r]_<tag>(pages, page_ids, first, count, tid)``:
-    the block's threads ask L2 for pages ``page_ids[first:first + count]``
-    (``cp.async.bulk.prefetch``, one page of ``page_bytes`` each), then the PDL wait (``_r``:
-    and the release; ``wait=False``: ``mla_prefetch_<tag>``, no wait). Safe before the wait: a
-    prefetch reads nothing into the block, and the page the previous kernel appends to is read
-    after it."""
-    name = f"mla_prefetch_wait{'_r' if release else ''}_{tag}" if wait else f"mla_prefetch_{tag}"
+def _prefetch_source(tag: str, page_bytes: int, threads: int) -> tuple[str, str]:
+    """(name, CUDA) of ``mla_prefetch_<tag>(pages, page_ids, first, count, tid)``: the block's
+    threads ask L2 for pages ``page_ids[first:first + count]`` (``cp.async.bulk.prefetch``, one
+    page of ``page_bytes`` each). Safe before the PDL wait: a prefetch reads nothing into the
+    block, and the rows the previous kernel appends are read after the wait."""
+    name = f"mla_prefetch_{tag}"
+    # (the blank line before the closing brace keeps the generated source as it was)
     return name, (
         grid_wait_source()
         + l2_prefetch_source()
@@ -913,8 +657,9 @@ __device__ __forceinline__ void {name}(const half* pages, const int* page_ids,
   for (int i = tid; i < count; i += {threads})
     {L2_PREFETCH}(reinterpret_cast<const char*>(pages) + (long long)page_ids[first + i] *
                   {page_bytes}, {page_bytes});
-  {(WAIT_THEN_RELEASE if release else f"{GRID_WAIT}();") if wait else ""}
-}}
+"""
+        + "  \n"
+        + """}
 #endif
 """
     )

@@ -1,113 +1,21 @@
-"""CUDA device code of the tensor-core paths of :mod:`dsv2_mlc.schedules.mla_attention_cuda`.
+"""CUDA device code of the pipelined split block of :mod:`dsv2_mlc.schedules.mla_attention_cuda`.
 
-The split-KV MLA kernel calls these through ``T.cuda.func_call`` (the source travels with every
-call site; an ``#ifndef`` guard keeps one definition). :func:`mma_source`: the helpers of the
-default path (QK^T and PV of one page, ``mma.sync.m16n8k16`` fp16 -> fp32, the TIR code loads the
-page). :func:`pipe_source`: the whole split block of the pipelined path (``stages >= 2``): a
-block walks the pages of its split with ``cp.async`` copies ``stages - 1`` pages ahead into a ring
-of shared page buffers, K/V fragments by ``ldmatrix``, and writes the final or partial state.
+:func:`pipe_source`: the whole split block of the tensor-core path, called through
+``T.cuda.func_call`` (the source travels with every call site; an ``#ifndef`` guard keeps one
+definition). A block walks the pages of its split with ``cp.async`` copies ``stages - 1`` pages
+ahead into a ring of shared page buffers, takes K/V fragments by ``ldmatrix`` for
+``mma.sync.m16n8k16`` (fp16 -> fp32), and writes the final or partial state. It copies the pages
+that no kernel of the step writes before its PDL wait, which it calls itself.
 """
 
 from string import Template
 
 from .cuda_call import WAIT_THEN_RELEASE, grid_wait_source
 
-__all__ = ["PARTIAL_TYPES", "mma_source", "pipe_shared_halves", "pipe_source"]
+__all__ = ["pipe_shared_halves", "pipe_source"]
 
 P = 16  # page size (tokens)
 PS = 24  # P tile row stride (halves): conflict-free ldmatrix rows
-
-
-def mma_source(tag: str, KS: int, KSW: int, NTW: int, SROW: int, PS: int) -> str:
-    """CUDA device helpers of the tensor-core path (``mma.sync.m16n8k16`` fp16 -> fp32).
-
-    One warp ``w`` of 8: QK^T over the k-steps ``w, w + 8, ...`` of the 16 heads x 16 tokens
-    tile (Q fragments in registers, K fragments from the shared page), partial scores to
-    ``s_part[w, 16, 16]``; PV over the columns ``[w * NTW * 8, (w + 1) * NTW * 8)`` (P fp16
-    from shared, V fragments from the shared page), accumulators in the mma C layout: rows
-    ``g`` and ``g + 8`` (``g = lane / 4``), columns ``2 * (lane % 4) + {0, 1}`` of each n-tile.
-    """
-    # Every call site carries this source (codegen keys it by the called name): a guard keeps
-    # one definition.
-    return f"""
-#ifndef MLA_SPLIT_KV_HELPERS_{tag}
-#define MLA_SPLIT_KV_HELPERS_{tag}
-__device__ __forceinline__ void mla_mma_{tag}(float* c, unsigned a0, unsigned a1, unsigned a2,
-                                              unsigned a3, unsigned b0, unsigned b1) {{
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {{%0,%1,%2,%3}}, {{%4,%5,%6,%7}}, "
-      "{{%8,%9}}, {{%0,%1,%2,%3}};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}}
-__device__ __forceinline__ void mla_load_q_{tag}(unsigned* qf, const half* q, int D, int w,
-                                                 int lane) {{
-  const int g = lane >> 2, t = lane & 3;
-#pragma unroll
-  for (int i = 0; i < {KSW}; ++i) {{
-    const int ks = w + 8 * i;
-    if (ks < {KS}) {{
-      const half* p0 = q + g * D + ks * 16 + t * 2;
-      const half* p1 = p0 + 8 * D;
-      qf[4 * i + 0] = *reinterpret_cast<const unsigned*>(p0);
-      qf[4 * i + 1] = *reinterpret_cast<const unsigned*>(p1);
-      qf[4 * i + 2] = *reinterpret_cast<const unsigned*>(p0 + 8);
-      qf[4 * i + 3] = *reinterpret_cast<const unsigned*>(p1 + 8);
-    }} else {{
-      qf[4 * i + 0] = 0u; qf[4 * i + 1] = 0u; qf[4 * i + 2] = 0u; qf[4 * i + 3] = 0u;
-    }}
-  }}
-}}
-__device__ __forceinline__ void mla_qk_{tag}(float* s_part, const unsigned* qf, const half* kv,
-                                             int w, int lane) {{
-  const int g = lane >> 2, t = lane & 3;
-  float c[8];
-#pragma unroll
-  for (int i = 0; i < 8; ++i) c[i] = 0.f;
-#pragma unroll
-  for (int i = 0; i < {KSW}; ++i) {{
-    const int ks = w + 8 * i;
-    if (ks < {KS}) {{
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt) {{
-        const half* kp = kv + (nt * 8 + g) * {SROW} + ks * 16 + t * 2;
-        const unsigned b0 = *reinterpret_cast<const unsigned*>(kp);
-        const unsigned b1 = *reinterpret_cast<const unsigned*>(kp + 8);
-        mla_mma_{tag}(c + 4 * nt, qf[4 * i], qf[4 * i + 1], qf[4 * i + 2], qf[4 * i + 3], b0, b1);
-      }}
-    }}
-  }}
-#pragma unroll
-  for (int nt = 0; nt < 2; ++nt) {{
-    float* r0 = s_part + (w * 16 + g) * 16 + nt * 8 + t * 2;
-    float* r1 = r0 + 8 * 16;
-    r0[0] = c[4 * nt + 0]; r0[1] = c[4 * nt + 1];
-    r1[0] = c[4 * nt + 2]; r1[1] = c[4 * nt + 3];
-  }}
-}}
-__device__ __forceinline__ unsigned mla_pack_{tag}(half lo, half hi) {{
-  return (unsigned)__half_as_ushort(lo) | ((unsigned)__half_as_ushort(hi) << 16);
-}}
-__device__ __forceinline__ void mla_pv_{tag}(float* acc, const half* p, const half* kv,
-                                             const float* r, int w, int lane) {{
-  const int g = lane >> 2, t = lane & 3;
-  const float r0 = r[g], r1 = r[g + 8];
-  const unsigned a0 = *reinterpret_cast<const unsigned*>(p + g * {PS} + t * 2);
-  const unsigned a1 = *reinterpret_cast<const unsigned*>(p + (g + 8) * {PS} + t * 2);
-  const unsigned a2 = *reinterpret_cast<const unsigned*>(p + g * {PS} + t * 2 + 8);
-  const unsigned a3 = *reinterpret_cast<const unsigned*>(p + (g + 8) * {PS} + t * 2 + 8);
-#pragma unroll
-  for (int j = 0; j < {NTW}; ++j) {{
-    const half* vp = kv + (t * 2) * {SROW} + w * {NTW * 8} + j * 8 + g;
-    const unsigned b0 = mla_pack_{tag}(vp[0], vp[{SROW}]);
-    const unsigned b1 = mla_pack_{tag}(vp[8 * {SROW}], vp[9 * {SROW}]);
-    float* c = acc + 4 * j;
-    c[0] *= r0; c[1] *= r0; c[2] *= r1; c[3] *= r1;
-    mla_mma_{tag}(c, a0, a1, a2, a3, b0, b1);
-  }}
-}}
-#endif
-"""
 
 
 def pipe_shared_halves(D: int, stages: int) -> int:
@@ -152,6 +60,13 @@ __device__ __forceinline__ void mlap_wait_${tag}() {
 }
 """
 
+# the copy of an old page before the PDL wait (one source line, longer than this file's)
+# (the comments of the CUDA below are part of the generated source; they are kept as they were
+# when the kernel was measured, so that the source stays byte-identical)
+_EARLY_COPY = (
+    "    mlap_page_${tag}(kv0 + s0 * ${buf_bytes}, pages + (size_t)ids[s0] * ${page_elems},"
+    " valid0 - s0 * 16, tx);"
+)
 _PIPE_BODY = r"""
 // One page (16 rows of ${d} halves at src) -> the shared buffer at dst (rows of ${srow}
 // halves), 16-byte cp.async copies; rows >= valid are zero-filled (no global read).
@@ -171,11 +86,13 @@ __device__ __forceinline__ void mlap_page_${tag}(unsigned dst, const half* src, 
 // One split block (256 threads, 16 heads): pages ids[0, npg) of the row (tokens tok0...),
 // n_vis visible keys; q: the 16 heads x ${d} of the row; final_: write out (16 x ${dl},
 // head stride ${dl}) and lse (16), else the partial state to ws_o / ws_lse; n_early: only
-// with an early build (pipe_source(early=True)).${early_doc}
+// with an early build (pipe_source(early=True)).
+// Pages [0, n_early) are older than the row's new tokens: their copies are issued
+// before the PDL wait, which this function calls (the caller has not waited).
 __device__ __forceinline__ void mla_split_pipe_${tag}(
     const half* __restrict__ q, const half* __restrict__ pages, const int* __restrict__ ids,
     int npg, int tok0, int n_vis, float scale, int final_, half* __restrict__ out,
-    float* __restrict__ lse, ${wt}* __restrict__ ws_o, float* __restrict__ ws_lse, int ws_row,
+    float* __restrict__ lse, float* __restrict__ ws_o, float* __restrict__ ws_lse, int ws_row,
     half* smem, const half* smem_last, int tx, int n_early) {
   ws_o += (size_t)ws_row * ${dl};  // this block's 16 heads (row ws_row of the workspace)
   ws_lse += ws_row;
@@ -188,7 +105,12 @@ __device__ __forceinline__ void mla_split_pipe_${tag}(
   const unsigned kv0 = static_cast<unsigned>(__cvta_generic_to_shared(smem));
   const int valid0 = n_vis - tok0;  // visible rows from the first page of the split on
   // Prologue: pages 0 .. ${stages} - 2 in flight (one commit group each, empty past npg).
-  int s0 = 0;${early_issue}
+  int s0 = 0;
+  for (; s0 < ${stages} - 1 && s0 < n_early && s0 < npg; ++s0) {
+${early_copy}
+    mlap_commit_${tag}();
+  }
+  ${wait_release}  // (PDL) what follows reads the new tokens and Q
 #pragma unroll
   for (int s = s0; s < ${stages} - 1; ++s) {
     if (s < npg) {
@@ -321,9 +243,9 @@ __device__ __forceinline__ void mla_split_pipe_${tag}(
       *reinterpret_cast<__half2*>(out + (g + 8) * ${dl} + col) =
           __floats2half2_rn(o[2] * i1, o[3] * i1);
     } else {
-      *reinterpret_cast<${wt2}*>(ws_o + g * ${dl} + col) = ${wpack}(o[0] * i0, o[1] * i0);
-      *reinterpret_cast<${wt2}*>(ws_o + (g + 8) * ${dl} + col) =
-          ${wpack}(o[2] * i1, o[3] * i1);
+      *reinterpret_cast<float2*>(ws_o + g * ${dl} + col) = make_float2(o[0] * i0, o[1] * i0);
+      *reinterpret_cast<float2*>(ws_o + (g + 8) * ${dl} + col) =
+          make_float2(o[2] * i1, o[3] * i1);
     }
   }
   if (tx < 16) {
@@ -334,66 +256,28 @@ __device__ __forceinline__ void mla_split_pipe_${tag}(
 """
 
 
-# workspace partial type -> CUDA element type, its pair type, the pair from two floats
-_PARTIALS = {
-    "float32": ("float", "float2", "make_float2"),
-    "float16": ("half", "__half2", "__floats2half2_rn"),
-}
-PARTIAL_TYPES = tuple(_PARTIALS)  # what ``pipe_source(partials=...)`` takes
-
-
-def pipe_source(
-    tag: str,
-    D: int,
-    DL: int,
-    stages: int,
-    prims: bool = True,
-    partials: str = "float32",
-    early: bool = False,
-) -> str:
+def pipe_source(tag: str, D: int, DL: int, stages: int, prims: bool = True) -> str:
     """CUDA source of ``mla_split_pipe_<tag>`` (module docstring), the split block of the
-    pipelined tensor-core path for 16 heads, rows of ``D`` (latent + rope) halves, ``DL``
-    output columns (``D % 16 == 0``, ``DL % 64 == 0``) and ``stages`` (>= 2) page buffers.
-    ``prims=False`` leaves out the PTX primitives (``mlap_{mma,ldsm,ldsm_t,ldsm_t2,cp,commit,
-    wait}_<tag>``), the PDL wait's definition and the include guard, for a CPU emulation.
-    ``partials``: the type of the partial outputs in the workspace (``"float32"`` or
-    ``"float16"``; the split lse stay float32). ``early``: the function's last argument,
-    ``n_early`` (ignored otherwise), counts the leading pages of the split that no kernel of this
-    step writes (every token of them older than the row's new tokens); it issues the copies of
-    those among its first ``stages - 1`` pages, then calls the PDL wait and releases its
-    dependents (:data:`~.cuda_call.WAIT_THEN_RELEASE`) before it issues the others and reads Q:
-    the caller must not have waited."""
-    if partials not in _PARTIALS:
-        raise ValueError(f"partials must be one of {PARTIAL_TYPES}, got {partials!r}")
-    wt, wt2, wpack = _PARTIALS[partials]
-    early_doc = early_issue = ""
-    if early:
-        early_doc = (
-            "\n// Pages [0, n_early) are older than the row's new tokens: their copies are issued"
-            "\n// before the PDL wait, which this function calls (the caller has not waited)."
-        )
-        early_issue = (
-            "\n  for (; s0 < ${stages} - 1 && s0 < n_early && s0 < npg; ++s0) {"
-            "\n    mlap_page_${tag}(kv0 + s0 * ${buf_bytes}, pages + (size_t)ids[s0] *"
-            " ${page_elems}, valid0 - s0 * 16, tx);"
-            "\n    mlap_commit_${tag}();"
-            "\n  }"
-            f"\n  {WAIT_THEN_RELEASE}  // (PDL) what follows reads the new tokens and Q"
-        )
+    tensor-core path for 16 heads, rows of ``D`` (latent + rope) halves, ``DL`` output columns
+    (``D % 16 == 0``, ``DL % 64 == 0``) and ``stages`` (>= 2) page buffers; partial outputs in
+    a float32 workspace. The function's last argument, ``n_early``, counts the leading pages of
+    the split that no kernel of this step writes (every token of them older than the row's new
+    tokens); it issues the copies of those among its first ``stages - 1`` pages, then calls the
+    PDL wait and releases its dependents (:data:`~.cuda_call.WAIT_THEN_RELEASE`) before it
+    issues the others and reads Q: the caller must not have waited. ``prims=False`` leaves out
+    the PTX primitives (``mlap_{mma,ldsm,ldsm_t,ldsm_t2,cp,commit,wait}_<tag>``), the PDL
+    wait's definition and the include guard, for a CPU emulation."""
     srow = D + 8
     dv = D // 8
     ks = D // 16
-    body = _PIPE_BODY.replace("${early_issue}", early_issue)
+    body = _PIPE_BODY.replace("${early_copy}", _EARLY_COPY)
     body = _PIPE_PRIMS + body if prims else body
     if prims:
         body = f"\n#ifndef MLA_SPLIT_PIPE_{tag}\n#define MLA_SPLIT_PIPE_{tag}{body}#endif\n"
-    prefix = grid_wait_source() if prims and early else ""
+    prefix = grid_wait_source() if prims else ""
     return prefix + Template(body).substitute(
-        early_doc=early_doc,
         tag=tag,
-        wt=wt,
-        wt2=wt2,
-        wpack=wpack,
+        wait_release=WAIT_THEN_RELEASE,
         d=D,
         dl=DL,
         srow=srow,

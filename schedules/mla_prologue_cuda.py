@@ -3,33 +3,34 @@
 From the fused ``qkv_a_proj`` output it produces both tensors absorbed attention needs:
 
 * ``q_lat[t, h] = [q_nope[t, h] @ W_UK[h], rope(q_pe[t, h])]`` ``[n, H, L + R]``, the query in
-  latent space (what :func:`dsv2_mlc.schedules.mla_absorb_cuda.absorb_q_cuda` computed alone);
+  latent space (what :func:`dsv2_mlc.model.mla_ops.absorb_query` computes);
 * ``latent[t] = [w * RMSNorm(c_kv[t]), rope(k_pe[t])]`` ``[n, L + R]``, the cached latent (what
   the TE kernel :func:`dsv2_mlc.model.mla_ops.latent_norm_rope` computes).
 
-Decode at batch 1 is launch-bound, and the old absorb kernel had only 80 blocks (16 heads x (4
-column tiles + 1 rope tile)) for 132 SMs. Here, per token:
+Decode at batch 1 is launch-bound, so one launch does both, over enough blocks to fill the
+GPU's SMs. Per token:
 
 * block 0: the latent. Each thread squares ``ceil(L / threads)`` values of ``c_kv`` (kept in
   registers), a warp-shuffle sum plus one shared-memory step gives the row's sum of squares,
   then ``w * (x * rsqrt(mean + eps))`` (rounded to the dtype before the weight multiply, as the
   TE kernel and Hugging Face do) and the rope of the ``R`` key dims;
-* blocks ``1 + h * TILES + tile``: ``cols`` latent columns of head ``h`` (default 64: 8 tiles per
-  head at L = 512, so 129 blocks at batch 1 for 16 heads). ``threads`` = column groups (``VEC``
-  consecutive columns each: one 16-byte load of ``W_UK[h, d, c:c+VEC]`` per step, coalesced
-  across the groups) x reduction groups (each ``ceil(nope / groups)`` of the ``nope`` steps);
-  the partial sums meet in shared memory (padded so neither the stores nor the loads conflict
-  much), float32 throughout and one rounding at the end. The last ``ceil(R / TILES)`` threads of
-  each block also rotate their share of head ``h``'s ``R`` query rope dims;
-* rope exactly as :func:`dsv2_mlc.model.rope.apply_rope` (DeepSeek's YaRN on interleaved pairs),
+* blocks ``1 + h * TILES + tile``: ``cols`` latent columns of head ``h`` (64 in
+  :data:`~.tiles.TABLE`: 8 tiles per head at L = 512, so 129 blocks at batch 1 for 16 heads).
+  Each thread loads its share of the ``W_UK`` tile into registers before the PDL wait.
+  ``threads`` = column groups (``VEC`` consecutive columns each: one 16-byte load of
+  ``W_UK[h, d, c:c+VEC]`` per step, coalesced across the groups) x reduction groups (each
+  ``ceil(nope / groups)`` of the ``nope`` steps); the partial sums meet in shared memory (padded
+  so neither the stores nor the loads conflict much), float32 throughout and one rounding at the
+  end. The last ``ceil(R / TILES)`` threads of each block also rotate their share of head ``h``'s
+  ``R`` query rope dims;
+* rope exactly as :func:`dsv2_mlc.rope.apply_rope` (DeepSeek's YaRN on interleaved pairs),
   from the forward pass's cos/sin table.
 
 The query and the latent come from the same projection output for models without q-LoRA (the
 same tensor passed twice: ``q`` at columns ``[0, H * (nope + R))``, the latent from column
 ``kv_offset``); with q-LoRA the query is ``q_b_proj``'s output. The reference is the Relax / TE
-composition of the CPU path (checked against Hugging Face in CI);
-``schedules/lab/kernel_lab_absorb.py``
-checks this kernel against a torch float32 reference on the GPU and times it against the old one.
+composition of the CPU path (checked against Hugging Face in CI); the CPU emulation test
+(``tests/test_mla_prologue_emulation.py``) checks the CUDA code against NumPy.
 """
 
 from __future__ import annotations
@@ -39,8 +40,9 @@ from tvm.script import tirx as T
 
 from ..rope import rotate_pair
 from .cuda_call import L2_PREFETCH, WAIT_THEN_RELEASE, grid_wait_source, l2_prefetch_source
+from .tiles import MLAPrologueTiles, tuned
 
-__all__ = ["mla_prologue_cuda"]
+__all__ = ["build_mla_prologue", "mla_prologue_cuda"]
 
 _LOAD_BYTES = 16
 _ELEM_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
@@ -57,23 +59,48 @@ def mla_prologue_cuda(
     kv_width: int,
     kv_offset: int,
     eps: float,
-    cols: int = 64,
-    threads: int = 128,
-    l2_prefetch: bool = True,
-    preload: bool = True,
 ) -> tirx.PrimFunc:
     """``f(q [n, q_width], kv [n, kv_width], w_uk [H, nope, L], norm_w [L], rope [n, R] float32,
     q_lat [n, H, L + R], latent [n, L + R])``: the query heads at columns ``[0, H * (nope + R))``
     of ``q``, ``[c_kv, k_pe]`` at columns ``[kv_offset, kv_offset + L + R)`` of ``kv``; ``rope``
-    the tokens' cos/sin table (``dsv2_mlc.model.rope.rope_table``); ``eps`` of the latent
-    RMSNorm (module docstring). With ``l2_prefetch`` a column-tile block asks L2 for its
-    ``W_UK`` tile (``nope`` rows of ``cols`` values) before it waits for the previous kernel (PDL),
-    so the tile loads while that kernel finishes; with ``preload`` (the default; ignored without
-    ``l2_prefetch``, whose helper holds the block's wait) each thread loads its share of the
-    tile into registers instead, before the wait: on the H200 that took a V2-Lite decode
-    graph's replay from 1,214 to 1,184 us at context ~4,000 with ``mla_attention_cuda``'s
-    ``early_pages`` (schedules/results/mla_prologue.md). Raises ``ValueError`` for shapes it
-    does not handle."""
+    the tokens' cos/sin table (``dsv2_mlc.rope.rope_table``); ``eps`` of the latent
+    RMSNorm (module docstring), with the tiles of :data:`~.tiles.TABLE`. Raises ``ValueError``
+    for shapes it does not handle."""
+    tiles = tuned("mla_prologue", shape=(num_heads, nope, rope_dim, lora, dtype))
+    return build_mla_prologue(
+        num_heads,
+        nope,
+        rope_dim,
+        lora,
+        dtype,
+        tiles,
+        q_width=q_width,
+        kv_width=kv_width,
+        kv_offset=kv_offset,
+        eps=eps,
+    )
+
+
+def build_mla_prologue(
+    num_heads: int,
+    nope: int,
+    rope_dim: int,
+    lora: int,
+    dtype: str,
+    tiles: MLAPrologueTiles,
+    *,
+    q_width: int,
+    kv_width: int,
+    kv_offset: int,
+    eps: float,
+) -> tirx.PrimFunc:
+    """:func:`mla_prologue_cuda` with the tiles given (the lab sweeps them).
+
+    Before its PDL wait a column-tile block loads its share of its ``W_UK`` tile (``nope`` rows
+    of ``cols`` values; weights, which no kernel writes) into registers, so the tile loads while
+    the previous kernel finishes (schedules/results/mla_prologue.md); it reads everything else
+    after the wait."""
+    cols, threads = tiles.cols, tiles.threads
     H, QK, L, R = num_heads, nope + rope_dim, lora, rope_dim
     VEC = _LOAD_BYTES // _ELEM_BYTES.get(dtype, 2)
     problems = []
@@ -105,10 +132,9 @@ def mla_prologue_cuda(
     L_EXACT = LPT * threads == L
     KVO, ROPE0 = kv_offset, threads - RPT
     ELEM = _ELEM_BYTES.get(dtype, 2)
-    preload = preload and l2_prefetch  # (the block calls its wait itself only with the prefetch)
-    WPRE = DPG * VEC if preload else 1  # preload: a thread's W_UK values in registers
+    WPRE = DPG * VEC  # a thread's W_UK values in registers
     pf_name = _prefetch_wait_name(nope, L, ELEM)
-    pf_src = _prefetch_wait_source(nope, L, ELEM, threads) if l2_prefetch else ""
+    pf_src = _prefetch_wait_source(nope, L, ELEM, threads)
 
     @T.prim_func(private=True, s_tir=True)
     def mla_prologue(var_q: T.handle, var_kv: T.handle, w: T.Buffer((H, nope, L), dtype),
@@ -142,24 +168,21 @@ def mla_prologue_cuda(
                     cg: T.let[T.int32] = tx % CG
                     dg: T.let[T.int32] = tx // CG
                     c0: T.let[T.int64] = tile * cols + cg * VEC
-                    if preload:
-                        # this thread's share of the block's W_UK tile -> registers
-                        if b > 0:
-                            if C_EXACT or c0 < L:
-                                for dd in T.unroll(DPG):
-                                    if D_EXACT or dg * DPG + dd < nope:
-                                        for j in T.vectorized(VEC):
-                                            wpre[dd * VEC + j] = w[h, dg * DPG + dd, c0 + j]
-                    if l2_prefetch:
-                        # this block's W_UK tile -> L2 (with preload: nothing), then the PDL
-                        # wait (nothing read before that a kernel writes)
-                        T.cuda.func_call(
-                            pf_name,
-                            T.address_of(w[h, 0, tile * cols]),
-                            T.if_then_else(b == 0 or preload, 0, T.min(cols, L - tile * cols)),
-                            tx,
-                            source_code=pf_src,
-                        )
+                    # this thread's share of the block's W_UK tile -> registers, then the
+                    # PDL wait and the release (nothing read before it that a kernel writes)
+                    if b > 0:
+                        if C_EXACT or c0 < L:
+                            for dd in T.unroll(DPG):
+                                if D_EXACT or dg * DPG + dd < nope:
+                                    for j in T.vectorized(VEC):
+                                        wpre[dd * VEC + j] = w[h, dg * DPG + dd, c0 + j]
+                    T.cuda.func_call(
+                        pf_name,
+                        T.address_of(w[h, 0, tile * cols]),
+                        T.int64(0),
+                        tx,
+                        source_code=pf_src,
+                    )
                     if b == 0:
                         # The latent: RMSNorm of c_kv, rope of k_pe.
                         part[0] = T.float32(0)
@@ -206,12 +229,8 @@ def mla_prologue_cuda(
                                     qv: T.let[T.float32] = T.cast(
                                         q[t, h * QK + dg * DPG + dd], "float32"
                                     )
-                                    if preload:
-                                        for j in T.vectorized(VEC):
-                                            wv[j] = wpre[dd * VEC + j]
-                                    else:
-                                        for j in T.vectorized(VEC):
-                                            wv[j] = w[h, dg * DPG + dd, c0 + j]
+                                    for j in T.vectorized(VEC):
+                                        wv[j] = wpre[dd * VEC + j]
                                     for j in T.unroll(VEC):
                                         acc[j] = acc[j] + qv * T.cast(wv[j], "float32")
                         for j in T.unroll(VEC):
@@ -250,7 +269,10 @@ def _prefetch_wait_name(rows: int, stride: int, elem: int) -> str:
 def _prefetch_wait_source(rows: int, stride: int, elem: int, threads: int) -> str:
     """CUDA: ``mla_prologue_prefetch_wait_*(tile, cols, tid)``: threads ``< rows`` each ask L2
     for one row of a ``W_UK`` tile (``cols`` values of ``elem`` bytes from ``tile + row *
-    stride``; nothing for ``cols == 0``), then the PDL wait."""
+    stride``; nothing for ``cols == 0``), then the PDL wait and the release. The kernel passes
+    ``cols == 0`` (its threads have loaded their tile into registers before the call), so the
+    call is its wait and release; the prefetch loop stays in the source, which the kernel's
+    generated code carries unchanged."""
     name = _prefetch_wait_name(rows, stride, elem)
     return (
         grid_wait_source()

@@ -47,18 +47,12 @@ allocates the shared memory):
 * Causal tile skipping: a query tile reads only the KV tiles up to its last visible key; the
   mask is evaluated only on tiles that cross the diagonal or the sequence end.
 
-Default tile (the fastest measured): ``BM = 64`` rows (4 warps) x ``BN = 32`` keys, Q in
-registers: per thread Q 48 + O 64 + S 16 accumulators (242 registers, no spills, 2 blocks per SM),
-``BN * (Dqk + 8 + Dv + 8) * 2`` = 21.5 KB of static shared memory. ``q_smem=True`` keeps the Q
-tile in shared memory instead (168 registers, 47 KB, 3 blocks per SM): as fast within 4 %.
-
-Measured on an H200 (``schedules/lab/kernel_lab_prefill_attn.py run``; V2-Lite: 16 heads, 192/128,
-fp16, causal; us per call, TVM's kernel / this kernel / torch SDPA as a yardstick):
-n = 512: 269 / 20.7 / 43.9; n = 4096: 16163 / 374 (230 TFLOP/s of the 86 GFLOP) / 216;
-n = 8192: 64745 / 1491 / 652; 3 sequences [1000, 2500, 596]: 7757 / 201; 4 x 1024: 4132 / 115.
-Errors against a float32 reference: relative L2 of ``out`` <= 2.7e-4, ``lse`` <= 3e-6 (P is
-rounded to fp16 for the PV MMA, as in FlashAttention). Variants measured: BN = 64 (448 us at 4K,
-255 registers with spills), BM = 128 (410), BN = 16 (408), BN = 16 with Q in shared (418).
+The tile (:data:`~.tiles.TABLE`, ``"prefill_attention"``): ``BM = 64`` rows (4 warps) x ``BN =
+32`` keys: per thread Q 48 + O 64 + S 16 accumulators (242 registers, no spills, 2 blocks per
+SM), ``BN * (Dqk + 8 + Dv + 8) * 2`` = 21.5 KB of static shared memory; the larger and smaller
+tiles measured were slower (schedules/results/prefill_attention.md, which also has the times
+against TVM's kernel and the errors against a float32 reference: P is rounded to fp16 for the
+PV MMA, as in FlashAttention).
 """
 
 import math
@@ -66,7 +60,9 @@ import math
 from tvm import tirx
 from tvm.script import tirx as T
 
-__all__ = ["prefill_attention_cuda", "prefill_attention_cuda_supports"]
+from .tiles import PrefillAttentionTiles, tuned
+
+__all__ = ["build_prefill_attention", "prefill_attention_cuda", "prefill_attention_cuda_supports"]
 
 _LOG2E = math.log2(math.e)
 _MAX_SHARED_BYTES = 49152  # static shared memory of one block (no opt-in)
@@ -84,7 +80,7 @@ def prefill_attention_cuda_supports(
     return True
 
 
-def _cuda_source(tag: str, *, H: int, DQK: int, DV: int, BM: int, BN: int, QS: bool) -> str:
+def _cuda_source(tag: str, *, H: int, DQK: int, DV: int, BM: int, BN: int) -> str:
     """The CUDA device code of the kernel (module docstring), specialised for the shapes."""
     NT = BM // 16 * 32
     KS = DQK // 16  # k-steps of S = Q K^T
@@ -96,46 +92,6 @@ def _cuda_source(tag: str, *, H: int, DQK: int, DV: int, BM: int, BN: int, QS: b
     V_IT = (BN * CV + NT - 1) // NT
     K_EXACT = int(K_IT * NT == BN * CK)
     V_EXACT = int(V_IT * NT == BN * CV)
-    Q_IT = (BM * CK + NT - 1) // NT
-    Q_EXACT = int(Q_IT * NT == BM * CK)
-    if QS:  # Q tile in shared memory (after K and V), A fragments by ldmatrix per k-step
-        q_init = ""
-        q_load = f"""
-    const half* qb = q + (long long)q0 * {H * DQK} + head * {DQK};
-#pragma unroll
-    for (int i = 0; i < {Q_IT}; ++i) {{
-      const int c = i * {NT} + tx;
-      if ({Q_EXACT} || c < {BM * CK}) {{
-        const int row = c / {CK}, col = c % {CK};
-        const bool ok = m0 + row < q_len;
-        pfa_cp_{tag}(q_sa + (row * {KSTR} + col * 8) * 2,
-                     ok ? (const void*)(qb + (long long)(m0 + row) * {H * DQK} + col * 8)
-                        : (const void*)q,
-                     ok ? 16 : 0);
-      }}
-    }}"""
-        q_frag = f"""unsigned qa[4];
-      pfa_ldsm_{tag}(qa, q_sa + ((warp * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * {KSTR}
-                                 + ks * 16 + (lane >> 4) * 8) * 2);"""
-        q_use = "qa"
-    else:  # Q fragments in registers for the whole block, straight from global memory
-        q_init = f"""
-  unsigned qf[{KS}][4];
-  {{
-    const int r0 = row_base + g, r1 = r0 + 8;
-    const half* p0 = q + ((long long)(q0 + r0) * {H} + head) * {DQK} + t * 2;
-    const half* p1 = q + ((long long)(q0 + r1) * {H} + head) * {DQK} + t * 2;
-#pragma unroll
-    for (int ks = 0; ks < {KS}; ++ks) {{
-      qf[ks][0] = r0 < q_len ? *reinterpret_cast<const unsigned*>(p0 + ks * 16) : 0u;
-      qf[ks][1] = r1 < q_len ? *reinterpret_cast<const unsigned*>(p1 + ks * 16) : 0u;
-      qf[ks][2] = r0 < q_len ? *reinterpret_cast<const unsigned*>(p0 + ks * 16 + 8) : 0u;
-      qf[ks][3] = r1 < q_len ? *reinterpret_cast<const unsigned*>(p1 + ks * 16 + 8) : 0u;
-    }}
-  }}"""
-        q_load = ""
-        q_frag = ""
-        q_use = "qf[ks]"
     return f"""
 #ifndef DSV2_PREFILL_ATTN_{tag}
 #define DSV2_PREFILL_ATTN_{tag}
@@ -198,7 +154,20 @@ __device__ __forceinline__ void prefill_attn_{tag}(
   const int warp = tx >> 5, lane = tx & 31, g = lane >> 2, t = lane & 3;
   const int row_base = m0 + warp * 16;
   const float sl2 = sm_scale * {_LOG2E!r}f;
-{q_init}
+
+  unsigned qf[{KS}][4];
+  {{
+    const int r0 = row_base + g, r1 = r0 + 8;
+    const half* p0 = q + ((long long)(q0 + r0) * {H} + head) * {DQK} + t * 2;
+    const half* p1 = q + ((long long)(q0 + r1) * {H} + head) * {DQK} + t * 2;
+#pragma unroll
+    for (int ks = 0; ks < {KS}; ++ks) {{
+      qf[ks][0] = r0 < q_len ? *reinterpret_cast<const unsigned*>(p0 + ks * 16) : 0u;
+      qf[ks][1] = r1 < q_len ? *reinterpret_cast<const unsigned*>(p1 + ks * 16) : 0u;
+      qf[ks][2] = r0 < q_len ? *reinterpret_cast<const unsigned*>(p0 + ks * 16 + 8) : 0u;
+      qf[ks][3] = r1 < q_len ? *reinterpret_cast<const unsigned*>(p1 + ks * 16 + 8) : 0u;
+    }}
+  }}
   const unsigned k_sa = static_cast<unsigned>(__cvta_generic_to_shared(smem));
   const unsigned v_sa = k_sa + {BN * KSTR * 2};
   const unsigned q_sa = v_sa + {BN * VSTR * 2};
@@ -211,7 +180,7 @@ __device__ __forceinline__ void prefill_attn_{tag}(
   float m[2] = {{-INFINITY, -INFINITY}};
   float d[2] = {{0.f, 0.f}};
 
-  if (n_tiles > 0) {{{q_load}
+  if (n_tiles > 0) {{
 #pragma unroll
     for (int i = 0; i < {K_IT}; ++i) {{
       const int c = i * {NT} + tx;
@@ -247,14 +216,14 @@ __device__ __forceinline__ void prefill_attn_{tag}(
     for (int j = 0; j < {BN // 8}; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
 #pragma unroll
     for (int ks = 0; ks < {KS}; ++ks) {{
-      {q_frag}
+      
 #pragma unroll
       for (int np = 0; np < {BN // 16}; ++np) {{
         unsigned r[4];
         pfa_ldsm_{tag}(r, k_sa + ((np * 16 + (lane >> 4) * 8 + (lane & 7)) * {KSTR} + ks * 16
                                   + ((lane >> 3) & 1) * 8) * 2);
-        pfa_mma_{tag}(s[2 * np], {q_use}, r[0], r[1]);
-        pfa_mma_{tag}(s[2 * np + 1], {q_use}, r[2], r[3]);
+        pfa_mma_{tag}(s[2 * np], qf[ks], r[0], r[1]);
+        pfa_mma_{tag}(s[2 * np + 1], qf[ks], r[2], r[3]);
       }}
     }}
     __syncthreads();  // every warp is done with K(it)
@@ -373,26 +342,27 @@ __device__ __forceinline__ void prefill_attn_{tag}(
 
 
 def prefill_attention_cuda(
-    h_kv: int,
-    h_q: int,
-    d_qk: int,
-    d_v: int,
-    dtype: str = "float16",
-    *,
-    block_m: int = 64,
-    block_n: int = 32,
-    q_smem: bool = False,
+    h_kv: int, h_q: int, d_qk: int, d_v: int, dtype: str = "float16"
 ) -> tirx.PrimFunc:
     """The ragged prefill attention PrimFunc (module docstring), the ABI of TVM's
-    ``_attention_prefill_ragged(h_kv, h_q, d_qk, d_v, ...)``.
+    ``_attention_prefill_ragged(h_kv, h_q, d_qk, d_v, ...)``, with the tiles of
+    :data:`~.tiles.TABLE`. Raises ``ValueError`` for shapes it does not handle (the cache then
+    keeps TVM's kernel)."""
+    tiles = tuned("prefill_attention", shape=(h_q, d_qk, d_v, dtype))
+    return build_prefill_attention(h_kv, h_q, d_qk, d_v, dtype, tiles)
+
+
+def build_prefill_attention(
+    h_kv: int, h_q: int, d_qk: int, d_v: int, dtype: str, tiles: PrefillAttentionTiles
+) -> tirx.PrimFunc:
+    """:func:`prefill_attention_cuda` with the tiles given (the lab sweeps them).
 
     Needs ``h_kv == h_q`` (what the MLA slot uses), float16, ``d_qk`` and ``d_v`` multiples of
-    16, and ``block_n * (d_qk + d_v + 16) * 2`` bytes of shared memory at most 48 KB.
-    ``block_m`` (query rows per block, 16 per warp: 64 or 128) and ``block_n`` (keys per tile:
-    32 or 64) and ``q_smem`` (the Q tile in shared memory, fragments by ``ldmatrix`` per k-step,
-    instead of registers: fewer registers, ``block_m * (d_qk + 8) * 2`` more bytes of shared
-    memory) select a variant (``schedules/lab/kernel_lab_prefill_attn.py`` measures them).
+    16, and ``block_n * (d_qk + d_v + 16) * 2`` bytes of shared memory at most 48 KB;
+    ``block_m`` (query rows per block, 16 per warp) in 32, 64, 128 and ``block_n`` (keys per
+    tile) in 16, 32, 64, 128.
     """
+    block_m, block_n = tiles.block_m, tiles.block_n
     if dtype != "float16":
         raise ValueError(f"prefill_attention_cuda supports float16 only, got {dtype}")
     if h_kv != h_q:
@@ -404,14 +374,12 @@ def prefill_attention_cuda(
             f"block_m in (32, 64, 128), block_n in (16, 32, 64, 128): got {block_m}, {block_n}"
         )
     smem = block_n * (d_qk + _PAD + d_v + _PAD) * 2
-    if q_smem:
-        smem += block_m * (d_qk + _PAD) * 2
     if smem > _MAX_SHARED_BYTES:
         raise ValueError(f"prefill_attention_cuda needs {smem} bytes of shared memory")
     H, BM, BN = h_q, block_m, block_n
     NT = BM // 16 * 32
-    tag = f"{H}_{d_qk}_{d_v}_{BM}_{BN}" + ("_qs" if q_smem else "")
-    src = _cuda_source(tag, H=H, DQK=d_qk, DV=d_v, BM=BM, BN=BN, QS=q_smem)
+    tag = f"{H}_{d_qk}_{d_v}_{BM}_{BN}"
+    src = _cuda_source(tag, H=H, DQK=d_qk, DV=d_v, BM=BM, BN=BN)
     SMEM_N = smem // 2
 
     @T.prim_func(s_tir=True)

@@ -27,7 +27,7 @@ def create_spec() -> dict:
 
 class MLACacheModule(nn.Module):
     """Exports ``create_paged_kv_cache``: an ``MLAPagedKVCache`` for ``target`` (a Target or its
-    dict) with these shapes, ``kwargs`` passed on (kernel choices such as ``mla_kernel``)."""
+    dict) with these shapes."""
 
     def __init__(  # pylint: disable=too-many-arguments
         self,
@@ -40,7 +40,6 @@ class MLACacheModule(nn.Module):
         qk_rope_head_dim: int = 64,
         v_head_dim: int = 128,
         dtype: str = "float16",
-        **kwargs,
     ) -> None:
         self.target = tvm.target.Target(target) if isinstance(target, dict) else target
         self.shapes = {
@@ -52,7 +51,6 @@ class MLACacheModule(nn.Module):
             "v_head_dim": v_head_dim,
             "dtype": dtype,
         }
-        self.kwargs = kwargs
 
     def create_paged_kv_cache(  # pylint: disable=too-many-arguments
         self, max_batch_size, max_total_seq_len, prefill_chunk_size, page_size, support_sliding
@@ -65,12 +63,12 @@ class MLACacheModule(nn.Module):
             support_sliding_window=support_sliding,
             target=self.target,
             **self.shapes,
-            **self.kwargs,
         )
 
 
-def create_script(target: tvm.target.Target | dict, **kwargs) -> tuple[set[str], str]:
-    """Export ``create_paged_kv_cache`` alone (V2-Lite shapes, ``kwargs`` to the cache): (function
-    names of the module, the script of ``create_paged_kv_cache``)."""
-    mod, _ = MLACacheModule(target, **kwargs).export_tvm(spec=create_spec())
+def create_script(target: tvm.target.Target | dict, **shapes) -> tuple[set[str], str]:
+    """Export ``create_paged_kv_cache`` alone (V2-Lite shapes, ``shapes`` overriding them, e.g.
+    ``heads`` or ``dtype``): (function names of the module, the script of
+    ``create_paged_kv_cache``)."""
+    mod, _ = MLACacheModule(target, **shapes).export_tvm(spec=create_spec())
     return {gv.name_hint for gv in mod.get_global_vars()}, mod["create_paged_kv_cache"].script()

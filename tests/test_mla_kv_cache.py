@@ -462,18 +462,13 @@ def test_cuda_target_constructs() -> None:
     assert "paged_attention_kv_cache_create" in mod["create_paged_kv_cache"].script()
 
 
-@pytest.mark.parametrize("append_kernel", ["release_first", "tvm"])
-def test_cuda_cache_append_slot(append_kernel: str) -> None:
-    """On CUDA the latent append is ours (``mla_append_cuda``) unless TVM's is asked for; the
-    cache's create call takes exactly one of them."""
-    names, script = create_script({"kind": "cuda", "arch": "sm_90"}, append_kernel=append_kernel)
-    ours, tvms = "mla_append_release_first", "tir_kv_cache_transpose_append_mla"
-    used, unused = (ours, tvms) if append_kernel == "release_first" else (tvms, ours)
-    assert used in names and (ours in names) == (append_kernel == "release_first")
+@pytest.mark.parametrize(("dtype", "ours"), [("float16", True), ("bfloat16", False)])
+def test_cuda_cache_append_slot(dtype: str, ours: bool) -> None:
+    """On CUDA the latent append is ours (``mla_append_cuda``) where it supports the dtype and
+    TVM's where it does not (bfloat16); the cache's create call takes exactly one of them."""
+    names, script = create_script({"kind": "cuda", "arch": "sm_90"}, dtype=dtype)
+    mine, tvms = "mla_append_release_first", "tir_kv_cache_transpose_append_mla"
+    used, unused = (mine, tvms) if ours else (tvms, mine)
+    assert used in names and (mine in names) == ours
     create = next(line for line in script.splitlines() if "kv_cache_create" in line)
     assert f" {used}," in create and f" {unused}," not in create
-
-
-def test_cuda_cache_rejects_unknown_append_kernel() -> None:
-    with pytest.raises(ValueError, match="append_kernel"):
-        create_script({"kind": "cuda", "arch": "sm_90"}, append_kernel="fast")

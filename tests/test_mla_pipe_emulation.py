@@ -11,10 +11,10 @@ block of a few rows (empty, one key, page edges, several splits) is run, the par
 merged as the merge kernel does, and out/lse are checked against a float64 softmax. Shared memory
 starts as NaN and the page rows past the visible length are NaN, so reads of unwritten data show.
 
-With ``early=True`` the block waits itself (the PDL ``griddepcontrol.wait``, emulated as a block
-barrier) after copying the pages older than the row's new tokens: those new rows stay NaN until
-the wait, as if the step's KV append were still running, so an early copy of a page it writes
-shows as a NaN result (a control case copies one page too many and must fail).
+The block waits itself (the PDL ``griddepcontrol.wait``, emulated as a block barrier) after
+copying the pages older than the row's new tokens: those new rows stay NaN until the wait, as if
+the step's KV append were still running, so an early copy of a page it writes shows as a NaN
+result (a control case copies one page too many and must fail).
 """
 
 from __future__ import annotations
@@ -232,9 +232,7 @@ int main(int argc, char** argv) {
 SCALE = 0.25  # sm_scale * log2(e) of the test (any value)
 
 
-def _build(
-    tmp: Path, d: int, dl: int, stages: int, partials: str = "float32", early: bool = False
-) -> Path:
+def _build(tmp: Path, d: int, dl: int, stages: int) -> Path:
     from string import Template
 
     tag = "emu"
@@ -242,14 +240,14 @@ def _build(
         TYPES
         + Template(_PRELUDE).substitute(d=d)
         + Template(_PRIMS).substitute(tag=tag, wait=stages - 2)
-        + pipe_source(tag, d, dl, stages, prims=False, partials=partials, early=early)
+        + pipe_source(tag, d, dl, stages, prims=False)
         + Template(_MAIN).substitute(
             tag=tag,
             d=d,
             dl=dl,
             smem_halves=pipe_shared_halves(d, stages),
             scale=f"{SCALE}f",
-            wt="half" if partials == "float16" else "float",
+            wt="float",
         )
     )
     return compile_cpp(src, tmp / "emu")
@@ -280,13 +278,11 @@ def _plan(
 
 
 def _run(tmp: Path, exe: Path, d: int, dl: int, n_vis: list[int], min_pps: int, smax: int,
-         late: int, partials: str = "float32", new: list[int] | None = None,
-         extra_early: int = 0) -> None:  # fmt: skip
-    """Run the blocks of rows of ``n_vis`` keys, the last ``new`` of each appended this step
-    (``None``: the block does not wait itself), and check them against the reference."""
+         late: int, new: list[int], extra_early: int = 0) -> None:  # fmt: skip
+    """Run the blocks of rows of ``n_vis`` keys, the last ``new`` of each appended this step,
+    and check them against the reference."""
     rng = np.random.default_rng(7 + late)
-    early = new is not None
-    jobs, rows, n_ws = _plan(n_vis, min_pps, smax, new or [0] * len(n_vis), extra_early)
+    jobs, rows, n_ws = _plan(n_vis, min_pps, smax, new, extra_early)
     n_ids = sum(max(-(-n // P), 1) for n in n_vis)
     n_pages = n_ids + 3
     perm = rng.permutation(n_pages)[:n_ids].astype(np.int32)
@@ -302,10 +298,11 @@ def _run(tmp: Path, exe: Path, d: int, dl: int, n_vis: list[int], min_pps: int, 
     for name, arr in (("q", q), ("pages", pages), ("ids", perm), ("jobs", np.int32(jobs))):
         np.ascontiguousarray(arr).tofile(tmp / name)
     args = [str(exe), str(tmp), str(late), str(len(n_vis)), str(n_pages), str(n_ids)]
-    subprocess.run(args + [str(len(jobs)), str(n_ws), str(int(early))], check=True, timeout=600)
+    subprocess.run(args + [str(len(jobs)), str(n_ws), "1"], check=True, timeout=600)
     out = np.fromfile(tmp / "out", np.float16).reshape(len(n_vis), H, dl).astype(np.float64)
     lse = np.fromfile(tmp / "lse", np.float32).reshape(len(n_vis), H).astype(np.float64)
-    ws_o = np.fromfile(tmp / "ws_o", partials).reshape(len(n_vis), smax, H, dl).astype(np.float64)
+    ws_o = np.fromfile(tmp / "ws_o", np.float32).reshape(len(n_vis), smax, H, dl)
+    ws_o = ws_o.astype(np.float64)
     ws_lse = np.fromfile(tmp / "ws_lse", np.float32).reshape(len(n_vis), smax, H)
     for r, ((_, nsplit), n) in enumerate(zip(rows, n_vis, strict=True)):
         if nsplit > 1:  # the merge kernel's arithmetic
@@ -336,18 +333,13 @@ def _run(tmp: Path, exe: Path, d: int, dl: int, n_vis: list[int], min_pps: int, 
 )
 def test_pipelined_split_block(tmp_path: Path, d: int, dl: int, stages: int, min_pps: int,
                                smax: int) -> None:  # fmt: skip
+    """Decode rows (one new token; none for an empty row) over rings of 2 to 4 page buffers,
+    with the copies landing at issue and at the covering wait."""
     exe = _build(tmp_path, d, dl, stages)
     n_vis = [0, 1, 16, 17, 100, 300] if d < 200 else [0, 33, 200]
+    new = [min(n, 1) for n in n_vis]
     for late in (0, 1):
-        _run(tmp_path, exe, d, dl, n_vis, min_pps, smax, late)
-
-
-def test_pipelined_split_block_with_float16_partials(tmp_path: Path) -> None:
-    """The workspace's partial outputs as float16 (``partials="float16"``), merged in float64
-    as the merge kernel does in float32: the same tolerance as the float32 workspace."""
-    exe = _build(tmp_path, 576, 512, 3, partials="float16")
-    for late in (0, 1):
-        _run(tmp_path, exe, 576, 512, [0, 33, 200], 2, 4, late, partials="float16")
+        _run(tmp_path, exe, d, dl, n_vis, min_pps, smax, late, new=new)
 
 
 @pytest.mark.parametrize(
@@ -361,10 +353,10 @@ def test_pipelined_split_block_with_float16_partials(tmp_path: Path) -> None:
 def test_pipelined_split_block_copies_old_pages_before_its_wait(
     tmp_path: Path, d: int, dl: int, stages: int, min_pps: int, smax: int
 ) -> None:
-    """``early=True``: decode rows (one new token, at a page's start, middle and end), a chunk
+    """Decode rows (one new token, at a page's start, middle and end), a chunk
     of 40 new tokens and a first chunk (every token new): the pages older than the new tokens
     are copied before the block's own PDL wait, and the result is the reference's."""
-    exe = _build(tmp_path, d, dl, stages, early=True)
+    exe = _build(tmp_path, d, dl, stages)
     if d < 200:
         n_vis, new = [1, 16, 17, 100, 300, 130], [1, 1, 1, 1, 1, 40]
     else:
@@ -376,6 +368,6 @@ def test_pipelined_split_block_copies_old_pages_before_its_wait(
 def test_pipelined_split_block_reading_a_new_page_early_fails(tmp_path: Path) -> None:
     """The control: blocks told that one page more is old copy the page the append is still
     writing before the wait, and the check fails (NaN rows)."""
-    exe = _build(tmp_path, 80, 64, 3, early=True)
+    exe = _build(tmp_path, 80, 64, 3)
     with pytest.raises(AssertionError):
         _run(tmp_path, exe, 80, 64, [100, 300], 2, 3, 0, new=[1, 1], extra_early=1)

@@ -1,9 +1,8 @@
 """The fused MLA prologue on CUDA (``dsv2_mlc.schedules.mla_prologue_cuda``), no GPU: the kernel
-compiles to sm_90 machine code at the model's shapes and the lab's variants, and a compiled tiny
-CUDA model runs one ``qkv_a_proj`` GEMV and this kernel per layer in decode (and extend) where it
-ran two GEMVs, the latent kernel and the absorb kernel. Its numerics are measured on an H200 by
-``schedules/lab/kernel_lab_absorb.py run``; the CPU path (the Relax / TE composition) is checked
-against
+compiles to sm_90 machine code at the model's shapes, and a compiled tiny CUDA model runs one
+``qkv_a_proj`` GEMV and this kernel per layer in decode (and extend) instead of two GEMVs, the
+latent kernel and a separate query absorption. Its numerics against NumPy:
+test_mla_prologue_emulation.py; the CPU path (the Relax / TE composition) is checked against
 Hugging Face by test_e2e_hf.py."""
 
 from __future__ import annotations
@@ -15,12 +14,12 @@ from pathlib import Path
 import pytest
 import tvm
 
-from dsv2_mlc.schedules.mla_prologue_cuda import mla_prologue_cuda
+from dsv2_mlc.schedules.mla_prologue_cuda import build_mla_prologue, mla_prologue_cuda
+from dsv2_mlc.schedules.tiles import MLAPrologueTiles
 
 sys.path.insert(0, str(Path(__file__).parent))
 from cuda_builds import entry_ir, needs_nvcc  # noqa: E402
 from hf_reference import CONFIG_A, CONFIG_B  # noqa: E402
-from scripts_module import load_script  # noqa: E402
 
 
 def _compiles(func, tmp_path: Path) -> None:
@@ -31,10 +30,6 @@ def _compiles(func, tmp_path: Path) -> None:
         exe = tvm.compile(tvm.IRModule({"p": func.with_attr("global_symbol", "p")}), target)
     exe.export_library(str(tmp_path / "p.so"))
     check_fatbin(tmp_path / "p.so", "sm_90")
-
-
-def _lab_variants() -> dict:
-    return load_script("kernel_lab_absorb").VARIANTS
 
 
 @needs_nvcc
@@ -57,20 +52,9 @@ def test_kernel_compiles_to_sm90(tmp_path: Path, heads, nope, rope, lora, q_a, d
     _compiles(func, tmp_path)
 
 
-@needs_nvcc
-@pytest.mark.parametrize("variant", sorted(_lab_variants()))
-def test_lab_variants_compile(tmp_path: Path, variant: str) -> None:
-    """Every variant ``kernel_lab_absorb.py prepare`` builds compiles to sm_90 (V2-Lite)."""
-    func = mla_prologue_cuda(
-        16, 128, 64, 512, "float16", q_width=3648, kv_width=3648, kv_offset=3072, eps=1e-6,
-        **_lab_variants()[variant],
-    )  # fmt: skip
-    _compiles(func, tmp_path)
-
-
 def test_blocks_per_token() -> None:
     """One latent block plus ``ceil(L / cols)`` column tiles per head: 129 blocks for V2-Lite at
-    batch 1 (the old absorb kernel had 80 for 132 SMs)."""
+    batch 1."""
     func = mla_prologue_cuda(
         16, 128, 64, 512, "float16", q_width=3648, kv_width=3648, kv_offset=3072, eps=1e-6
     )
@@ -86,9 +70,9 @@ def test_rejects_unsupported_shapes() -> None:
     with pytest.raises(ValueError, match="rope=7"):
         mla_prologue_cuda(8, 16, 7, 32, "float16", **ok)
     with pytest.raises(ValueError, match="cols=12"):
-        mla_prologue_cuda(8, 16, 8, 32, "float16", cols=12, **ok)
+        build_mla_prologue(8, 16, 8, 32, "float16", MLAPrologueTiles(cols=12, threads=128), **ok)
     with pytest.raises(ValueError, match="threads=80"):
-        mla_prologue_cuda(8, 16, 8, 32, "float16", threads=80, **ok)
+        build_mla_prologue(8, 16, 8, 32, "float16", MLAPrologueTiles(cols=64, threads=80), **ok)
     with pytest.raises(ValueError, match="kv_offset"):
         mla_prologue_cuda(8, 16, 8, 32, "float16", **{**ok, "kv_width": 200})
 

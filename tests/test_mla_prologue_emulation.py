@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import shutil
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from dsv2_mlc.schedules.mla_prologue_cuda import mla_prologue_cuda
+from dsv2_mlc.schedules.mla_prologue_cuda import build_mla_prologue
+from dsv2_mlc.schedules.tiles import tuned
 
 sys.path.insert(0, str(Path(__file__).parent))
 from cuda_emulation import emulate  # noqa: E402
@@ -35,12 +37,11 @@ def _rope(x: np.ndarray, tab: np.ndarray) -> np.ndarray:
 @pytest.mark.parametrize(
     ("heads", "nope", "rope", "lora", "q_a", "dtype", "kwargs", "n"),
     [
-        (16, 128, 64, 512, None, "float16", {}, 2),  # V2-Lite, the model's kernel (preload)
+        (16, 128, 64, 512, None, "float16", {}, 2),  # V2-Lite, the model's kernel
         (16, 128, 64, 512, None, "float16", {"cols": 32, "threads": 256}, 1),
         (4, 16, 8, 32, 24, "float16", {}, 3),  # tiny, q-LoRA: q apart, a partial column tile
         (4, 16, 8, 32, None, "float32", {"cols": 16}, 2),
-        (16, 128, 64, 512, None, "float16", {"preload": False}, 2),  # W_UK tile asked of L2
-        (4, 16, 8, 32, 24, "float16", {"preload": False, "threads": 64}, 3),
+        (4, 16, 8, 32, 24, "float16", {"threads": 64}, 3),
     ],
 )
 def test_prologue_matches_numpy(tmp_path, heads, nope, rope, lora, q_a, dtype, kwargs, n):
@@ -54,17 +55,17 @@ def test_prologue_matches_numpy(tmp_path, heads, nope, rope, lora, q_a, dtype, k
     angles = rng.random((n, rope // 2)) * 2 * np.pi
     tab = (np.stack([np.cos(angles), np.sin(angles)], -1).reshape(n, rope) * 1.2).astype("f4")
     eps = 1e-6
-    func = mla_prologue_cuda(
-        heads, nope, rope, lora, dtype, q_width=q.shape[1], kv_width=kv.shape[1],
-        kv_offset=kv_offset, eps=eps, **kwargs,
+    func = build_mla_prologue(
+        heads, nope, rope, lora, dtype, replace(tuned("mla_prologue"), **kwargs),
+        q_width=q.shape[1], kv_width=kv.shape[1], kv_offset=kv_offset, eps=eps,
     )  # fmt: skip
     q_lat = np.full((n, heads, lora + rope), np.nan, dtype)
     latent = np.full((n, lora + rope), np.nan, dtype)
     blocks = 1 + heads * -(-lora // kwargs.get("cols", 64))
     arrays = {"q": q, "kv": kv, "w": w, "norm_w": norm_w, "tab": tab}
     stats = emulate(func, tmp_path)(blocks * n, {**arrays, "q_lat": q_lat, "latent": latent}, n)
-    # each token's tiles: all of W_UK, once (asked of L2, or loaded into registers instead)
-    assert stats["prefetch_bytes"] == (0 if kwargs.get("preload", True) else n * w.nbytes)
+    # the W_UK tiles are loaded into registers before the wait, not asked of L2
+    assert stats["prefetch_bytes"] == 0
 
     qh = q.astype(np.float64)[:, :qk].reshape(n, heads, nope + rope)
     q_abs = np.einsum("nhd,hdc->nhc", qh[..., :nope], w.astype(np.float64))

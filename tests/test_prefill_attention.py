@@ -1,9 +1,9 @@
 """The tensor-core ragged prefill attention kernel (schedules/prefill_attention_cuda.py), no GPU.
 
 Checks that the kernel compiles to sm_90 machine code, that ``MLAPagedKVCache`` puts it into the
-ragged-prefill slot of TVM's ``TIRPagedKVCache`` for CUDA (and keeps TVM's kernel with
-``prefill_kernel="tvm"``), that a tiny CUDA build carries it, and that the CPU cache is unchanged.
-Its numerics and speed are measured on an H200 by ``schedules/lab/kernel_lab_prefill_attn.py run``.
+ragged-prefill slot of TVM's ``TIRPagedKVCache`` for CUDA where it supports the shapes (and keeps
+TVM's kernel where it does not), that a tiny CUDA build carries it, and that the CPU cache is
+unchanged. Its numerics and speed on the GPU: schedules/results/prefill_attention.md.
 """
 
 from __future__ import annotations
@@ -16,11 +16,12 @@ from pathlib import Path
 import pytest
 import tvm
 
-from dsv2_mlc.model.kv_cache import PREFILL_KERNEL_DEFAULT
 from dsv2_mlc.schedules.prefill_attention_cuda import (
+    build_prefill_attention,
     prefill_attention_cuda,
     prefill_attention_cuda_supports,
 )
+from dsv2_mlc.schedules.tiles import PrefillAttentionTiles
 
 sys.path.insert(0, str(Path(__file__).parent))
 from cuda_builds import needs_nvcc  # noqa: E402
@@ -33,12 +34,11 @@ CUDA = {"kind": "cuda", "arch": "sm_90"}
 
 
 @needs_nvcc
-@pytest.mark.parametrize("kwargs", [{}, {"q_smem": True, "block_n": 16}], ids=["default", "qs"])
-def test_kernel_compiles_for_sm90(kwargs: dict, tmp_path: Path) -> None:
+def test_kernel_compiles_for_sm90(tmp_path: Path) -> None:
     from dsv2_mlc.compiler.cuda import check_fatbin, cuda_codegen, make_cuda_target
 
     target = make_cuda_target("sm_90")
-    func = prefill_attention_cuda(16, 16, 192, 128, "float16", **kwargs)
+    func = prefill_attention_cuda(16, 16, 192, 128, "float16")
     mod = tvm.IRModule({"attn": func.with_attr("global_symbol", "attn")})
     with cuda_codegen(), target:
         lib = tvm.compile(mod, target=target)
@@ -55,35 +55,28 @@ def test_supported_shapes() -> None:
     assert not prefill_attention_cuda_supports(2, 16, 192, 128, "float16")  # GQA
     assert not prefill_attention_cuda_supports(4, 4, 24, 16, "float16")  # d_qk % 16
     with pytest.raises(ValueError, match="shared memory"):
-        prefill_attention_cuda(16, 16, 192, 128, block_n=64, q_smem=True)
+        build_prefill_attention(16, 16, 192, 128, "float16", PrefillAttentionTiles(64, 128))
     with pytest.raises(ValueError, match="block_m"):
-        prefill_attention_cuda(16, 16, 192, 128, block_m=48)
+        build_prefill_attention(16, 16, 192, 128, "float16", PrefillAttentionTiles(48, 32))
 
 
-@pytest.mark.parametrize("prefill_kernel", ["flash", "tvm", None])
-def test_cuda_cache_ragged_slot(prefill_kernel: str | None) -> None:
-    kwargs = {} if prefill_kernel is None else {"prefill_kernel": prefill_kernel}
-    names, script = create_script(CUDA, **kwargs)
-    flash = (prefill_kernel or PREFILL_KERNEL_DEFAULT) == "flash"
+@pytest.mark.parametrize(("dtype", "flash"), [("float16", True), ("bfloat16", False)])
+def test_cuda_cache_ragged_slot(dtype: str, flash: bool) -> None:
+    """The ragged-prefill slot holds our kernel for float16 and TVM's for bfloat16 (which ours
+    does not support)."""
+    names, script = create_script(CUDA, dtype=dtype)
     slot, other = (OURS, TVM_RAGGED) if flash else (TVM_RAGGED, OURS)
     assert f'(R.str("tirx"), {slot})' in script
     assert f'(R.str("tirx"), {other})' not in script
     assert (OURS in names) == flash
-    # the MLA slot keeps its own kernel either way
+    # the MLA slot keeps its own kernel either way (the split kernel takes bfloat16 too)
     assert '(R.str("tirx"), batch_mla_paged_attention_split_kv)' in script
 
 
-def test_cuda_cache_rejects_unknown_prefill_kernel() -> None:
-    with pytest.raises(ValueError, match="prefill_kernel"):
-        create_script(CUDA, prefill_kernel="flashinfer")
-
-
 def test_cpu_cache_unchanged() -> None:
-    """The LLVM cache keeps TVM's CPU ragged kernel, whatever ``prefill_kernel`` says."""
+    """The LLVM cache keeps TVM's CPU ragged kernel."""
     llvm = {"kind": "llvm"}
     names, script = create_script(llvm)
-    names_tvm, script_tvm = create_script(llvm, prefill_kernel="tvm")
-    assert script == script_tvm and names == names_tvm
     assert OURS not in names
     assert '(R.str("tirx"), batch_prefill_ragged_kv)' in script  # _attention_prefill_ragged_cpu
 

@@ -6,18 +6,15 @@ Only the latent is cached: per token and layer one row ``[compressed_kv (kv_lora
 
 * LLVM target: the CPU kernels of :mod:`dsv2_mlc.schedules.mla_cpu` (TVM 0.27 has no MLA kernels
   for LLVM) plus TVM's ``_attention_prefill_ragged_cpu`` for the non-absorbed self-attention.
-* CUDA target: TVM's own ``TIRPagedKVCache(attn_kind="mla")`` with its MLA attention slot
-  (absorbed decode and the cross-attention of extend) replaced by the split-KV kernel of
-  :mod:`dsv2_mlc.schedules.mla_attention_cuda` (``mla_kernel="split_kv"``, the default; 24x to
-  190x faster on an H200, schedules/results/mla_attention.md). ``mla_kernel="tvm"`` keeps TVM's
-  ``batch_prefill_paged_kv_mla`` (the baseline). Its ragged-prefill slot (the causal
-  ``self_attention``) likewise gets the tensor-core flash-attention kernel of
-  :mod:`dsv2_mlc.schedules.prefill_attention_cuda` (``prefill_kernel="flash"``, the default;
-  0.37 ms instead of 16.2 ms per layer at a 4K prompt on an H200); ``prefill_kernel="tvm"``
-  keeps TVM's ``batch_prefill_ragged_kv`` (the baseline). Its latent append
-  (``f_transpose_append_mla``) is :mod:`dsv2_mlc.schedules.mla_append_cuda`'s, which lets the
-  split-KV kernel start while it waits (``append_kernel="release_first"``, the default; ``"tvm"``
-  keeps TVM's).
+* CUDA target: TVM's own ``TIRPagedKVCache(attn_kind="mla")`` with three of its kernels replaced
+  by ours where they support the shapes (TVM's stay where they do not): the MLA attention slot
+  (absorbed decode and the cross-attention of extend) by the split-KV kernel of
+  :mod:`dsv2_mlc.schedules.mla_attention_cuda` (schedules/results/mla_attention.md); the
+  ragged-prefill slot (the causal ``self_attention``) by the tensor-core flash-attention kernel
+  of :mod:`dsv2_mlc.schedules.prefill_attention_cuda` (float16, head dims multiples of 16;
+  schedules/results/prefill_attention.md); the latent append (``f_transpose_append_mla``) by
+  :mod:`dsv2_mlc.schedules.mla_append_cuda`'s, which lets the split-KV kernel start while it
+  waits.
 
 Use it through the fine-grained ``PagedKVCache`` API (the model applies RoPE itself):
 
@@ -43,7 +40,6 @@ Runtime rules (read from ``paged_kv_cache.cc``, checked in ``tests/test_mla_kv_c
   CUDA, TVM's kernels need ``page_size == 16``. ``support_sliding_window`` must be 0.
 """
 
-from collections.abc import Mapping
 from typing import Any
 
 import tvm
@@ -77,23 +73,9 @@ from dsv2_mlc.schedules.prefill_attention_cuda import (
     prefill_attention_cuda_supports,
 )
 
-__all__ = [
-    "APPEND_KERNELS",
-    "MLA_KERNELS",
-    "PREFILL_KERNELS",
-    "PREFILL_KERNEL_DEFAULT",
-    "MLAPagedKVCache",
-]
+__all__ = ["MLAPagedKVCache"]
 
 IntLike = int | tvm.ir.Expr
-# CUDA kernels for the MLA attention slot: ours (split-KV) or TVM's prefill kernel (baseline).
-MLA_KERNELS = ("split_kv", "tvm")
-# CUDA kernels for the latent append: ours (releases the next kernel before its wait) or TVM's.
-APPEND_KERNELS = ("release_first", "tvm")
-# CUDA kernels for the ragged-prefill slot (self_attention): ours (tensor-core flash attention)
-# or TVM's batch_prefill_ragged_kv (baseline).
-PREFILL_KERNELS = ("flash", "tvm")
-PREFILL_KERNEL_DEFAULT = "flash"
 # The names TIRPagedKVCache gives the kernels of the slots we replace.
 _TVM_MLA_SLOT_FUNC = "tir_attention_prefill_mla"
 _TVM_RAGGED_SLOT_FUNC = "tir_attention_prefill_ragged"
@@ -153,16 +135,9 @@ class MLAPagedKVCache(PagedKVCache):  # pylint: disable=too-few-public-methods
     are that method's runtime ints (``tirx.Var``) or Python ints. ``page_size`` must be 16 on
     CUDA (TVM's kernels hard-code it); the CPU kernels read it from the page tensor.
     ``support_sliding_window`` must be 0 at runtime (the C++ cache rejects sliding window for MLA).
-    ``mla_kernel`` (CUDA only) picks the MLA attention kernel, one of :data:`MLA_KERNELS`;
-    ``"split_kv"`` falls back to TVM's kernel for shapes it does not support (odd head counts,
-    a row width that is not a whole number of 16-byte vectors). ``prefill_kernel`` (CUDA target
-    only) picks the kernel of the causal ragged self-attention, one of :data:`PREFILL_KERNELS`;
-    ``"flash"`` falls back to TVM's kernel where it does not apply (not float16, head dims not
-    multiples of 16). ``append_kernel`` (CUDA only) picks the latent append, one of
-    :data:`APPEND_KERNELS`: ``"release_first"`` is :mod:`dsv2_mlc.schedules.mla_append_cuda`'s
-    (it lets the attention's split kernel start while it waits), ``"tvm"`` TVM's
-    ``tir_kv_cache_transpose_append_mla``. ``split_kv_options``: keyword arguments of
-    :func:`~dsv2_mlc.schedules.mla_attention_cuda.mla_attention_cuda` (its lab variants).
+    On CUDA the attention, ragged-prefill and append kernels are ours where
+    ``mla_attention_cuda_supports``, ``prefill_attention_cuda_supports`` and
+    ``mla_append_cuda_supports`` accept the shapes, TVM's otherwise (module docstring).
     """
 
     def __init__(  # pylint: disable=too-many-arguments,too-many-locals
@@ -182,51 +157,23 @@ class MLAPagedKVCache(PagedKVCache):  # pylint: disable=too-few-public-methods
         dtype: str,
         target: Target,
         name: str = "paged_kv_cache",
-        mla_kernel: str = "split_kv",
-        prefill_kernel: str = PREFILL_KERNEL_DEFAULT,
-        append_kernel: str = "release_first",
-        split_kv_options: Mapping[str, Any] | None = None,
     ) -> None:
         d_qk = kv_lora_rank + qk_rope_head_dim
-        if mla_kernel not in MLA_KERNELS:
-            raise ValueError(f"mla_kernel must be one of {MLA_KERNELS}, got {mla_kernel!r}")
-        if append_kernel not in APPEND_KERNELS:
-            raise ValueError(
-                f"append_kernel must be one of {APPEND_KERNELS}, got {append_kernel!r}"
-            )
-        if prefill_kernel not in PREFILL_KERNELS:
-            raise ValueError(
-                f"prefill_kernel must be one of {PREFILL_KERNELS}, got {prefill_kernel!r}"
-            )
         if target.kind.name != "llvm":
             slots: dict[str, rx.Tuple | rx.GlobalVar] = {}
             d_orig = qk_nope_head_dim + qk_rope_head_dim
             heads = num_attention_heads
-            if (
-                target.kind.name == "cuda"
-                and prefill_kernel == "flash"
-                and prefill_attention_cuda_supports(heads, heads, d_orig, v_head_dim, dtype)
+            if target.kind.name == "cuda" and prefill_attention_cuda_supports(
+                heads, heads, d_orig, v_head_dim, dtype
             ):
                 func = prefill_attention_cuda(heads, heads, d_orig, v_head_dim, dtype)
                 gv = rx.BlockBuilder.current().add_func(func, "tir_attention_prefill_ragged_flash")
                 slots[_TVM_RAGGED_SLOT_FUNC] = rx.Tuple([tvm.ir.StringImm("tirx"), gv])
-            if mla_kernel == "split_kv" and mla_attention_cuda_supports(
-                num_attention_heads, kv_lora_rank, qk_rope_head_dim, dtype
-            ):
-                func = mla_attention_cuda(
-                    num_attention_heads,
-                    kv_lora_rank,
-                    qk_rope_head_dim,
-                    dtype,
-                    **(split_kv_options or {}),
-                )
+            if mla_attention_cuda_supports(heads, kv_lora_rank, qk_rope_head_dim, dtype):
+                func = mla_attention_cuda(heads, kv_lora_rank, qk_rope_head_dim, dtype)
                 gv = rx.BlockBuilder.current().add_func(func, "tir_attention_mla_split_kv")
                 slots[_TVM_MLA_SLOT_FUNC] = rx.Tuple([tvm.ir.StringImm("tirx"), gv])
-            if (
-                target.kind.name == "cuda"
-                and append_kernel == "release_first"
-                and mla_append_cuda_supports(d_qk, dtype)
-            ):
+            if target.kind.name == "cuda" and mla_append_cuda_supports(d_qk, dtype):
                 # the append that releases the split kernel before its wait (mla_append_cuda)
                 slots[_TVM_APPEND_FUNC] = rx.BlockBuilder.current().add_func(
                     mla_append_cuda(d_qk, dtype), "mla_append_release_first"

@@ -86,7 +86,7 @@ def latent_norm_rope(
 ) -> Tensor:
     """``[c_kv, k_pe]`` at columns ``[offset, offset + L + R)`` of ``kv`` -> ``[n, L + R]``
     ``[weight * RMSNorm(c_kv), rope(k_pe)]`` (same dtype); ``rope`` is the tokens'
-    :func:`~dsv2_mlc.model.rope.rope_table`. Reading at an offset lets it take the fused
+    :func:`~dsv2_mlc.rope.rope_table`. Reading at an offset lets it take the fused
     ``qkv_a_proj`` output as it is (no split kernel)."""
     lora = cfg.kv_lora_rank
 
@@ -98,7 +98,7 @@ def latent_norm_rope(
 
 def absorb_query(q: Tensor, w_uk: Tensor, rope: Tensor, cfg: DeepseekV2Config) -> Tensor:
     """``q [n, H * (nope + R)]`` -> ``[q_nope @ W_UK, rope(q_pe)]`` ``[n, H, L + R]`` (``rope``:
-    the tokens' :func:`~dsv2_mlc.model.rope.rope_table`)."""
+    the tokens' :func:`~dsv2_mlc.rope.rope_table`)."""
     n, heads = q.shape[0], cfg.num_attention_heads
     nope, rope_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
     q_nope, q_pe = op.split(op.reshape(q, (n, heads, nope + rope_dim)), [nope], axis=2)

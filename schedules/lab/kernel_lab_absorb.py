@@ -1,34 +1,30 @@
-"""Kernel lab, MLA prologue of absorbed attention: the two old kernels vs the fused one.
+"""Kernel lab, MLA prologue of absorbed attention: the fused kernel's tiles.
 
 ``python schedules/lab/kernel_lab_absorb.py prepare`` (build box, TVM + nvcc, no GPU): compiles
-TIR-only
-libraries for CUDA sm_90 (precompiled fatbins, :mod:`dsv2_mlc.compiler.cuda`) into
-``build/lab_absorb/`` at V2-Lite's shapes (16 heads, nope 128, rope 64, latent 512, fp16, no
-q-LoRA: the query and the latent come from one ``qkv_a_proj`` output ``[n, 3648]``):
+TIR-only libraries for CUDA sm_90 (precompiled fatbins, :mod:`dsv2_mlc.compiler.cuda`) into the
+lab folder at V2-Lite's shapes (16 heads, nope 128, rope 64, latent 512, fp16, no q-LoRA: the
+query and the latent come from one ``qkv_a_proj`` output ``[n, 3648]``):
 
-* ``absorb_q``: :func:`dsv2_mlc.schedules.mla_absorb_cuda.absorb_q_cuda`, the model's query-side
-  kernel before (80 blocks at batch 1), reading a separate ``q_proj`` output ``[n, 3072]``;
 * ``latent_norm_rope``: the TE kernel of :mod:`dsv2_mlc.model.mla_ops` (RMSNorm + RoPE of the
   cached latent) scheduled by dlight's default rules, as the pipeline does, reading a separate
-  ``kv_a_proj_with_mqa`` output ``[n, 576]``;
+  ``kv_a_proj_with_mqa`` output ``[n, 576]`` (a yardstick: the latent alone);
 * one ``prologue_<variant>`` per entry of :data:`VARIANTS`:
-  :func:`dsv2_mlc.schedules.mla_prologue_cuda.mla_prologue_cuda` with those keyword arguments
-  (``ours`` = the defaults, what the model uses), both outputs in one launch;
+  :func:`dsv2_mlc.schedules.mla_prologue_cuda.build_mla_prologue` with the shipped tiles of
+  ``schedules/tiles.py`` changed by those fields (``ours`` = the shipped tiles, what the model
+  uses), both outputs in one launch;
 
 plus ``manifest.json`` (which lists them).
 
-
-``python3 schedules/lab/kernel_lab_absorb.py run --lib-dir .devcarry/tvm-lib --out $OUT`` (GPU
-machine;
-torch and ``tvm_ffi``, compiles nothing, never imports tvm): for 1, 4, 16 and 128 tokens, random
-inputs; every kernel is checked against a float32 torch reference (relative L2 and max abs error
-of ``q_lat`` and of the latent; outputs are NaN-filled first, so an unwritten element shows) and
-timed three ways, rotating over copies of ``W_UK`` (2 MB each, 96 MB in all: not L2-resident, as
-in a decode step): ``cold`` (CUDA events over back-to-back calls), ``graph`` (the same calls
-replayed from a CUDA graph: launch overhead as in a captured decode step) and ``kernel`` (CUPTI
-kernel durations, launch gaps excluded). ``old`` is ``absorb_q`` + ``latent_norm_rope`` back to
-back, what one layer ran before. Prints one table per timing (case x kernel, us; ``!`` marks a
-wrong result); writes ``absorb_lab.json`` under ``--out``. About 30 s on an H200.
+``python3 schedules/lab/kernel_lab_absorb.py run --lib-dir LIBS --out DIR`` (GPU machine,
+``LIBS`` holding TVM's runtime libraries; torch and ``tvm_ffi``, compiles nothing, never imports
+tvm): for 1, 4, 16 and 128 tokens, random inputs; every kernel is checked against a float32 torch
+reference (relative L2 and max abs error of ``q_lat`` and of the latent; outputs are NaN-filled
+first, so an unwritten element shows) and timed three ways, rotating over copies of ``W_UK`` (2
+MB each, 96 MB in all: not L2-resident, as in a decode step): ``cold`` (CUDA events over
+back-to-back calls), ``graph`` (the same calls replayed from a CUDA graph: launch overhead as in a
+captured decode step) and ``kernel`` (CUPTI kernel durations, launch gaps excluded). Prints one
+table per timing (case x kernel, us; ``!`` marks a wrong result); writes ``absorb_lab.json``
+under ``--out``.
 """
 
 from __future__ import annotations
@@ -37,6 +33,7 @@ import argparse
 import json
 import math
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -48,18 +45,16 @@ HEADS, NOPE, ROPE, LATENT, EPS = 16, 128, 64, 512, 1e-6
 QK = NOPE + ROPE
 Q_COLS = HEADS * QK  # 3072: the query heads of the fused projection output
 WIDTH = Q_COLS + LATENT + ROPE  # 3648
-# name -> mla_prologue_cuda keyword arguments ("ours": the defaults, the model's kernel);
+# name -> MLAPrologueTiles fields changed from the shipped tiles ("ours": none);
 # blocks per token: 1 + 16 * ceil(512 / cols)
 VARIANTS: dict[str, dict] = {
-    "ours": {},  # 64 columns, 128 threads: 129 blocks; W_UK tile in registers before the wait
-    "l2": {"preload": False},  # the same asking L2 for the tile (the default until round 4)
+    "ours": {},  # 64 columns, 128 threads: 129 blocks
     "c32": {"cols": 32},  # 257 blocks, 32 reduction groups
     "c16": {"cols": 16},  # 513 blocks, 64 reduction groups
-    "c128": {"cols": 128},  # 65 blocks (the old tiling, latent fused)
+    "c128": {"cols": 128},  # 65 blocks
     "c64_t256": {"cols": 64, "threads": 256},  # 129 blocks, 32 reduction groups
     "c32_t256": {"cols": 32, "threads": 256},  # 257 blocks, 64 reduction groups
 }
-OLD = ("absorb_q", "latent_norm_rope")
 CASES = (1, 4, 16, 128)  # tokens
 BAD_REL = 2e-3  # a result worse than this (relative L2) is flagged "!"
 W_COPIES = 48  # 96 MB of W_UK, more than the H200's L2
@@ -82,24 +77,20 @@ def _latent_norm_rope_dlight(target):  # -> tvm.tirx.PrimFunc
 
 
 def prepare(args: argparse.Namespace) -> int:
-    """Compile the old kernels and every variant for CUDA into build/lab_absorb (no GPU)."""
+    """Compile the yardstick and every variant for CUDA into the lab folder (no GPU)."""
     from dsv2_mlc.compiler.cuda import make_cuda_target
-    from dsv2_mlc.schedules.mla_absorb_cuda import absorb_q_cuda
-    from dsv2_mlc.schedules.mla_prologue_cuda import mla_prologue_cuda
+    from dsv2_mlc.schedules.mla_prologue_cuda import build_mla_prologue
+    from dsv2_mlc.schedules.tiles import tuned
 
     target = make_cuda_target(args.arch)
     lab_common.fresh_lab_dir(LAB_DIR, "absorb_*.so")
-    funcs = {
-        "absorb_q": absorb_q_cuda(HEADS, NOPE, ROPE, LATENT, "float16"),
-        "latent_norm_rope": _latent_norm_rope_dlight(target),
-    }
+    funcs = {"latent_norm_rope": _latent_norm_rope_dlight(target)}
     for name, kwargs in VARIANTS.items():
-        funcs[f"prologue_{name}"] = mla_prologue_cuda(
-            HEADS, NOPE, ROPE, LATENT, "float16", q_width=WIDTH, kv_width=WIDTH,
-            kv_offset=Q_COLS, eps=EPS, **kwargs,
+        funcs[f"prologue_{name}"] = build_mla_prologue(
+            HEADS, NOPE, ROPE, LATENT, "float16", replace(tuned("mla_prologue"), **kwargs),
+            q_width=WIDTH, kv_width=WIDTH, kv_offset=Q_COLS, eps=EPS,
         )  # fmt: skip
     described = {
-        "absorb_q": "schedules/mla_absorb_cuda.absorb_q_cuda",
         "latent_norm_rope": "model/mla_ops.latent_norm_rope_te, dlight default rules",
         **{f"prologue_{k}": v for k, v in VARIANTS.items()},
     }
@@ -138,8 +129,7 @@ def _case(torch, n: int, seed: int) -> dict:
     return {
         "n": n,
         "qkv": qkv,
-        "q": qkv[:, :Q_COLS].contiguous(),  # the old kernels read separate projection outputs
-        "kv": qkv[:, Q_COLS:].contiguous(),
+        "kv": qkv[:, Q_COLS:].contiguous(),  # the yardstick reads a separate projection output
         "tab": tab.contiguous(),
         "ws": ws,
         "norm_w": norm_w,
@@ -162,15 +152,10 @@ def _reference(torch, c: dict) -> tuple:
 
 
 def _calls(key: str, funcs: dict, c: dict) -> list:
-    """One closure per W_UK copy running kernel ``key`` (``old``: both old kernels)."""
+    """One closure per W_UK copy running kernel ``key``."""
     t = lab_common.ffi_tensors
-    if key == "old":
-        absorb, latent = _calls("absorb_q", funcs, c), _calls("latent_norm_rope", funcs, c)
-        return [lambda a=a, b=b: (a(), b()) for a, b in zip(absorb, latent, strict=True)]
     f = funcs[key]
-    if key == "absorb_q":
-        sets = [t(c["q"], w, c["tab"], c["q_lat"]) for w in c["ws"]]
-    elif key == "latent_norm_rope":  # (no W_UK: the same call for every copy)
+    if key == "latent_norm_rope":  # (no W_UK: the same call for every copy)
         sets = [t(c["kv"], c["norm_w"], c["tab"], c["latent"])] * len(c["ws"])
     else:
         sets = [
@@ -183,9 +168,7 @@ def _calls(key: str, funcs: dict, c: dict) -> list:
 def _errors(torch, c: dict, ref: tuple, key: str) -> dict:
     out = {}
     for name, got, want in (("q_lat", c["q_lat"], ref[0]), ("latent", c["latent"], ref[1])):
-        if (key == "absorb_q" and name == "latent") or (
-            key == "latent_norm_rope" and name == "q_lat"
-        ):
+        if key == "latent_norm_rope" and name == "q_lat":
             continue
         g = got.float()
         out[f"{name}_rel_l2"] = float((g - want).norm() / want.norm().clamp_min(1e-30))
@@ -209,7 +192,7 @@ def run(args: argparse.Namespace) -> int:
     funcs = lab_common.load_kernels(args.lib_dir, LAB_DIR, args.only)
     props = torch.cuda.get_device_properties(0)
     print(f"GPU: {props.name}, {props.multi_processor_count} SMs; torch {torch.__version__}")
-    keys = list(funcs) + (["old"] if all(k in funcs for k in OLD) else [])
+    keys = list(funcs)
     results = []
     for i, n in enumerate(CASES):
         if args.cases and str(n) not in args.cases.split(","):

@@ -1,18 +1,17 @@
 """Kernel lab, MLA attention over the paged latent cache: TVM 0.27's kernel vs our variants.
 
 ``python schedules/lab/kernel_lab_mla.py prepare`` (build box, TVM + nvcc, no GPU): compiles
-TIR-only
-libraries for CUDA sm_90 (precompiled fatbins, :mod:`dsv2_mlc.compiler.cuda`) into
-``build/lab/``: ``mla_tvm.so`` (TVM's ``batch_prefill_paged_kv_mla``, what
+TIR-only libraries for CUDA sm_90 (precompiled fatbins, :mod:`dsv2_mlc.compiler.cuda`) into the
+lab folder: ``mla_tvm.so`` (TVM's ``batch_prefill_paged_kv_mla``, what
 ``TIRPagedKVCache(attn_kind="mla")`` uses for decode and extend) and one ``mla_<variant>.so`` per
-entry of :data:`VARIANTS` (:func:`dsv2_mlc.schedules.mla_attention_cuda.mla_attention_cuda` with
-those keyword arguments; ``ours`` = the defaults, what the model uses), all for V2-Lite's shapes
-(16 heads, latent 512, rope 64, fp16, page size 16), plus ``manifest.json`` (which lists them).
+entry of :data:`VARIANTS` (:func:`dsv2_mlc.schedules.mla_attention_cuda.build_mla_attention`
+with the shipped tiles of ``schedules/tiles.py`` changed by those fields; ``ours`` = the shipped
+tiles, what the model uses), all for V2-Lite's shapes (16 heads, latent 512, rope 64, fp16, page
+size 16), plus ``manifest.json`` (which lists them).
 
-
-``python3 schedules/lab/kernel_lab_mla.py run --lib-dir .devcarry/tvm-lib`` (GPU machine; needs
-torch
-and ``tvm_ffi``, compiles nothing, never imports tvm): random q / pages / page tables for decode
+``python3 schedules/lab/kernel_lab_mla.py run --lib-dir LIBS`` (GPU machine, ``LIBS`` holding
+TVM's runtime libraries; needs torch and ``tvm_ffi``, compiles nothing, never imports tvm):
+random q / pages / page tables for decode
 (batch 1, 4, 16 x context 512, 4K, 32K), an extend case (several rows per sequence, causal 0
 and 1) and a batch with an empty sequence; runs every kernel of the manifest, checks it against a
 float32 torch reference (relative L2 of ``out``, max ``lse`` error over finite entries, ``-inf``
@@ -30,6 +29,7 @@ import argparse
 import json
 import math
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -38,65 +38,18 @@ import lab_common  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 LAB_DIR = ROOT / "build" / "lab"
 HEADS, LATENT, ROPE, PAGE = 16, 512, 64, 16
-# name -> mla_attention_cuda keyword arguments ("ours": the defaults, the model's kernel)
+# name -> MLAAttentionTiles fields changed from the shipped tiles ("ours": none): the pipelined
+# split block's ring depth, pages per split and the grid's splits (schedules/results/
+# mla_attention.md has what each measured)
 VARIANTS: dict[str, dict] = {
-    "ours": {},  # the defaults: 3-stage pipelined split block, >= 2 pages per split, the split
-    # kernel's L2 prefetches, its old pages copied before its own wait, then the release
-    "v0": dict(  # the first kernel: 2 pages/split, <= 64 splits, serial merge, SIMT
-        mma=False,
-        min_pages_per_split=2,
-        max_split=64,
-        target_blocks=264,
-        merge="serial",
-        stages=1,
-    ),  # fmt: skip
-    # second round: the TIR page loop (stages=1), 1 page per split; "mma1" was the default
-    "mma1": dict(stages=1, min_pages_per_split=1),
-    "simt": dict(mma=False, stages=1, min_pages_per_split=1),
-    "simt_hg8": dict(mma=False, heads_per_block=8, stages=1, min_pages_per_split=1),
-    "simt_hg4": dict(mma=False, heads_per_block=4, stages=1, min_pages_per_split=1),
-    "simt_t512": dict(mma=False, threads=512, stages=1, min_pages_per_split=1),
-    "mma_s128": dict(max_split=128, target_blocks=264, stages=1, min_pages_per_split=1),
-    "mma_pp2": dict(min_pages_per_split=2, stages=1),
-    "mma_serial": dict(merge="serial", stages=1, min_pages_per_split=1),
-    # Third round: the pipelined split block (cp.async ring of `stages` page buffers, ldmatrix),
-    # multi-page splits, and a merge that reads the split lse without waiting for ws_n.
-    "pipe2": dict(stages=2, min_pages_per_split=1),  # mma1's grid: only the block code changes
-    "pipe3_pp2": dict(stages=3, min_pages_per_split=2, max_split=128, target_blocks=264),
-    "pipe3_pp2_s256": dict(stages=3, min_pages_per_split=2),  # ours, third to sixth round
+    "ours": {},
+    "pipe2": dict(stages=2, min_pages_per_split=1),
+    "pipe3_pp2": dict(min_pages_per_split=2, max_split=128, target_blocks=264),
+    "pipe3_pp2_s256": dict(min_pages_per_split=2),
     "pipe5_pp4": dict(stages=5, min_pages_per_split=4, max_split=128, target_blocks=264),
     "pipe5_pp2_s256": dict(stages=5, min_pages_per_split=2),
-    "ours_mpf": dict(merge_prefetch=True, stages=1, min_pages_per_split=1),
-    "pipe3_pp2_mpf": dict(
-        stages=3, min_pages_per_split=2, max_split=128, target_blocks=264, merge_prefetch=True
-    ),
-    # Fourth round: the split's pages asked of L2 before the PDL wait (in the model: no change
-    # behind TVM's append; a lab call cannot show it, its launches have no programmatic
-    # predecessor; on by default since the sixth round, with the release)
-    "ours_l2": dict(l2_prefetch=True, release=False),
-    # Fifth round: the partial outputs in the workspace as float16 (half the bytes the split
-    # writes and the merge reads), on ours' grid and on the 128 / 264 grid and 4-page splits
-    "ours_p16": dict(partials="float16"),
-    "pipe3_pp2_p16": dict(
-        stages=3, min_pages_per_split=2, max_split=128, target_blocks=264, partials="float16"
-    ),
-    "pipe5_pp4_p16": dict(
-        stages=5, min_pages_per_split=4, max_split=128, target_blocks=264, partials="float16"
-    ),
-    # Sixth round (in the model only, like the fourth: a lab call has no programmatic
-    # predecessor): the split kernel waits and releases itself after its preamble and L2
-    # prefetches (now "ours"); without either (the default before), without the prefetches,
-    # with the merge releasing after its wait too
-    "ours_norel": dict(release=False, l2_prefetch=False),
-    "ours_rel_nol2": dict(l2_prefetch=False, merge_release=True),
-    "ours_mrel": dict(merge_release=True),
-    # eighth round: the split block copies the pages no kernel of the step writes before its
-    # wait (the default since); in the lab, whose launches have no predecessor, the same
-    "ours_late": dict(early_pages=False),
 }
-# Seventh round: rows of more than 128 pages take at least 4 pages a split ("ours"); a variant
-# that sets its own pages per split keeps them at every length, as it did when it was measured
-# ("pipe3_pp2_s256": the default before)
+# A variant that sets its own pages per split keeps them at every length (no long-row tier).
 NO_LONG_TIER = 1 << 30
 for _kwargs in VARIANTS.values():
     if "min_pages_per_split" in _kwargs:
@@ -112,12 +65,14 @@ def prepare(args: argparse.Namespace) -> int:
     target = make_cuda_target(args.arch)
     from tvm.relax.frontend.nn.llm._prefill_kernels import _attention_prefill_mla
 
-    from dsv2_mlc.schedules.mla_attention_cuda import mla_attention_cuda
+    from dsv2_mlc.schedules.mla_attention_cuda import build_mla_attention
+    from dsv2_mlc.schedules.tiles import tuned
 
     lab_common.fresh_lab_dir(LAB_DIR, "mla_*.so")
     funcs = {"tvm": _attention_prefill_mla(HEADS, LATENT, ROPE, "float16", False, target)}
     for name, kwargs in VARIANTS.items():
-        funcs[name] = mla_attention_cuda(HEADS, LATENT, ROPE, "float16", **kwargs)
+        tiles = replace(tuned("mla_attention"), **kwargs)
+        funcs[name] = build_mla_attention(HEADS, LATENT, ROPE, "float16", tiles)
     built = lab_common.build_libraries(
         funcs, LAB_DIR, "mla", args.arch, target, VARIANTS, "TVM _attention_prefill_mla"
     )

@@ -1,16 +1,16 @@
 """Kernel lab, causal ragged prefill attention (MLA ``self_attention``): TVM 0.27's kernel vs ours.
 
 ``python schedules/lab/kernel_lab_prefill_attn.py prepare`` (build box, TVM + nvcc, no GPU):
-compiles
-TIR-only libraries for CUDA sm_90 (precompiled fatbins, :mod:`dsv2_mlc.compiler.cuda`) into
+compiles TIR-only libraries for CUDA sm_90 (precompiled fatbins, :mod:`dsv2_mlc.compiler.cuda`) into
 ``build/lab_attn/``: ``attn_tvm.so`` (TVM's ``_attention_prefill_ragged``, what
 ``TIRPagedKVCache(attn_kind="mla")`` puts in the ragged-prefill slot) and one ``attn_<variant>.so``
 per entry of :data:`VARIANTS` (:func:`dsv2_mlc.schedules.prefill_attention_cuda.
-prefill_attention_cuda` with those keyword arguments; ``ours`` = the defaults, the model's
-kernel), all for V2-Lite's shapes (16 heads, q/k head dim 192, v head dim 128, fp16), plus
+build_prefill_attention` with the shipped tiles of ``schedules/tiles.py`` changed by those
+fields; ``ours`` = the shipped tiles, the model's kernel), all for V2-Lite's shapes (16 heads,
+q/k head dim 192, v head dim 128, fp16), plus
 ``manifest.json``.
 
-``python3 schedules/lab/kernel_lab_prefill_attn.py run --lib-dir .devcarry/tvm-lib --out DIR`` (GPU
+``python3 schedules/lab/kernel_lab_prefill_attn.py run --lib-dir LIBS --out DIR`` (GPU
 machine; torch and ``tvm_ffi`` only, never imports tvm): random ragged batches (causal; a 1-token
 sequence; an empty one; ``q_len < kv_len``; non-causal; n = 512, 4096; 3 sequences of mixed
 lengths), every kernel of the manifest checked against a float32 torch reference (relative L2
@@ -25,6 +25,7 @@ import argparse
 import json
 import math
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -33,14 +34,12 @@ import lab_common  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 LAB_DIR = ROOT / "build" / "lab_attn"
 HEADS, D_QK, D_V = 16, 192, 128
-# name -> prefill_attention_cuda keyword arguments ("ours": the defaults, the model's kernel)
+# name -> PrefillAttentionTiles fields changed from the shipped tiles ("ours": none)
 VARIANTS: dict[str, dict] = {
-    "ours": {},  # 64 query rows (4 warps) x 32 keys, Q in registers
+    "ours": {},  # 64 query rows (4 warps) x 32 keys
     "bn64": dict(block_n=64),
     "bm128": dict(block_m=128),
-    "bn32_qs": dict(q_smem=True),
     "bn16": dict(block_n=16),
-    "bn16_qs": dict(block_n=16, q_smem=True),
 }
 BAD_REL, BAD_LSE = 2e-3, 2e-3  # a result worse than this is flagged "!"
 
@@ -53,12 +52,14 @@ def prepare(args: argparse.Namespace) -> int:
     target = make_cuda_target(args.arch)
     from tvm.relax.frontend.nn.llm.kv_cache import _attention_prefill_ragged
 
-    from dsv2_mlc.schedules.prefill_attention_cuda import prefill_attention_cuda
+    from dsv2_mlc.schedules.prefill_attention_cuda import build_prefill_attention
+    from dsv2_mlc.schedules.tiles import tuned
 
     lab_common.fresh_lab_dir(LAB_DIR, "attn_*.so")
     funcs = {"tvm": _attention_prefill_ragged(HEADS, HEADS, D_QK, D_V, "float16", {}, target)}
     for name, kwargs in VARIANTS.items():
-        funcs[name] = prefill_attention_cuda(HEADS, HEADS, D_QK, D_V, "float16", **kwargs)
+        tiles = replace(tuned("prefill_attention"), **kwargs)
+        funcs[name] = build_prefill_attention(HEADS, HEADS, D_QK, D_V, "float16", tiles)
     built = lab_common.build_libraries(
         funcs, LAB_DIR, "attn", args.arch, target, VARIANTS, "TVM _attention_prefill_ragged"
     )

@@ -1,0 +1,216 @@
+"""The split-KV CUDA MLA attention kernel (``dsv2_mlc.schedules.mla_attention_cuda``), no GPU.
+
+Checks that the kernel compiles to sm_90 machine code alone (V2-Lite and tiny shapes), the order
+of its PDL wait in a ``--pdl`` build, that its launch configuration reads the row count only,
+that ``MLAPagedKVCache`` puts it into the MLA attention slot of TVM's ``TIRPagedKVCache`` for
+CUDA where it supports the shapes (TVM's kernel stays where not), and that a compiled tiny CUDA
+model carries it. The pipelined block's numerics: test_mla_pipe_emulation.py.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import tvm
+from cuda_builds import needs_nvcc  # noqa: E402
+from mla_cache_module import create_script
+
+from dsv2_mlc.schedules.mla_attention_cuda import (
+    build_mla_attention,
+    mla_attention_cuda,
+    mla_attention_cuda_supports,
+    split_pages,
+)
+from dsv2_mlc.schedules.tiles import tuned
+
+SPLIT_KV = "batch_mla_paged_attention_split_kv"  # its global symbol
+TVM_MLA = "batch_prefill_paged_kv_mla"
+
+
+@needs_nvcc
+@pytest.mark.parametrize(
+    ("heads", "latent", "rope", "dtype"),
+    [
+        (16, 512, 64, "float16"),
+        (4, 32, 8, "float16"),
+        (32, 512, 64, "float16"),
+        (4, 32, 8, "float32"),
+    ],
+)
+def test_kernel_compiles_to_sm90(tmp_path: Path, heads, latent, rope, dtype) -> None:
+    from dsv2_mlc.compiler.cuda import check_fatbin, cuda_codegen, make_cuda_target
+
+    target = make_cuda_target("sm_90")
+    func = mla_attention_cuda(heads, latent, rope, dtype).with_attr("global_symbol", "mla")
+    with cuda_codegen(), target:
+        exe = tvm.compile(tvm.IRModule({"mla": func}), target=target)
+    lib = tmp_path / "mla.so"
+    exe.export_library(str(lib))
+    check_fatbin(lib, "sm_90")
+
+
+def _pdl_source() -> str:
+    """The CUDA source of the V2-Lite kernel, compiled as a ``--pdl`` build."""
+    from dsv2_mlc.compiler.cuda import cuda_codegen, cuda_sources, make_cuda_target
+    from dsv2_mlc.passes.pipeline import tir_pipeline
+
+    target = make_cuda_target("sm_90")
+    func = mla_attention_cuda(16, 512, 64).with_attr("global_symbol", "m")
+    with cuda_codegen(), target:
+        lib = tvm.compile(tvm.IRModule({"m": func}), target=target, tir_pipeline=tir_pipeline(True))
+    (src,) = cuda_sources(lib.mod)
+    return src
+
+
+@needs_nvcc
+def test_split_kernel_copies_old_pages_then_waits_in_its_block() -> None:
+    """The split kernel reads its page tables, asks L2 for its pages (the prefetch helper does
+    not wait); the pipelined block issues the copies of its old pages, then waits and releases,
+    then issues the rest and reads Q; ``ws_n`` is written after the block (its wait); idle
+    blocks wait too; the pass adds no wait of its own to the split kernel and puts its wait
+    first in the merge kernel."""
+    from dsv2_mlc.passes.grid_dependency_control import WAIT, kernels_without_wait
+
+    src = _pdl_source()
+    kernels, missing = kernels_without_wait(src)
+    assert len(kernels) == 2 and missing == []
+    pipe = src.split("void mla_split_pipe_16_512_576_s3_e(")[1].split("\n}\n")[0]
+    early, rest = pipe.split(f"{WAIT}();", 1)
+    assert "s0 < n_early" in early and "mlap_page_" in early  # old pages before the wait
+    assert "q + g * 576" in rest  # Q after it
+    prefetch = src.split("void mla_prefetch_16_512_576(")[1].split("\n}\n")[0]
+    assert "cp.async.bulk.prefetch" in src and WAIT not in prefetch
+    split, merge = (src.split(f" {k}(")[-1].split("{", 1)[1] for k in sorted(kernels))
+    assert split.index("page_indptr_ptr[") < split.index("mla_prefetch_16_512_576(")
+    assert split.index("mla_split_pipe_16_512_576_s3_e(") < split.index("ws_n_ptr[")
+    assert "mla_wait_release();" in split  # the idle blocks'
+    assert "mla_wait_release" not in merge and merge.lstrip().startswith(f"{WAIT}();")
+
+
+# Names of the PrimFunc's shape variables and buffers besides ``total_len`` (the query rows).
+_CONTEXT_NAMES = (
+    "nnz_pages",
+    "max_num_pages",
+    "batch_size",
+    "q_indptr",
+    "page_indptr",
+    "page_values",
+    "length_info",
+    "pages",
+    "causal",
+)
+
+
+@pytest.mark.parametrize(
+    ("heads", "latent", "rope", "dtype"),
+    [(16, 512, 64, "float16"), (4, 32, 8, "float16"), (16, 512, 64, "bfloat16")],
+    ids=["pipelined", "simt", "simt_bf16"],
+)
+def test_launch_config_depends_on_rows_only(heads, latent, rope, dtype) -> None:
+    """Grid extents and workspace sizes read ``total_len`` only, never the page table: a captured
+    CUDA graph replays the same launch while the context grows."""
+    script = mla_attention_cuda(heads, latent, rope, dtype).script()
+    launch = [
+        line
+        for line in script.splitlines()
+        if "T.thread_binding(" in line or re.match(r"\s*ws_\w+ = T.alloc_buffer\(", line)
+    ]
+    assert sum("blockIdx.x" in line for line in launch) == 2  # split and merge kernels
+    assert sum("alloc_buffer(" in line for line in launch) == 3  # ws_o, ws_lse, ws_n
+    for line in launch:
+        words = set(re.findall(r"[A-Za-z_][A-Za-z_0-9]*", line))
+        assert not words & set(_CONTEXT_NAMES), line
+
+
+@needs_nvcc
+@pytest.mark.parametrize("stages", [2, 3])
+def test_pipelined_path_source(stages: int) -> None:
+    """The split block is the cp.async / ldmatrix device function; a ring of 2 stages fits
+    static shared memory (46.5 KB), 3 (the table's) take dynamic shared memory (64 KB, opted in
+    at launch)."""
+    from dsv2_mlc.compiler.cuda import cuda_codegen, make_cuda_target
+
+    target = make_cuda_target("sm_90")
+    tiles = replace(tuned("mla_attention"), stages=stages)
+    func = build_mla_attention(16, 512, 64, "float16", tiles)
+    with cuda_codegen(), target:
+        exe = tvm.compile(tvm.IRModule({"m": func.with_attr("global_symbol", "m")}), target)
+    src = exe.mod.imports_[0].inspect_source("cuda")
+    for needle in (f"mla_split_pipe_16_512_576_s{stages}_e(", "cp.async.wait_group", "ldmatrix"):
+        assert needle in src
+    assert ("extern __shared__" in src) == (stages > 2)
+
+
+def test_build_rejects_bad_tiles() -> None:
+    tiles = tuned("mla_attention")
+    with pytest.raises(ValueError, match=">= 1"):
+        build_mla_attention(16, 512, 64, "float16", replace(tiles, min_pages_per_split=0))
+    with pytest.raises(ValueError, match="stages"):
+        build_mla_attention(16, 512, 64, "float16", replace(tiles, stages=1))
+
+
+def test_kernel_rejects_unsupported_shapes() -> None:
+    with pytest.raises(ValueError, match="heads"):
+        mla_attention_cuda(3, 32, 8)
+    with pytest.raises(ValueError, match="heads"):
+        mla_attention_cuda(6, 32, 8)
+    with pytest.raises(ValueError, match="latent"):
+        mla_attention_cuda(4, 30, 8)
+    with pytest.raises(ValueError, match="shared memory"):
+        mla_attention_cuda(16, 512, 64, "float32")  # TVM's kernel fails there too (ptxas)
+    assert not mla_attention_cuda_supports(16, 512, 64, "float32")
+    assert mla_attention_cuda_supports(16, 512, 64, "float16")
+
+
+@pytest.mark.parametrize(("heads", "ours"), [(16, True), (3, False)])
+def test_cuda_cache_mla_slot(heads: int, ours: bool) -> None:
+    """The cache's MLA slot holds the split-KV kernel where it supports the shapes (16 heads) and
+    TVM's kernel where it does not (3 heads)."""
+    names, script = create_script({"kind": "cuda", "arch": "sm_90"}, heads=heads)
+    slot, other = (SPLIT_KV, TVM_MLA) if ours else (TVM_MLA, SPLIT_KV)
+    assert slot in names
+    assert f'(R.str("tirx"), {slot})' in script
+    assert f'(R.str("tirx"), {other})' not in script
+    assert (SPLIT_KV in names) == ours
+
+
+@needs_nvcc
+def test_tiny_cuda_model_carries_split_kv_kernel(checkpoints, tmp_path: Path) -> None:
+    """A tiny model compiled for CUDA through our pipeline holds the kernel in its fatbin."""
+    from dsv2_mlc.compiler.compile import compile_model
+    from dsv2_mlc.compiler.cuda import check_fatbin
+    from dsv2_mlc.layout import LIBRARY
+
+    out = compile_model(
+        checkpoints["A"], tmp_path / "A", device="cuda", dtype="float16", progress=False
+    ).out_dir
+    lib = out / LIBRARY
+    check_fatbin(lib, "sm_90")
+    data = lib.read_bytes()
+    assert SPLIT_KV.encode() in data  # host wrapper and kernel names
+
+
+@pytest.mark.parametrize("smax", [1, 3, 64, 256])
+def test_split_pages_takes_the_fewest_pages_the_rule_allows(smax: int) -> None:
+    """The pages a split takes (the split kernel evaluates the same expression per row on the
+    device): at least 2 up to 128 visible pages and 4 past them, at most ``smax`` splits, and
+    the fewest pages per split with both."""
+    from tvm import tirx
+    from tvm.sym import Analyzer
+
+    analyzer = Analyzer()
+    for pages in [*range(1, 300), 511, 512, 513, 1024, 2048, 4097]:
+        expr = split_pages(tirx.IntImm("int32", pages), tirx.IntImm("int32", smax), 2, 4, 128)
+        pps = analyzer.simplify(expr)
+        assert isinstance(pps, tirx.IntImm), pps
+        pps = int(pps)
+        least = 4 if pages > 128 else 2
+        splits = -(-pages // pps)
+        assert splits <= smax, (pages, pps)
+        assert pps >= min(least, pages), (pages, pps)
+        # one page fewer would break a bound (or leave a split empty)
+        fewer = pps - 1
+        assert fewer < min(least, pages) or -(-pages // fewer) > smax or pps == 1, (pages, pps)
