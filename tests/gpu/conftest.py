@@ -65,7 +65,8 @@ def manifest(lane_options: LaneOptions, record_testsuite_property):  # noqa: ANN
     except lane.ManifestError as err:
         pytest.skip(str(err))
     record_testsuite_property("builds_commit", found.commit)
-    record_testsuite_property("builds_modified_files", len(found.data.get("modified_files", [])))
+    modified = found.data.get("modified_files", [])
+    record_testsuite_property("builds_modified_files", str(len(modified)))
     return found
 
 
