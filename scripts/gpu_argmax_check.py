@@ -42,19 +42,17 @@ def crafted(rows: int, vocab: int, rng: np.random.Generator) -> np.ndarray:
     return x[:, None, :]
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("build")
-    p.add_argument("--lib-dir", default=None)
-    p.add_argument("--out", default="out")
-    p.add_argument("--repeat", type=int, default=20)
-    args = p.parse_args(argv)
+def check(build: str, lib_dir: str | None = None, repeat: int = 20) -> dict:
+    """Every shape of the module docstring through the build's ``greedy_tokens``, ``repeat``
+    launches each: the report (``wrong``: tokens that differ from ``np.argmax``)."""
     from dsv2_mlc.runtime.device import to_device, to_numpy
     from dsv2_mlc.runtime.engine import Engine
 
-    eng = Engine(args.build, context_window=64, max_batch_size=1, lib_dir=args.lib_dir,
+    eng = Engine(build, context_window=64, max_batch_size=1, lib_dir=lib_dir,
                  random_weights=0, cuda_graph=False)  # fmt: skip
     greedy = eng._greedy
+    if greedy is None:
+        raise ValueError(f"{build} has no greedy_tokens function")
     rng = np.random.default_rng(0)
     cases, bad = [], 0
     vocab = eng.config.vocab_size  # the compiled function's (only the rows are free)
@@ -64,20 +62,27 @@ def main(argv: list[str] | None = None) -> int:
             ref = x[:, 0].argmax(-1)
             xt = to_device(x, "cuda")
             wrong = 0
-            for _ in range(args.repeat):
+            for _ in range(repeat):
                 got = to_numpy(greedy(xt))
                 wrong += int((got != ref).sum())
             cases.append({"rows": rows, "vocab": vocab, "seed": seed, "wrong": wrong})
             bad += wrong
-    report = {
-        "build": args.build,
-        "cases": cases,
-        "wrong": bad,
-    }
+    return {"build": build, "cases": cases, "wrong": bad}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("build")
+    p.add_argument("--lib-dir", default=None)
+    p.add_argument("--out", default="out")
+    p.add_argument("--repeat", type=int, default=20)
+    args = p.parse_args(argv)
+    report = check(args.build, args.lib_dir, args.repeat)
+    bad = report["wrong"]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "argmax_check.json").write_text(json.dumps(report, indent=1))
-    print("OK" if bad == 0 else "FAILED", f"{len(cases)} shapes, {bad} wrong tokens")
+    print("OK" if bad == 0 else "FAILED", f"{len(report['cases'])} shapes, {bad} wrong tokens")
     return 0 if bad == 0 else 1
 
 

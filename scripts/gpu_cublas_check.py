@@ -33,12 +33,9 @@ SHAPES = {  # (out, in): V2-Lite's prefill GEMMs, then odd sizes
 TOLERANCE = {"float16": 2e-3, "bfloat16": 1.6e-2, "float32": 2e-3}  # relative L2
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("build")
-    p.add_argument("--lib-dir", default=None)
-    p.add_argument("--out", default="out")
-    args = p.parse_args(argv)
+def check(build: str, lib_dir: str | None = None, timing: bool = True) -> dict:
+    """The sweep and the bad calls of the module docstring (``timing``: also time the V2-Lite
+    shapes): the report, ``failures`` counting the cases off tolerance and bad calls accepted."""
     import torch
     import tvm_ffi
 
@@ -46,9 +43,9 @@ def main(argv: list[str] | None = None) -> int:
     from dsv2_mlc.runtime.cublas import init_cublas
     from dsv2_mlc.runtime.tvm_runtime import global_func, load_runtime
 
-    load_runtime("cuda", args.lib_dir)
-    library = tvm_ffi.load_module(str(Path(args.build) / LIBRARY))
-    report: dict = {"build": args.build, "cublas": init_cublas(), "cases": [], "timing": {}}
+    load_runtime("cuda", lib_dir)
+    library = tvm_ffi.load_module(str(Path(build) / LIBRARY))
+    report: dict = {"build": build, "cublas": init_cublas(), "cases": [], "timing": {}}
     gemm = global_func("dsv2.cublas.gemm_nt")
     report["cublas_version"] = int(global_func("dsv2.cublas.version")(0))
     torch.manual_seed(0)
@@ -104,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     report["errors"] = errors
 
     for name, (o, k) in SHAPES.items():
-        if name.startswith("odd"):
+        if name.startswith("odd") or not timing:
             continue
         x = torch.randn(4096, k, device="cuda", dtype=torch.float16)
         w = torch.randn(o, k, device="cuda", dtype=torch.float16)
@@ -121,6 +118,17 @@ def main(argv: list[str] | None = None) -> int:
         report["timing"][name] = {"us": us, "tflops": 2 * 4096 * o * k / us / 1e6}
     report["failures"] = failures
     del library
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("build")
+    p.add_argument("--lib-dir", default=None)
+    p.add_argument("--out", default="out")
+    args = p.parse_args(argv)
+    report = check(args.build, args.lib_dir)
+    failures, errors = report["failures"], report["errors"]
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "cublas_check.json").write_text(json.dumps(report, indent=1))

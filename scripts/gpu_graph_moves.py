@@ -55,7 +55,47 @@ def _run(engine, prompt: list[int], gen_len: int) -> dict:
         "moves": len(by_kind["move"]),
         "median_ms": {k: float(np.median(v)) if v else None for k, v in by_kind.items()},
         "tokens_head": tokens[:8],
+        "tokens": tokens,
     }
+
+
+def eager_greedy(engine, prompt: list[int], gen_len: int) -> list[int]:  # noqa: ANN001
+    """The tokens :func:`_run` decodes, from ``engine`` step by step with the host's arg-max
+    (an engine without graphs: the reference of the moved graphs)."""
+    seq = engine.add_sequence()
+    try:
+        token = int(engine.prefill([seq], [prompt])[0].argmax())
+        tokens = []
+        for _ in range(gen_len - 1):
+            token = int(engine.decode([seq], [token])[0].argmax())
+            tokens.append(token)
+    finally:
+        engine.remove_sequence(seq)
+    return tokens
+
+
+def moves_against_eager(
+    build: str, lib_dir: str | None = None, *, seed: int = 0, base: int = 4096, gen_len: int = 256
+) -> dict:
+    """The warm-up, then one run with moves on over a prompt of ``base`` random ids (buckets
+    the warm-up never met) and the same greedy decode on an engine without graphs: the run's
+    report with ``eager_tokens`` and the engine's graph counters (``graph_stats``)."""
+    from dsv2_mlc.runtime.engine import Engine
+
+    kw = dict(context_window=base + gen_len + 64, max_batch_size=1, lib_dir=lib_dir,
+              random_weights=seed)  # fmt: skip
+    engine = Engine(build, cuda_graph=True, **kw)
+    rng = np.random.default_rng(seed)
+    vocab = engine.config.vocab_size
+    _run(engine, rng.integers(0, vocab, 300).tolist(), 256)
+    engine._graphs.relocate = True
+    prompt = rng.integers(0, vocab, base).tolist()
+    res = _run(engine, prompt, gen_len)
+    res["graph_stats"] = engine.cuda_graph_stats
+    res["last_error"] = engine._graphs.last_error
+    del engine
+    res["eager_tokens"] = eager_greedy(Engine(build, cuda_graph=False, **kw), prompt, gen_len)
+    return res
 
 
 def _differences(graphs, group: tuple, limit: int = 60) -> list[dict]:
@@ -112,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     vocab = engine.config.vocab_size
     report: dict = {"build": args.build, "gen_len": args.gen_len, "runs": []}
     report["warmup"] = _run(engine, rng.integers(0, vocab, 300).tolist(), 256)
+    report["warmup"].pop("tokens")
     print("warm-up", json.dumps(report["warmup"]), flush=True)
     if args.diagnose:  # what differs between the warm-up's graphs, then stop
         report["differences"] = _differences(graphs, (1, "greedy"))
@@ -124,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
             graphs.relocate = mode == "move"
             prompt = rng.integers(0, vocab, base + 1024 * r).tolist()
             res = {"mode": mode, **_run(engine, prompt, args.gen_len)}
+            res.pop("tokens")
             report["runs"].append(res)
             print(json.dumps(res), flush=True)
     report["graph_stats"] = engine.cuda_graph_stats

@@ -32,48 +32,44 @@ import numpy as np
 GRAPH_VARIANTS = ("off", "programmatic", "launch-completion")
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("build")
-    p.add_argument("--lib-dir", default=None)
-    p.add_argument("--out", default="out")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--prompt-len", type=int, default=500)
-    p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--replays", type=int, default=1000, help="timed back-to-back replays")
-    p.add_argument("--checked-replays", type=int, default=50, help="replays compared to eager")
-    p.add_argument(
-        "--variants", default=",".join(GRAPH_VARIANTS), help="graph edge variants to run"
-    )
-    args = p.parse_args(argv)
+def run_pdl_check(
+    build_dir: str,
+    lib_dir: str | None = None,
+    *,
+    seed: int = 0,
+    prompt_len: int = 500,
+    steps: int = 200,
+    replays: int = 1000,
+    checked_replays: int = 50,
+    variants: tuple[str, ...] = GRAPH_VARIANTS,
+) -> dict:
+    """Steps 1 and 2 of the module docstring on ``build_dir`` (compiled with ``--pdl``)."""
     from dsv2_mlc.layout import BuildConfig
     from dsv2_mlc.runtime.device import to_numpy
     from dsv2_mlc.runtime.engine import Engine
 
-    build = BuildConfig.read(args.build)
+    build = BuildConfig.read(build_dir)
     if not build.pdl:
-        print(f"{args.build} was not compiled with --pdl", file=sys.stderr)
-        return 2
-    variants = [v for v in args.variants.split(",") if v]
-    kw = dict(context_window=args.prompt_len + args.steps + 16, max_batch_size=1,
-              lib_dir=args.lib_dir, random_weights=args.seed)  # fmt: skip
+        raise ValueError(f"{build_dir} was not compiled with --pdl")
+    kw = dict(context_window=prompt_len + steps + 16, max_batch_size=1,
+              lib_dir=lib_dir, random_weights=seed)  # fmt: skip
     t0 = time.perf_counter()
-    eager = Engine(args.build, cuda_graph=False, **kw)
-    engines = {v: Engine(args.build, cuda_graph=True, pdl=v, **kw) for v in variants}
+    eager = Engine(build_dir, cuda_graph=False, **kw)
+    engines = {v: Engine(build_dir, cuda_graph=True, pdl=v, **kw) for v in variants}
     print(f"{1 + len(engines)} engines loaded in {time.perf_counter() - t0:.1f} s", flush=True)
-    report: dict = {"build": args.build, "pdl_launch_dependents": build.pdl_launch_dependents,
-                    "steps": args.steps, "variants": {}}  # fmt: skip
+    report: dict = {"build": build_dir, "pdl_launch_dependents": build.pdl_launch_dependents,
+                    "steps": steps, "variants": {}}  # fmt: skip
 
     # 1. teacher-forced decode, every engine the same tokens
-    rng = np.random.default_rng(args.seed)
-    prompt = rng.integers(0, eager.config.vocab_size, args.prompt_len).tolist()
+    rng = np.random.default_rng(seed)
+    prompt = rng.integers(0, eager.config.vocab_size, prompt_len).tolist()
     seqs = {name: e.add_sequence() for name, e in [("eager", eager), *engines.items()]}
     ref = eager.prefill([seqs["eager"]], [prompt])[0]
     worst = {v: float(np.abs(e.prefill([seqs[v]], [prompt])[0] - ref).max())
              for v, e in engines.items()}  # fmt: skip
     times: dict[str, list[float]] = {v: [] for v in engines}
     token = int(ref.argmax())
-    for _ in range(args.steps):
+    for _ in range(steps):
         ref = eager.decode([seqs["eager"]], [token])
         for v, e in engines.items():
             start = time.perf_counter()
@@ -90,12 +86,12 @@ def main(argv: list[str] | None = None) -> int:
         cuda, stream = graphs.cuda, graphs.stream
         cuda.synchronize(stream)
         start = time.perf_counter()
-        for _ in range(args.replays):
+        for _ in range(replays):
             cuda.launch(graph.exe, stream)
         cuda.synchronize(stream)
-        replay_us = 1e6 * (time.perf_counter() - start) / max(args.replays, 1)
+        replay_us = 1e6 * (time.perf_counter() - start) / max(replays, 1)
         replay_diff = 0.0
-        for _ in range(args.checked_replays):
+        for _ in range(checked_replays):
             cuda.launch(graph.exe, stream)
             cuda.synchronize(stream)
             logits = to_numpy(graph.out[0]).reshape(last_ref.shape)
@@ -111,20 +107,60 @@ def main(argv: list[str] | None = None) -> int:
         report["variants"][v] = res
         print(v, json.dumps(res), flush=True)
 
+    return report
+
+
+def failures(report: dict) -> list[str]:
+    """What in a :func:`run_pdl_check` report is wrong (empty: every variant matches eager
+    exactly, replays happened, and the PDL variants converted edges)."""
+    bad = []
+    for v, r in report["variants"].items():
+        stats = r["graphs"] or {}
+        if r["max_abs_diff"] != 0.0 or r["replay_max_abs_diff"] != 0.0:
+            bad.append(f"{v}: logits differ from eager by {r['max_abs_diff']} (decode), "
+                       f"{r['replay_max_abs_diff']} (back-to-back replays)")  # fmt: skip
+        if not stats.get("replays", 0) or stats.get("mismatches", 0):
+            bad.append(f"{v}: replays {stats.get('replays')}, mismatches {stats.get('mismatches')}")
+        if v != "off" and (not stats.get("pdl_edges", 0) or stats.get("pdl_failures", 0)):
+            bad.append(f"{v}: pdl_edges {stats.get('pdl_edges')}, pdl_failures "
+                       f"{stats.get('pdl_failures')} ({r['last_error']})")  # fmt: skip
+    return bad
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("build")
+    p.add_argument("--lib-dir", default=None)
+    p.add_argument("--out", default="out")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prompt-len", type=int, default=500)
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--replays", type=int, default=1000, help="timed back-to-back replays")
+    p.add_argument("--checked-replays", type=int, default=50, help="replays compared to eager")
+    p.add_argument(
+        "--variants", default=",".join(GRAPH_VARIANTS), help="graph edge variants to run"
+    )
+    args = p.parse_args(argv)
+    from dsv2_mlc.layout import BuildConfig
+
+    if not BuildConfig.read(args.build).pdl:
+        print(f"{args.build} was not compiled with --pdl", file=sys.stderr)
+        return 2
+    report = run_pdl_check(
+        args.build, args.lib_dir, seed=args.seed, prompt_len=args.prompt_len, steps=args.steps,
+        replays=args.replays, checked_replays=args.checked_replays,
+        variants=tuple(v for v in args.variants.split(",") if v),
+    )  # fmt: skip
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "pdl_check.json").write_text(json.dumps(report, indent=1))
     res = report["variants"]
-    ok = all(r["max_abs_diff"] == 0.0 and r["replay_max_abs_diff"] == 0.0 for r in res.values())
-    for v in res:
-        stats = res[v]["graphs"] or {}
-        ok = ok and stats.get("replays", 0) > 0 and stats.get("mismatches", 0) == 0
-        if v != "off":
-            ok = ok and stats.get("pdl_edges", 0) > 0 and stats.get("pdl_failures", 0) == 0
     summary = {v: (r["replay_us"], r["decode_step_ms_p50"], (r["graphs"] or {}).get("pdl_edges"))
                for v, r in res.items()}  # fmt: skip
-    print("OK" if ok else "FAILED", "replay_us, step_ms_p50, pdl_edges:", json.dumps(summary))
-    return 0 if ok else 1
+    bad = failures(report)
+    print("OK" if not bad else "FAILED: " + "; ".join(bad),
+          "replay_us, step_ms_p50, pdl_edges:", json.dumps(summary))  # fmt: skip
+    return 0 if not bad else 1
 
 
 if __name__ == "__main__":

@@ -61,7 +61,7 @@ def _modified_files() -> list[str]:
     return [line[3:] for line in out.stdout.splitlines()]
 
 
-def _save_refs(model, refs: Path) -> float:
+def save_refs(model, refs: Path) -> float:
     """Write the references of ``model`` and return its routing margin over the prompt and the
     greedy continuation (``hf_reference.routing_margin``)."""
     from hf_reference import hf_greedy, hf_logits, routing_margin
@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         model, seed, margin = _well_routed_checkpoint(ckpt, CONFIGS[name])
         checkpoints[name] = {"seed": seed, "routing_margin": margin}
         print(f"checkpoint {name}: seed {seed}, routing margin {margin:.1e}", flush=True)
-        _save_refs(model, out / "refs" / name)
+        save_refs(model, out / "refs" / name)
         for quant in args.quantizations:
             tag = f"{name}-{quant}"
             t0 = time.perf_counter()
@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
             if not quant.startswith("q0"):
                 refs = tag
                 model = _dequantized_hf(result.out_dir, CONFIGS[name], quant)
-                margin = _save_refs(model, out / "refs" / tag)
+                margin = save_refs(model, out / "refs" / tag)
             builds[tag] = {
                 "config": name,
                 "quantization": quant,
