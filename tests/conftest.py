@@ -1,7 +1,10 @@
-"""Session fixtures: tiny random HF checkpoints, compiled once per test session and shared."""
+"""Session fixtures: tiny random HF checkpoints, compiled once per test session and shared; the
+session's random-weight builds (tests/cuda_builds.py); the embedded default model compiled once;
+and, on CI (``CI=true``), a test skipped for want of nvcc / g++ fails instead."""
 
 from __future__ import annotations
 
+import hashlib
 import sys
 from pathlib import Path
 
@@ -9,6 +12,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from cuda_builds import ModelBuilds, use_session_builds  # noqa: E402
 from hf_reference import CONFIG_A, CONFIG_B, load_hf, make_checkpoint  # noqa: E402
 
 CONFIGS = {
@@ -50,3 +54,27 @@ def engines(compiled):
 @pytest.fixture(scope="session")
 def hf_models(checkpoints):
     return {name: load_hf(path) for name, path in checkpoints.items() if name in ("A", "B")}
+
+
+_SHARED_BUILDS: list[ModelBuilds] = []
+
+
+@pytest.fixture(scope="session", autouse=True)
+def model_builds(tmp_path_factory: pytest.TempPathFactory):
+    """One random-weight build per (config, quantization, device, options) in the session,
+    shared by every test that asks (``model_builds.get`` or ``cuda_builds.model_build``)."""
+    builds = ModelBuilds(lambda: tmp_path_factory.mktemp("builds"))
+    use_session_builds(builds)
+    _SHARED_BUILDS.append(builds)
+    yield builds
+    use_session_builds(None)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    """List the shared builds the session made (each one compile)."""
+    built = [key for builds in _SHARED_BUILDS for key in builds.built]
+    if built:
+        terminalreporter.write_sep("-", f"{len(built)} shared model builds")
+        for cfg, quantization, device, *options in built:
+            digest = hashlib.sha256(cfg.encode()).hexdigest()[:8]
+            terminalreporter.write_line(f"{device} {quantization} config {digest} {options}")

@@ -15,19 +15,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 from cuda_builds import needs_nvcc  # noqa: E402
+from hf_reference import CONFIG_A
 
 from dsv2_mlc.compiler.cuda import CudaBuildError, build_driver_stub, check_fatbin, make_cuda_target
 from dsv2_mlc.runtime.layout import BUILD_CONFIG, LIBRARY
 
 
 @pytest.fixture(scope="module")
-def cuda_build(checkpoints, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from dsv2_mlc.compiler.compile import compile_model
-
-    out = tmp_path_factory.mktemp("cuda") / "A-fp16"
-    return compile_model(
-        checkpoints["A"], out, device="cuda", dtype="float16", arch="sm_90", progress=False
-    ).out_dir
+def cuda_build(model_builds) -> Path:
+    """Config A in float16 for sm_90 (the session's build, shared with the other CUDA tests)."""
+    return model_builds.get(CONFIG_A, "q0f16", "cuda").out_dir
 
 
 @needs_nvcc
