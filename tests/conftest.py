@@ -5,6 +5,7 @@ and, on CI (``CI=true``), a test skipped for want of nvcc / g++ fails instead.""
 from __future__ import annotations
 
 import hashlib
+import subprocess
 import sys
 from pathlib import Path
 
@@ -68,6 +69,19 @@ def model_builds(tmp_path_factory: pytest.TempPathFactory):
     _SHARED_BUILDS.append(builds)
     yield builds
     use_session_builds(None)
+
+
+@pytest.fixture(scope="session")
+def default_model_cache(tmp_path_factory: pytest.TempPathFactory):
+    """The embedded default model compiled once for the session, the way a user gets it: the
+    first ``dsv2-mlc chat`` (no MODEL) compiles it into a fresh cache. Returns the cache folder
+    and that first run (its output and its "compiling" line)."""
+    cache = tmp_path_factory.mktemp("default-model") / "cache"
+    argv = ["chat", "--prompt", "def ", "--max-tokens", "8", "--cache-dir", str(cache)]
+    proc = subprocess.run(
+        [sys.executable, "-m", "dsv2_mlc.cli", *argv], capture_output=True, text=True, timeout=600
+    )
+    return cache, proc
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
