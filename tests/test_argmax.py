@@ -250,6 +250,7 @@ def test_cuda_kernel_rows_past_the_ticket_counters(cuda_kernel_on_cpu):
         np.testing.assert_array_equal(cuda_kernel_on_cpu(x), x[:, 0].argmax(-1))
 
 
+@needs_cuda_tools  # the greedy_argmax kernel of a CUDA target is built with nvcc
 def test_kernel_choice_follows_the_target():
     assert "func_call" in str(greedy_argmax(make_cuda_target("sm_90")).script())
     assert "func_call" not in str(greedy_argmax(None).script())

@@ -432,9 +432,8 @@ def test_cli_unknown_model_unreadable_tokenizer_long_prompt(chat_dir, tmp_path, 
     assert len(err.splitlines()) == 1 and "context window holds 32" in err
 
 
-def test_cli_default_model_compiles_once(tmp_path):
-    cache = tmp_path / "cache"
-    first = _cli("--prompt", "def ", "--max-tokens", "8", "--cache-dir", str(cache), timeout=600)
+def test_cli_default_model_compiles_once(default_model_cache):
+    cache, first = default_model_cache  # `chat --prompt "def " --max-tokens 8 --cache-dir CACHE`
     assert first.returncode == 0, first.stderr
     assert "compiling" in first.stderr
     env = {**os.environ, resolve.CACHE_DIR_ENV: str(cache)}

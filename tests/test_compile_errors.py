@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import PROMPT
-from hf_reference import CONFIG_A, hf_logits, load_hf, make_checkpoint
+from hf_reference import CONFIG_A, hf_greedy, hf_logits, load_hf, make_checkpoint
 from safetensors.numpy import load_file, save_file
 
 from dsv2_mlc.compiler.compile import CompileError, compile_model
@@ -130,7 +130,8 @@ def test_cli_reports_one_line_error(broken, tmp_path):
     assert not (tmp_path / "o").exists()
 
 
-def test_runtime_runs_without_importing_tvm(compiled):
+def test_runtime_runs_without_importing_tvm(compiled, hf_models):
+    """The runtime alone (no ``import tvm``) generates HF's greedy tokens for model "A"."""
     code = (
         "import sys, dsv2_mlc\n"
         f"e = dsv2_mlc.Engine({str(compiled['A'])!r}, context_window=64)\n"
@@ -139,4 +140,5 @@ def test_runtime_runs_without_importing_tvm(compiled):
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
-    assert len(json.loads(proc.stdout.strip().splitlines()[-1])) == 4
+    tokens = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert tokens == hf_greedy(hf_models["A"], PROMPT, 4)

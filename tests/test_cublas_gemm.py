@@ -91,17 +91,13 @@ def test_find_cublas_looks_in_the_nvidia_packages_and_explains_a_miss(tmp_path, 
 
 
 @needs_nvcc
-def test_cublas_build_registers_the_shim(tmp_path: Path):
+def test_cublas_build_registers_the_shim(model_builds):
     """A ``--gemm cublas`` build (the CUDA default) records the choice, and loading its library
     (thin runtime, driver stub) registers ``dsv2.cublas.*``, whose errors name the problem:
     a library path that does not open, a GEMM before cuBLAS is opened, a host tensor."""
     from dsv2_mlc.compiler.cuda import build_driver_stub
 
-    cfg = tmp_path / "config.json"
-    cfg.write_text(json.dumps(CONFIG_A))
-    out = compile_random_model(
-        cfg, tmp_path / "out", device="cuda", quantization="q0f16", arch="sm_90"
-    ).out_dir
+    out = model_builds.get(CONFIG_A, "q0f16", "cuda").out_dir  # the session's shared build
     assert BuildConfig.read(out).gemm == "cublas"
     assert not list(out.glob("*.o"))  # the shim object is linked in, not left behind
     code = textwrap.dedent(

@@ -15,19 +15,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 from cuda_builds import needs_nvcc  # noqa: E402
+from hf_reference import CONFIG_A
 
 from dsv2_mlc.compiler.cuda import CudaBuildError, build_driver_stub, check_fatbin, make_cuda_target
 from dsv2_mlc.layout import BUILD_CONFIG, LIBRARY
 
 
 @pytest.fixture(scope="module")
-def cuda_build(checkpoints, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from dsv2_mlc.compiler.compile import compile_model
-
-    out = tmp_path_factory.mktemp("cuda") / "A-fp16"
-    return compile_model(
-        checkpoints["A"], out, device="cuda", dtype="float16", arch="sm_90", progress=False
-    ).out_dir
+def cuda_build(model_builds) -> Path:
+    """Config A in float16 for sm_90 (the session's build, shared with the other CUDA tests)."""
+    return model_builds.get(CONFIG_A, "q0f16", "cuda").out_dir
 
 
 @needs_nvcc
@@ -111,10 +108,11 @@ def test_device_copy_round_trip():
 
     load_runtime("cpu")
     for arr in (np.arange(12, dtype=np.int32).reshape(3, 4), np.linspace(0, 1, 7, dtype="f4")):
+        original = arr.copy()
         tensor = to_device(arr, "cpu", copy=True)
+        arr[...] = 0  # a copy, not a view: the tensor keeps the values
         back = to_numpy(tensor)
-        arr[...] = 0  # a copy, not a view
         assert back.dtype == arr.dtype and back.shape == arr.shape
-        assert back.any()
+        np.testing.assert_array_equal(back, original)
     view = to_device(np.ones(3, np.float32), "cpu")
     assert to_numpy(view).tolist() == [1.0, 1.0, 1.0]

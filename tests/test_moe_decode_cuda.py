@@ -29,7 +29,7 @@ from dsv2_mlc.schedules.moe_decode_cuda import (
 from dsv2_mlc.schedules.oproj_router_cuda import oproj_router_decode
 
 sys.path.insert(0, str(Path(__file__).parent))
-from cuda_builds import entry_ir, needs_nvcc  # noqa: E402
+from cuda_builds import build_random_model, entry_ir, needs_nvcc  # noqa: E402
 from hf_reference import CONFIG_A, CONFIG_B  # noqa: E402
 
 LITE = MoeDecodeShape(2048, 1408, 2816, 64, 6, 128)
@@ -115,12 +115,16 @@ def test_int4_cuda_decode_uses_the_fused_kernels_and_prefill_does_not(tmp_path: 
     assert "oproj_router" not in decode  # the lab variant below is off
 
 
+@pytest.mark.lab
 @needs_nvcc
 def test_the_routing_in_o_proj_lab_switch_wires_its_kernels(tmp_path: Path, monkeypatch):
     # oproj_router_cuda.ROUTE_IN_OPROJ (off: measured slower): o_proj, the add + norm and the
-    # routing in one kernel, the gate/up kernel reading its ids, no router kernel
+    # routing in one kernel, the gate/up kernel reading its ids, no router kernel. A build of
+    # its own: the switch changes what the compiler emits, so not the session's shared build.
     monkeypatch.setattr(oproj_router_cuda, "ROUTE_IN_OPROJ", True)
-    decode, _ = entry_ir(tmp_path, CONFIG_B, "q4f16_g32", "cuda")
+    (decode,) = build_random_model(tmp_path, CONFIG_B, "q4f16_g32", "cuda").entries(
+        ("batch_decode",)
+    )
     moe_layers = CONFIG_B["num_hidden_layers"] - CONFIG_B["first_k_dense_replace"]
     for fused in ("oproj_router", "moe_decode_gate_up_routed", "moe_decode_down"):
         assert decode.count(f"cls.{fused},") == moe_layers, fused

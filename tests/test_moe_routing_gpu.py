@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import pytest
 import tvm
+from cuda_builds import needs_nvcc
 
 from dsv2_mlc.compiler.cuda import cuda_codegen, make_cuda_target
 from dsv2_mlc.schedules.moe_routing import GPU_WARPS_PER_BLOCK, moe_route, moe_route_gpu
 
 
+@needs_nvcc
 @pytest.mark.parametrize(
     "args",
     [
@@ -37,6 +39,7 @@ def test_gpu_router_builds_for_sm90_with_warp_reductions(args):
     assert f"__shared__ float scratch[{GPU_WARPS_PER_BLOCK * args[0]}];" in cuda
 
 
+@needs_nvcc  # make_cuda_target looks for nvcc
 def test_router_choice_follows_the_target():
     gpu = moe_route(make_cuda_target("sm_90"), 64, 6, 1, 1, False, 1.0)
     cpu = moe_route(None, 64, 6, 1, 1, False, 1.0)

@@ -161,29 +161,16 @@ def test_hand_kernels_that_wait_themselves_are_left_alone():
 
 
 @needs_nvcc
-def test_pdl_build_waits_in_tvm_kernels_too_and_records_the_option(tmp_path: Path, monkeypatch):
+def test_pdl_build_waits_in_tvm_kernels_too_and_records_the_option(model_builds):
     """A whole model: our kernels and TVM's (KV cache append, attention merge, page copies) all
     wait, each releases its dependents once, right after its wait (the hand kernels themselves,
     TVM's with ``launch_dependents``); the build config says ``pdl`` so the runtime may use
-    programmatic graph edges."""
-    import dsv2_mlc.compiler.compile as compile_mod
-
-    seen: list[list[str]] = []
-    sources: list[str] = []
-    check = compile_mod.check_pdl_kernels
-
-    def spy(module) -> int:
-        sources.extend(cuda_sources(module))
-        seen.extend(kernels_without_wait(s)[0] for s in cuda_sources(module))
-        return check(module)  # raises if any kernel lacks the wait
-
-    monkeypatch.setattr(compile_mod, "check_pdl_kernels", spy)
-    cfg = tmp_path / "config.json"
-    cfg.write_text(json.dumps(CONFIG_A))
-    result = compile_random_model(
-        cfg, tmp_path / "out", device="cuda", quantization="q4f16_g32", arch="sm_90",
-        pdl=True, pdl_launch_dependents=True,
-    )  # fmt: skip
+    programmatic graph edges. (The build itself runs ``check_pdl_kernels``: it fails if any
+    kernel lacks the wait.)"""
+    build = model_builds.get(CONFIG_A, "q4f16_g32", "cuda", pdl=True, pdl_launch_dependents=True)
+    sources = list(build.cuda_sources)
+    assert sources
+    seen = [kernels_without_wait(s)[0] for s in sources]
     kernels = {k for names in seen for k in names}
     tvm_kernels = {
         "mla_append_release_first_kernel",  # ours: the KV append
@@ -211,11 +198,11 @@ def test_pdl_build_waits_in_tvm_kernels_too_and_records_the_option(tmp_path: Pat
             first = _body_starts(src, kernel)
             if first[0] == f"{WAIT}();":
                 assert first[1] == f"{LAUNCH_DEPENDENTS}();", kernel
-    raw = json.loads((result.out_dir / BUILD_CONFIG).read_text())
+    raw = json.loads((build.out_dir / BUILD_CONFIG).read_text())
     assert raw["pdl"] is True and raw["pdl_launch_dependents"] is True
-    build = BuildConfig.read(result.out_dir)
-    assert build.pdl and build.pdl_launch_dependents
-    check_fatbin(result.out_dir / "model.so", "sm_90")
+    config = BuildConfig.read(build.out_dir)
+    assert config.pdl and config.pdl_launch_dependents
+    check_fatbin(build.out_dir / "model.so", "sm_90")
 
 
 def test_old_build_configs_read_as_no_pdl(tmp_path: Path):
