@@ -146,9 +146,10 @@ def expert_mma_unsupported(s: MoeDecodeShape, tiles: MmaTiles | None = None) -> 
 
 
 def _mma_source() -> str:
-    """CUDA: ``dsv2_mma16816(c, a, b)`` (``c += A B``, fp16 in, fp32 accumulators; emulated with
-    shuffles off the GPU), ``dsv2_emm_deq8(q, scale, hv)`` (a word's 8 nibbles as the pairs
-    ``(n0, n4) .. (n3, n7)`` minus 8, times ``scale``) and ``dsv2_emm_stage`` (a staged row)."""
+    """CUDA: ``dsv2_mma16816(c, a, b)`` (``c += A B``, fp16 in, fp32 accumulators; off the GPU
+    the emulation's ``dsv2_emu_mma16816``), ``dsv2_emm_deq8(q, scale, hv)`` (a word's 8 nibbles as
+    the pairs ``(n0, n4) .. (n3, n7)`` minus 8, times ``scale``) and ``dsv2_emm_stage`` (a staged
+    row)."""
     return """
 #ifndef DSV2_EMM_MMA
 #define DSV2_EMM_MMA
@@ -160,28 +161,7 @@ __device__ __forceinline__ void dsv2_mma16816(float* c, const unsigned* a, const
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 #else
-  // lane (g, t): a[0] / a[1] rows g / g + 8 at logical inputs 2t, 2t + 1; a[2] / a[3] at 2t + 8,
-  // 2t + 9; b[0] / b[1] column g at the same inputs; c[j] (row g), c[2 + j] (row g + 8), column
-  // 2t + j
-  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  auto f = [](unsigned v, int hi) {
-    __half2 h;
-    memcpy(&h, &v, 4);
-    return (double)(hi ? h.y : h.x);
-  };
-  double acc[4] = {c[0], c[1], c[2], c[3]};
-  for (int q = 0; q < 4; ++q) {
-    unsigned A[4];
-    for (int r = 0; r < 4; ++r) A[r] = __shfl_sync(0xffffffffu, a[r], g * 4 + q);
-    for (int j = 0; j < 2; ++j) {
-      const unsigned B0 = __shfl_sync(0xffffffffu, b[0], (2 * t + j) * 4 + q);
-      const unsigned B1 = __shfl_sync(0xffffffffu, b[1], (2 * t + j) * 4 + q);
-      for (int m = 0; m < 2; ++m)
-        acc[2 * m + j] += f(A[m], 0) * f(B0, 0) + f(A[m], 1) * f(B0, 1) +
-                          f(A[2 + m], 0) * f(B1, 0) + f(A[2 + m], 1) * f(B1, 1);
-    }
-  }
-  for (int r = 0; r < 4; ++r) c[r] = (float)acc[r];
+  dsv2_emu_mma16816(c, a, b);
 #endif
 }
 __device__ __forceinline__ unsigned dsv2_emm_h2u(__half2 v) {

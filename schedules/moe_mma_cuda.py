@@ -74,11 +74,25 @@ __device__ __forceinline__ unsigned moe_smem_addr(const void* p) {
   return static_cast<unsigned>(__cvta_generic_to_shared(p));
 }
 __device__ __forceinline__ void moe_cp_async16(unsigned dst, const void* src) {
+#if defined(__CUDA_ARCH__)
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
+#else
+  dsv2_emu_cp_async(dst, src, 16);
+#endif
 }
-__device__ __forceinline__ void moe_cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void moe_cp_commit() {
+#if defined(__CUDA_ARCH__)
+  asm volatile("cp.async.commit_group;\n" ::);
+#else
+  dsv2_emu_cp_commit();
+#endif
+}
 __device__ __forceinline__ void moe_cp_wait_all() {
+#if defined(__CUDA_ARCH__)
   asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+#else
+  dsv2_emu_cp_wait(0);
+#endif
 }
 // The thread's ACH 16-byte activation pieces of K step kt (columns kt * BK + ...) into the stage
 // at shared address `stage` (cp.async, one commit group).
@@ -90,17 +104,26 @@ __device__ __forceinline__ void moe_a_stage(unsigned stage, const unsigned* adst
   moe_cp_commit();
 }
 __device__ __forceinline__ void moe_ldsm_x4(unsigned* r, unsigned addr) {
+#if defined(__CUDA_ARCH__)
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(addr));
+#else
+  dsv2_emu_ldmatrix_x4(r, addr, false);
+#endif
 }
 __device__ __forceinline__ void moe_mma16816(float* c, const unsigned* a, unsigned b0,
                                              unsigned b1) {
+#if defined(__CUDA_ARCH__)
   asm volatile(
       "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
       "{%8,%9}, {%0,%1,%2,%3};\n"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+  const unsigned b[2] = {b0, b1};
+  dsv2_emu_mma16816(c, a, b);
+#endif
 }
 // One packed word (8 nibbles, low first, value nibble - 8) times an fp16 scale -> 8 halves
 // (16 bytes, k order): 1024 + nibble as an fp16 bit pattern, minus 1032 (exact), times the scale

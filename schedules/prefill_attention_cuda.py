@@ -97,33 +97,62 @@ def _cuda_source(tag: str, *, H: int, DQK: int, DV: int, BM: int, BN: int) -> st
 #define DSV2_PREFILL_ATTN_{tag}
 __device__ __forceinline__ void pfa_mma_{tag}(float* c, const unsigned* a, unsigned b0,
                                               unsigned b1) {{
+#if defined(__CUDA_ARCH__)
   asm volatile(
       "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {{%0,%1,%2,%3}}, {{%4,%5,%6,%7}}, "
       "{{%8,%9}}, {{%0,%1,%2,%3}};"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+  const unsigned b[2] = {{b0, b1}};
+  dsv2_emu_mma16816(c, a, b);
+#endif
 }}
 __device__ __forceinline__ void pfa_ldsm_{tag}(unsigned* r, unsigned addr) {{
+#if defined(__CUDA_ARCH__)
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {{%0,%1,%2,%3}}, [%4];"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+#else
+  dsv2_emu_ldmatrix_x4(r, addr, false);
+#endif
 }}
 __device__ __forceinline__ void pfa_ldsm_t_{tag}(unsigned* r, unsigned addr) {{
+#if defined(__CUDA_ARCH__)
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {{%0,%1,%2,%3}}, [%4];"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+#else
+  dsv2_emu_ldmatrix_x4(r, addr, true);
+#endif
 }}
 __device__ __forceinline__ void pfa_cp_{tag}(unsigned dst, const void* src, int bytes) {{
+#if defined(__CUDA_ARCH__)
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(dst), "l"(src), "r"(bytes));
+#else
+  dsv2_emu_cp_async(dst, src, bytes);
+#endif
 }}
 __device__ __forceinline__ void pfa_commit_{tag}() {{
+#if defined(__CUDA_ARCH__)
   asm volatile("cp.async.commit_group;" ::);
+#else
+  dsv2_emu_cp_commit();
+#endif
 }}
 __device__ __forceinline__ void pfa_wait1_{tag}() {{
+#if defined(__CUDA_ARCH__)
   asm volatile("cp.async.wait_group 1;" ::: "memory");
+#else
+  dsv2_emu_cp_wait(1);
+#endif
 }}
 __device__ __forceinline__ float pfa_exp2_{tag}(float x) {{
+#if defined(__CUDA_ARCH__)
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
+#else
+  return dsv2_emu_ex2(x);
+#endif
 }}
 __device__ __forceinline__ unsigned pfa_pack_{tag}(float lo, float hi) {{
   __half2 h = __floats2half2_rn(lo, hi);

@@ -17,15 +17,17 @@ the next (a barrier between blocks).
 :func:`emulate` builds a TVM PrimFunc for CUDA, takes the generated source (nvcc checks it too),
 compiles it with AddressSanitizer into an executable that runs the grid, and returns a launcher:
 the arrays go through files, so an out-of-bounds access (ASan) or a deadlock (the timeout) fails
-the test instead of taking pytest down. Emulation limits: one-dimensional blocks and grids, no
-inline PTX outside ``#if defined(__CUDA_ARCH__)`` blocks (whose ``#else`` or ``#elif
-defined(DSV2_EMULATION)`` branch is compiled instead: the bulk-copy and mbarrier helpers call the
-``dsv2_emu_*`` functions, where a copy lands at issue; an L2 prefetch is checked for alignment and
-bounds and counted), dynamic shared memory as one static array, warp collectives over the whole
-warp only, and the threads of a warp are not in lockstep (code that relies on implicit warp
-synchronisation, without ``__syncwarp``, is not modelled); the OS scheduler, not the GPU's, decides
-the interleaving (``slow_warp``: that warp sleeps 5 ms at its first collective in every block, so
-that the others run ahead of it).
+the test instead of taking pytest down. Emulation limits: one-dimensional blocks, grids of one or
+two dimensions, no inline PTX outside ``#if defined(__CUDA_ARCH__)`` blocks (whose ``#else`` or
+``#elif defined(DSV2_EMULATION)`` branch is compiled instead: the bulk-copy and mbarrier helpers
+call the ``dsv2_emu_*`` functions, where a copy lands at issue; an L2 prefetch is checked for
+alignment and bounds and counted; ``ldmatrix``, ``mma.sync`` m16n8k16, ``cp.async`` (a copy lands
+at its ``wait_group``, its destination NaN from issue to then) and ``ex2.approx`` have stand-ins
+too, shared addresses map back to the ``__shared__`` arrays), dynamic shared memory as one static
+array, warp collectives over the whole warp only, and the threads of a warp are not in lockstep
+(code that relies on implicit warp synchronisation, without ``__syncwarp``, is not modelled); the
+OS scheduler, not the GPU's, decides the interleaving (``slow_warp``: that warp sleeps 5 ms at its
+first collective in every block, so that the others run ahead of it).
 """
 
 from __future__ import annotations
@@ -262,7 +264,8 @@ template <class F> static void emu_run_grid(long long grid, int threads, F call)
     ts.emplace_back([&, t]() {
       threadIdx.x = t;
       for (long long b = 0; b < grid; ++b) {
-        blockIdx.x = b;
+        blockIdx.x = b % gridDim.x;
+        blockIdx.y = b / gridDim.x;
         t_first_collective = true;
         call();
         next.arrive_and_wait();
@@ -273,23 +276,150 @@ template <class F> static void emu_run_grid(long long grid, int threads, F call)
 }
 """
 
+
+# -- tensor-core and cp.async stand-ins ----------------------------------------------------------
+# (ldmatrix, mma.sync m16n8k16, cp.async, ex2.approx, __cvta_generic_to_shared: what the kernel
+# helpers' non-__CUDA_ARCH__ branches call; the exchanges of a warp go through __syncwarp)
+THREADS += r"""
+typedef __half2 half2;
+static inline __half2 __float2half2_rn(float f) { return {(half)f, (half)f}; }
+// A shared-memory address (__cvta_generic_to_shared) is (i + 1) << 24 plus the byte offset in
+// region i of g_shared (a __shared__ variable, or the dynamic array); dsv2_emu_smem maps one
+// back, failing the run unless the `bytes` from it lie in the region
+static inline size_t __cvta_generic_to_shared(const void* p) {
+  const uintptr_t a = (uintptr_t)p;
+  for (size_t i = 0; i < g_shared.size(); ++i) {
+    const uintptr_t b = (uintptr_t)g_shared[i].p;
+    if (a >= b && a < b + g_shared[i].n) return ((i + 1) << 24) | (a - b);
+  }
+  emu_fail("__cvta_generic_to_shared of memory that is not shared");
+  return 0;
+}
+static inline unsigned char* dsv2_emu_smem(unsigned addr, unsigned bytes) {
+  const size_t i = (addr >> 24) - 1, off = addr & 0xffffffu;
+  if ((addr >> 24) == 0 || i >= g_shared.size() || off + bytes > g_shared[i].n)
+    emu_fail("shared-memory access out of bounds");
+  return static_cast<unsigned char*>(g_shared[i].p) + off;
+}
+// cp.async.cg.shared.global, 16 bytes (src_bytes < 16: the rest zero-filled), commit_group and
+// wait_group: the source is read at issue; the destination turns to 0xff bytes (NaN) at issue
+// and gets the data only when a wait_group completes the copy's group, the latest moment the
+// hardware may land it, so a read before the wait, or a copy into a stage that other threads
+// still read, shows. Copies of a block not waited for are dropped at the thread's next block.
+struct EmuCp { unsigned char* dst; unsigned char data[16]; };
+thread_local std::vector<std::vector<EmuCp>> t_cp_groups;  // committed, oldest first
+thread_local std::vector<EmuCp> t_cp_open;  // issued since the last commit_group
+thread_local unsigned long long t_cp_block = ~0ull;
+static inline void dsv2_emu_cp_block() {
+  const unsigned long long b = ((unsigned long long)blockIdx.y << 32) | blockIdx.x;
+  if (b == t_cp_block) return;
+  t_cp_block = b;
+  t_cp_groups.clear();
+  t_cp_open.clear();
+}
+static inline void dsv2_emu_cp_async(unsigned dst, const void* src, int src_bytes) {
+  if (dst % 16 || (uintptr_t)src % 16) emu_fail("cp.async alignment");
+  if (src_bytes < 0 || src_bytes > 16) emu_fail("cp.async source size");
+  dsv2_emu_cp_block();
+  EmuCp cp{dsv2_emu_smem(dst, 16), {}};
+  if (src_bytes) memcpy(cp.data, src, src_bytes);
+  memset(cp.dst, 0xff, 16);
+  t_cp_open.push_back(cp);
+}
+static inline void dsv2_emu_cp_commit() {
+  dsv2_emu_cp_block();
+  t_cp_groups.push_back(std::move(t_cp_open));
+  t_cp_open.clear();
+}
+static inline void dsv2_emu_cp_wait(int pending) {  // all but the `pending` newest groups land
+  dsv2_emu_cp_block();
+  const size_t keep = std::min(t_cp_groups.size(), (size_t)pending);
+  const size_t done = t_cp_groups.size() - keep;
+  for (size_t i = 0; i < done; ++i)
+    for (const EmuCp& cp : t_cp_groups[i]) memcpy(cp.dst, cp.data, 16);
+  t_cp_groups.erase(t_cp_groups.begin(), t_cp_groups.begin() + done);
+}
+// ldmatrix.sync.aligned.m8n8.x4(.trans).shared.b16: lane 8 i + r gives the address of row r of
+// 8 x 8 matrix i (16 bytes, 16-byte aligned); lane l gets in r[i] the halves (l / 4, 2 (l % 4))
+// and (l / 4, 2 (l % 4) + 1) of matrix i, with .trans (2 (l % 4), l / 4) and (2 (l % 4) + 1,
+// l / 4)
+static unsigned g_ldsm_addr[1024];
+static inline void dsv2_emu_ldmatrix_x4(unsigned* r, unsigned addr, bool trans) {
+  const unsigned t = threadIdx.x, w = t & ~31u, l = t & 31;
+  if (addr % 16) emu_fail("ldmatrix row address alignment");
+  dsv2_emu_smem(addr, 16);
+  g_ldsm_addr[t] = addr;
+  __syncwarp();
+  for (unsigned i = 0; i < 4; ++i) {
+    half h[2];
+    for (unsigned e = 0; e < 2; ++e) {
+      const unsigned row = trans ? 2 * (l % 4) + e : l / 4;
+      const unsigned col = trans ? l / 4 : 2 * (l % 4) + e;
+      memcpy(&h[e], dsv2_emu_smem(g_ldsm_addr[w + 8 * i + row] + 2 * col, 2), 2);
+    }
+    memcpy(&r[i], h, 4);
+  }
+  __syncwarp();
+}
+// mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32, c += A B: every lane publishes its
+// fragments, lane (g, t) = (l / 4, l % 4) holding a[0] / a[1] rows g / g + 8 of A at k = 2t,
+// 2t + 1 and a[2] / a[3] the same rows at k = 2t + 8, 2t + 9, b[0] / b[1] column g of B at
+// those k; it computes its c[2 m + j] (row g + 8 m, column 2t + j): the products exact in
+// double, summed in double, rounded once to float (the hardware sums in fp32)
+static unsigned g_mma_frag[1024][6];
+static inline void dsv2_emu_mma16816(float* c, const unsigned* a, const unsigned* b) {
+  const unsigned t = threadIdx.x, w = t & ~31u, l = t & 31, g = l >> 2, tq = l & 3;
+  for (int r = 0; r < 4; ++r) g_mma_frag[t][r] = a[r];
+  g_mma_frag[t][4] = b[0];
+  g_mma_frag[t][5] = b[1];
+  __syncwarp();
+  auto f = [](unsigned v, int hi) {
+    __half2 h;
+    memcpy(&h, &v, 4);
+    return (double)(hi ? h.y : h.x);
+  };
+  double acc[4] = {c[0], c[1], c[2], c[3]};
+  for (unsigned q = 0; q < 4; ++q)
+    for (unsigned j = 0; j < 2; ++j) {
+      const unsigned* B = g_mma_frag[w + (2 * tq + j) * 4 + q];
+      for (unsigned m = 0; m < 2; ++m) {
+        const unsigned* A = g_mma_frag[w + g * 4 + q];
+        acc[2 * m + j] += f(A[m], 0) * f(B[4], 0) + f(A[m], 1) * f(B[4], 1) +
+                          f(A[2 + m], 0) * f(B[5], 0) + f(A[2 + m], 1) * f(B[5], 1);
+      }
+    }
+  __syncwarp();
+  for (int r = 0; r < 4; ++r) c[r] = (float)acc[r];
+}
+// ex2.approx.ftz.f32: 2^x, exact here (the hardware's relative error is about 2^-22), subnormal
+// inputs and results flushed to zero
+static inline float dsv2_emu_ex2(float x) {
+  if (std::fpclassify(x) == FP_SUBNORMAL) x = 0.f;
+  const float y = std::exp2(x);
+  return std::fpclassify(y) == FP_SUBNORMAL ? 0.f : y;
+}
+"""
+# -- end of the tensor-core and cp.async stand-ins -----------------------------------------------
+
 _MAIN = r"""
-// argv: dir grid slow_warp launches scalars...; buffer i is the file dir/a<i>, read before every
-// launch (each starts from the arrays as given) and written back after the last; __device__
-// variables persist from one launch to the next, as on a GPU
+// argv: dir grid (x or x,y) slow_warp launches scalars...; buffer i is the file dir/a<i>, read
+// before every launch (each starts from the arrays as given) and written back after the last;
+// __device__ variables persist from one launch to the next, as on a GPU
 int main(int argc, char** argv) {
   if (argc != 5 + $n_scalars) emu_fail("arguments");
   const std::string dir = argv[1];
-  const long long grid = atoll(argv[2]);
+  const char* grid_y = strchr(argv[2], ',');
+  const long long grid = atoll(argv[2]) * (grid_y ? atoll(grid_y + 1) : 1);
   g_slow_warp = atoi(argv[3]);
   const int launches = atoi(argv[4]);
-  long long s[$n_scalars + 1];
-  for (int i = 0; i < $n_scalars; ++i) s[i] = atoll(argv[5 + i]);
+  double s[$n_scalars + 1];  // (integers up to 2^53 exact)
+  for (int i = 0; i < $n_scalars; ++i) s[i] = strtod(argv[5 + i], nullptr);
   void* a[$n_buffers + 1];
   size_t bytes[$n_buffers + 1];
   for (int i = 0; i < $n_buffers; ++i) a[i] = nullptr;
   blockDim.x = $threads;
-  gridDim.x = grid;
+  gridDim.x = atoll(argv[2]);
+  gridDim.y = grid / gridDim.x;
   for (int l = 0; l < launches; ++l) {
     for (int i = 0; i < $n_buffers; ++i) {
       const std::string path = dir + "/a" + std::to_string(i);
@@ -381,18 +511,18 @@ class Emulated:
 
     def __call__(
         self,
-        grid: int,
+        grid: int | tuple[int, int],
         arrays: dict[str, np.ndarray],
         *scalars: int,
         slow_warp: int = -1,
         timeout: float = 300,
         launches: int = 1,
     ) -> dict[str, int]:
-        """Run ``grid`` blocks on ``arrays`` (by buffer name; contiguous, updated in place) and
-        the scalar arguments, ``launches`` times (each launch from the arrays as given, the
-        kernel's ``__device__`` variables kept; the arrays as the last launch left them);
-        returns counters (``nanosleep``: ``__nanosleep`` calls, ``prefetches`` /
-        ``prefetch_bytes``: L2 prefetches and their bytes; over all launches)."""
+        """Run ``grid`` blocks (``(x, y)``: a two-dimensional grid) on ``arrays`` (by buffer
+        name; contiguous, updated in place) and the scalar arguments, ``launches`` times (each
+        launch from the arrays as given, the kernel's ``__device__`` variables kept; the arrays
+        as the last launch left them); returns counters (``nanosleep``: ``__nanosleep`` calls,
+        ``prefetches`` / ``prefetch_bytes``: L2 prefetches and their bytes; over all launches)."""
         assert len(scalars) == len(self.scalars), f"scalars {self.scalars}"
         work = self.exe.parent / f"{self.exe.name}.io"
         work.mkdir(exist_ok=True)
@@ -400,7 +530,8 @@ class Emulated:
             assert arrays[name].flags.c_contiguous, name
             arrays[name].tofile(work / f"a{i}")
         env = {**os.environ, "ASAN_OPTIONS": "detect_leaks=0"}
-        args = [str(self.exe), str(work), str(grid), str(slow_warp), str(launches)]
+        grid_arg = ",".join(map(str, grid)) if isinstance(grid, tuple) else str(grid)
+        args = [str(self.exe), str(work), grid_arg, str(slow_warp), str(launches)]
         args += list(map(str, scalars))
         run = subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=env)
         assert run.returncode == 0, f"emulated kernel failed ({run.returncode}):\n{run.stderr}"
@@ -423,9 +554,10 @@ def emulate(
     body = src[src.index(_HEADER_END) + len(_HEADER_END) :]
     kernels = list(_KERNEL.finditer(body))
     assert len(kernels) == 1, f"expected one kernel, found {len(kernels)}"
-    # code for the GPU only (PDL's wait, bulk copies): its CPU branch (#else), if any, instead
+    # code for the GPU only (PDL's wait, bulk copies; the wgmma bodies of the MoE GEMMs): its CPU
+    # branch (#else), if any, instead
     body = re.sub(
-        r"#if defined\(__CUDA_ARCH__\)[^\n]*\n(?:(?!#else|#elif|#endif).)*?"
+        r"#if (?:defined\(__CUDA_ARCH__\)|DSV2_MOE_WGMMA\b)[^\n]*\n(?:(?!#else|#elif|#endif).)*?"
         r"(?:(?:#else|#elif defined\(DSV2_EMULATION\))\n(.*?))?#endif\n",
         lambda m: m.group(1) or "",
         body,
