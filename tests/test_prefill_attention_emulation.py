@@ -34,6 +34,7 @@ import numpy as np
 import pytest
 
 from dsv2_mlc.schedules import prefill_attention_cuda as pfa
+from dsv2_mlc.schedules.tiles import PrefillAttentionTiles, tuned
 
 sys.path.insert(0, str(Path(__file__).parent))
 from cuda_emulation import emulate, needs_toolchain  # noqa: E402
@@ -122,7 +123,11 @@ def run_kernel(
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(pfa, "_cuda_source", source)
-        func = pfa.prefill_attention_cuda(heads, heads, dqk, dv, "float16", **tiles)
+        if tiles:  # the builder with other tiles (as the lab sweeps them)
+            shape = PrefillAttentionTiles(**tiles)
+            func = pfa.build_prefill_attention(heads, heads, dqk, dv, "float16", shape)
+        else:  # the shipped kernel, tiles from schedules/tiles.py
+            func = pfa.prefill_attention_cuda(heads, heads, dqk, dv, "float16")
     run = emulate(func, tmp_path, broken or "kernel")
     out = np.full((n, heads, dv), np.nan, np.float16)
     lse = np.full((n, heads), np.nan, np.float32)
@@ -134,7 +139,7 @@ def run_kernel(
         "batch_size": len(q_lens), "causal": int(causal), "kv_indptr_elem_offset": 0,
         "q_indptr_elem_offset": 0, "qo_len": n, "sm_scale": sm,
     }  # fmt: skip
-    block_m = tiles.get("block_m", 64)
+    block_m = tiles.get("block_m", tuned("prefill_attention").block_m)
     grid = heads * (-(-n // block_m) + len(q_lens))
     run(grid, arrays, *[scalars[s] for s in run.scalars], slow_warp=1)  # (warp 1 lags)
     want, want_lse, tol, tol_lse = reference(q, k, v, q_ptr, kv_ptr, causal, sm)
@@ -153,11 +158,11 @@ CASES = {
     "v2lite": (16, 192, 128, [70, 1, 33], None, True, {}, "causal-limit"),
     # 3 heads, 64 / 32: 6 query tiles, 11 key tiles, extend-like rows (more keys than queries)
     "small-extend": (3, 64, 32, [5, 97, 130], [5, 110, 333], True, {}, "no-v-wait"),
-    # Q in shared memory (its fragments by ldmatrix), BM 32, BN 16; one non-causal batch
-    "small-qsmem": (2, 48, 32, [45, 19], None, True, dict(q_smem=True, block_m=32, block_n=16),
-                    "ldsm-trans-shift"),
-    "small-qsmem-full": (2, 48, 32, [45, 19], [50, 30], False,
-                         dict(q_smem=True, block_m=32, block_n=16), "no-v-wait"),
+    # other tiles through the builder the lab sweeps (BM 32, BN 16); one non-causal batch
+    "small-bm32": (2, 48, 32, [45, 19], None, True, dict(block_m=32, block_n=16),
+                   "ldsm-trans-shift"),
+    "small-bm32-full": (2, 48, 32, [45, 19], [50, 30], False, dict(block_m=32, block_n=16),
+                        "no-v-wait"),
 }  # fmt: skip
 
 
