@@ -145,32 +145,41 @@ def _package(args: argparse.Namespace) -> int:
 def _pull(args: argparse.Namespace) -> int:
     from .artifacts.pull import pull
 
-    r = pull(
-        args.source,
-        cache_dir=args.cache_dir,
-        sha256=args.sha256,
-        index=args.index,
-        force=args.force,
-        check=not args.no_check,
-        progress=not args.quiet,
-    )
+    try:
+        r = pull(
+            args.source,
+            cache_dir=args.cache_dir,
+            sha256=args.sha256,
+            index=args.index,
+            force=args.force,
+            check=not args.no_check,
+            progress=not args.quiet,
+        )
+    except KeyboardInterrupt as err:  # say where a resumable partial download was kept
+        for note in getattr(err, "__notes__", ()):
+            print(note, file=sys.stderr)
+        raise
     state = "already installed" if r.already_installed else "installed"
     print(f"{state} {r.name} ({r.manifest.target.describe()}) at {r.path}")
     return 0
 
 
 def _list(args: argparse.Namespace) -> int:
+    from .artifacts.pull import cache_access
     from .artifacts.store import format_listing, list_installed
 
-    print(format_listing(list_installed(args.cache_dir)))
+    with cache_access(args.cache_dir, write=False):
+        print(format_listing(list_installed(args.cache_dir)))
     return 0
 
 
 def _rm(args: argparse.Namespace) -> int:
+    from .artifacts.pull import cache_access
     from .artifacts.store import remove_installed
 
-    for name in args.names:
-        print(f"removed {name} ({remove_installed(name, args.cache_dir)})")
+    with cache_access(args.cache_dir):
+        for name in args.names:
+            print(f"removed {name} ({remove_installed(name, args.cache_dir)})")
     return 0
 
 
@@ -190,9 +199,21 @@ def _add_artifact_commands(sub: argparse._SubParsersAction) -> None:
     )
     p.set_defaults(func=_package)
 
-    p = sub.add_parser("pull", help="download, verify and install an artifact")
+    p = sub.add_parser(
+        "pull",
+        help="download, verify and install an artifact",
+        description="Download, verify and install an artifact. SOURCE spelled as a name "
+        "(letters, digits, '.', '_', '-'; no '/'; not ending in .tar/.tar.gz/.tgz) is looked up "
+        "in the index and checked against its hashes, even where a file or folder of that name "
+        "is in the current directory; a local file or folder is given as a path: ./NAME, any "
+        "path with a '/', or NAME.tar. Downloads stop at the index's size, else the server's "
+        "Content-Length, else 32 GiB; Ctrl-C or a broken connection keeps a partial download "
+        "of known size, which the same command resumes, and deletes any other.",
+    )
     p.add_argument(
-        "source", help="artifact file or folder, file:// or http(s):// URL, or a name in the index"
+        "source",
+        help="a name in the index, an artifact file or folder given as a path (./NAME, a path "
+        "with '/', or NAME.tar), or a file:// or http(s):// URL",
     )
     p.add_argument("--sha256", default=None, help="expected SHA-256 of its manifest.json")
     p.add_argument(
@@ -294,7 +315,9 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="?",
         default=None,
         help="a checkpoint folder (compiled on first use and cached), a compiled folder, an "
-        "installed artifact's name (dsv2-mlc list), or nothing for the embedded default model",
+        "installed artifact's name (dsv2-mlc list), or nothing for the embedded default model; "
+        "a name that is installed means the artifact even where a folder of that name is here "
+        "(that folder is ./NAME)",
     )
     p.add_argument("--prompt", default=None, help="answer this one prompt and exit")
     p.add_argument("--system", default=None, help="system prompt (models with a chat template)")

@@ -2,7 +2,12 @@
 and :func:`open_engine` (what :func:`dsv2_mlc.load` runs): that folder opened as an Engine.
 
 MODEL is a compiled folder (``dsv2-mlc.json``), a Hugging Face checkpoint folder (``config.json``
-+ safetensors), or nothing for the model embedded in the package. A checkpoint is compiled once
++ safetensors), the name of an installed artifact (``dsv2-mlc pull``), or nothing for the model
+embedded in the package. A string spelled as an artifact name (no ``/``; see
+:func:`dsv2_mlc.artifacts.index.is_name`) that names an installed artifact means that artifact,
+even where a folder of that name is in the current directory: that folder is ``./NAME`` (or a
+:class:`~pathlib.Path`), so a folder in the current directory never stands in for a verified
+artifact. A name that is not installed is a folder as before. A checkpoint is compiled once
 per cache key: a SHA-256 over the checkpoint files' contents, the dtype and device, the dsv2-mlc
 version, the source of its compiler (compiler/model/passes/quant/schedules, the build layout, RoPE)
 and the TVM version, so anything that changes the build gives a new entry.
@@ -234,11 +239,7 @@ def resolve_model(
                 "pass a MODEL: a checkpoint folder or a compiled folder"
             )
     else:
-        path = Path(model).expanduser()
-        if not path.exists():  # an installed artifact's name (dsv2_mlc.artifacts, `dsv2-mlc pull`)
-            from .artifacts.store import installed_artifact
-
-            path = installed_artifact(str(model), cache_dir) or path
+        path = _installed_by_name(model, cache_dir, log) or Path(model).expanduser()
         if not path.exists():
             raise ModelNotFoundError(
                 f"unknown model {str(model)!r}: no such folder; pass a checkpoint folder "
@@ -276,6 +277,22 @@ def resolve_model(
         progress=progress,
         log=log,
     )
+
+
+def _installed_by_name(
+    model: str | Path, cache_dir: str | Path | None, log: Callable[[str], None] | None
+) -> Path | None:
+    """The installed artifact a MODEL spelled as a name means (see the module doc), if any."""
+    from .artifacts.index import is_name
+
+    if not isinstance(model, str) or not is_name(model):
+        return None
+    from .artifacts.store import installed_artifact
+
+    path = installed_artifact(model, cache_dir)
+    if path is not None and log is not None and Path(model).exists():
+        log(f"{model}: the installed artifact {path} (for the folder {model} here, pass ./{model})")
+    return path
 
 
 def open_engine(

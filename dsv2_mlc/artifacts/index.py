@@ -2,14 +2,20 @@
 identify it (the SHA-256 of its manifest and of its file). ``dsv2-mlc pull NAME`` looks NAME up
 here and refuses anything that does not match.
 
+A NAME is never a path: a SOURCE spelled like an artifact name (see :func:`is_name`) is looked up
+in the index only, even where a file or folder of that name is in the current directory; a local
+file or folder is passed as a path (``./NAME``, any path with a ``/``, or ``NAME.tar``).
+
 An entry's ``url`` is absolute, or relative to the index's own location (a path or a URL), so an
 index and its artifacts can be published together in one folder.
 """
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
+import re
 import urllib.parse
 import urllib.request
 from dataclasses import dataclass
@@ -17,10 +23,14 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ArtifactNotFoundError, DownloadError, ManifestError
+from .manifest import NAME_PATTERN
 
 INDEX_FORMAT = "dsv2-mlc-index"
 INDEX_FORMAT_VERSION = 1
 INDEX_ENV = "DSV2_MLC_INDEX"
+MAX_INDEX_BYTES = 16 << 20  # an index lists artifacts: a few hundred bytes each
+ARTIFACT_FILE_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".tar.bz2", ".tar.xz")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 @dataclass(frozen=True)
@@ -48,6 +58,18 @@ def is_url(text: str) -> bool:
     return urllib.parse.urlsplit(text).scheme in ("http", "https", "file")
 
 
+def is_name(source: str) -> bool:
+    """Whether SOURCE is spelled as an artifact name (``[A-Za-z0-9][A-Za-z0-9._-]*``, no
+    ``/``, not ending in ``.tar``/``.tar.gz``/``.tgz``/``.tar.bz2``/``.tar.xz``) rather than as a
+    path or URL. A name means an artifact (in the index, or installed), never a local file."""
+    return (
+        NAME_PATTERN.fullmatch(source) is not None
+        and source not in (".", "..")
+        and not source.lower().endswith(ARTIFACT_FILE_SUFFIXES)
+        and not is_url(source)
+    )
+
+
 def local_path(location: str) -> Path | None:
     """The local path of a plain path or ``file://`` URL (``None`` for http(s))."""
     parts = urllib.parse.urlsplit(location)
@@ -63,15 +85,20 @@ def read_index(location: str, *, timeout: float = 60.0) -> dict[str, Any]:
     path = local_path(location)
     try:
         if path is not None:
-            data = path.read_bytes()
+            with open(path, "rb") as f:
+                data = f.read(MAX_INDEX_BYTES + 1)
         else:
             with urllib.request.urlopen(location, timeout=timeout) as resp:
-                data = resp.read()
-    except OSError as err:
+                data = resp.read(MAX_INDEX_BYTES + 1)
+    except (OSError, ValueError, http.client.HTTPException) as err:
         raise DownloadError(f"cannot read the artifact index {location} ({err})") from err
+    if len(data) > MAX_INDEX_BYTES:
+        raise ManifestError(
+            f"{location}: larger than {MAX_INDEX_BYTES >> 20} MiB; not a dsv2-mlc artifact index"
+        )
     try:
         index = json.loads(data)
-    except json.JSONDecodeError as err:
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ManifestError(f"{location}: not a valid artifact index ({err})") from err
     if not isinstance(index, dict) or index.get("format") != INDEX_FORMAT:
         raise ManifestError(f"{location}: not a dsv2-mlc artifact index")
@@ -80,6 +107,8 @@ def read_index(location: str, *, timeout: float = 60.0) -> dict[str, Any]:
             f"{location}: index format {index.get('format_version')} is not the supported "
             f"{INDEX_FORMAT_VERSION}; upgrade dsv2-mlc"
         )
+    if not isinstance(index.get("artifacts", []), list):
+        raise ManifestError(f'{location}: "artifacts" is not a list; not a valid artifact index')
     return index
 
 
@@ -95,14 +124,14 @@ def resolve_url(index_location: str, url: str) -> str:
 
 
 def lookup(name: str, location: str, *, timeout: float = 60.0) -> IndexEntry:
-    """The entry called ``name`` in the index at ``location``."""
+    """The entry called ``name`` in the index at ``location`` (its fields' types checked)."""
     index = read_index(location, timeout=timeout)
     entries = {e.get("name"): e for e in index.get("artifacts", []) if isinstance(e, dict)}
     if name not in entries:
         known = ", ".join(sorted(str(n) for n in entries)) or "none"
         raise ArtifactNotFoundError(
-            f"{name!r} is neither a file, a URL nor an artifact in the index {location} "
-            f"(published: {known}); pass a path or URL of an artifact"
+            f"{name!r} is not an artifact in the index {location} (published: {known}); a "
+            f"local file or folder is given as a path (./{name}, a path with '/', or NAME.tar)"
         )
     e = entries[name]
     if not e.get("url") or not e.get("manifest_sha256"):
@@ -112,12 +141,35 @@ def lookup(name: str, location: str, *, timeout: float = 60.0) -> IndexEntry:
         )
     return IndexEntry(
         name=name,
-        url=resolve_url(location, str(e["url"])),
-        manifest_sha256=str(e["manifest_sha256"]),
-        sha256=e.get("sha256"),
-        size=e.get("size"),
-        target=dict(e.get("target") or {}),
+        url=resolve_url(location, _field(e, "url", location, str)),
+        manifest_sha256=_sha256(e, "manifest_sha256", location),
+        sha256=_sha256(e, "sha256", location) if e.get("sha256") is not None else None,
+        size=_field(e, "size", location, int) if e.get("size") is not None else None,
+        target=dict(_field(e, "target", location, dict) if e.get("target") is not None else {}),
     )
+
+
+def _field(entry: dict[str, Any], key: str, location: str, kind: type) -> Any:
+    """``entry[key]`` if it has the type ``kind`` (a size also >= 0; no bool for an int)."""
+    value = entry.get(key)
+    ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+    if not ok or (kind is int and value < 0):
+        what = {str: "a string", int: "a number of bytes", dict: "an object"}[kind]
+        raise ManifestError(
+            f"{location}: artifact {entry.get('name')}: {key} is {value!r}, not {what}; the "
+            "index is damaged: get it again"
+        )
+    return value
+
+
+def _sha256(entry: dict[str, Any], key: str, location: str) -> str:
+    value = entry.get(key)
+    if not isinstance(value, str) or not _SHA256.fullmatch(value.lower()):
+        raise ManifestError(
+            f"{location}: artifact {entry.get('name')}: {key} is {value!r}, not a SHA-256 (64 hex "
+            "digits); the index is damaged: get it again"
+        )
+    return value.lower()
 
 
 def entry_for(result: Any, url: str) -> dict[str, Any]:

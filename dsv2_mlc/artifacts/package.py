@@ -21,8 +21,9 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..errors import Dsv2Error
 from ..layout import BUILD_CONFIG, LIBRARY, PARAMS_DIR, TOKENIZER_FILES, BuildConfig
-from .errors import ArtifactError, MissingFileError, RuntimeVersionError
+from .errors import ArtifactError, ManifestError, MissingFileError, RuntimeVersionError
 from .manifest import (
     MANIFEST,
     RUNTIME_LIB_DIR,
@@ -30,6 +31,7 @@ from .manifest import (
     Manifest,
     Target,
     check_name,
+    check_relpath,
     manifest_sha256,
     sha256_file,
 )
@@ -76,9 +78,20 @@ def _model_files(compiled: Path) -> list[str]:
             raise MissingFileError(
                 f"{compiled / rel}: missing from the compiled folder; compile the model again"
             )
-    index = json.loads((compiled / PARAMS_DIR / "tensor-cache.json").read_text())
-    for record in index.get("records", []):
-        rel = f"{PARAMS_DIR}/{record['dataPath']}"
+    index_path = compiled / PARAMS_DIR / "tensor-cache.json"
+    try:
+        index = json.loads(index_path.read_text())
+        records = index["records"] if isinstance(index, dict) else None
+        shards = [r["dataPath"] for r in records] if isinstance(records, list) else None
+    except (ValueError, KeyError, TypeError) as err:
+        raise ArtifactError(f"{index_path}: corrupted ({err!r}); compile the model again") from err
+    if shards is None or not all(isinstance(d, str) for d in shards):
+        raise ArtifactError(f"{index_path}: no list of weight shards; compile the model again")
+    for shard in shards:
+        try:
+            rel = check_relpath(f"{PARAMS_DIR}/{shard}")
+        except ManifestError as err:
+            raise ArtifactError(f"{index_path}: {err}; compile the model again") from err
         if not (compiled / rel).is_file():
             raise MissingFileError(
                 f"{compiled / rel}: weight shard missing from the compiled folder; compile the "
@@ -178,7 +191,14 @@ def build_manifest(
     from ..version import __version__
 
     compiled = Path(compiled_dir)
-    build = BuildConfig.read(compiled)
+    try:
+        build = BuildConfig.read(compiled)
+    except (TypeError, AttributeError, ValueError) as err:
+        if isinstance(err, Dsv2Error):
+            raise
+        raise ArtifactError(
+            f"{compiled / BUILD_CONFIG}: not a valid build config ({err}); compile the model again"
+        ) from err
     model_name = model_name or compiled.resolve().name
     name = check_name(name or default_name(build, model_name))
     sources = {rel: compiled / rel for rel in _model_files(compiled)}
@@ -235,9 +255,12 @@ def package_artifact(
     if out.is_dir():
         out = out / f"{manifest.name}{ARTIFACT_SUFFIX}"
     out = out.resolve()
-    out.parent.mkdir(parents=True, exist_ok=True)
     data = manifest.to_bytes()
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp_name = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent)
+    except OSError as err:
+        raise ArtifactError(f"cannot write {out} ({err}); pass another -o/--output") from err
     tmp = Path(tmp_name)
     try:
         with (
@@ -254,6 +277,9 @@ def package_artifact(
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)  # mkstemp made it private
         os.replace(tmp, out)
+    except OSError as err:
+        tmp.unlink(missing_ok=True)
+        raise ArtifactError(f"packaging {compiled_dir} into {out} failed ({err})") from err
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

@@ -3,13 +3,19 @@
 SOURCE is an artifact file (a local path or a ``file://`` / ``http(s)://`` URL), an unpacked
 artifact folder (``manifest.json`` + files), or the name of an artifact in the index
 (``dist/index.json``, ``--index`` or ``$DSV2_MLC_INDEX``), which also supplies the hashes the
-artifact must have. HTTP downloads resume (see :mod:`.download`); a partial download waits in
-``downloads/`` beside the installed artifacts and is deleted once used or found bad.
+artifact must have. A name is never a path (:func:`~.index.is_name`): ``pull NAME`` uses the
+index even where a file or folder NAME is in the current directory; that one is ``./NAME``.
+HTTP downloads are bounded by the declared size and resume (see :mod:`.download`); a partial
+download waits in ``downloads/`` beside the installed artifacts and is deleted once used or
+found bad.
 
 Before anything is installed: the manifest is checked (its SHA-256 against the index or
 ``--sha256``; no file beside the listed ones), this machine must be able to run the artifact
 (target, GPU arch, tvm-ffi version; skip with ``check=False``), and every file's size and SHA-256
-must match while it is copied into a staging folder. Any failure leaves the cache as it was.
+must match while it is copied into a staging folder - a file is cut off as soon as it exceeds
+its declared size (a tar member whose header says another size is refused before any copying),
+and ``manifest.json`` itself may be at most :data:`MAX_MANIFEST` bytes. Any failure leaves the
+cache as it was.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import contextlib
 import hashlib
 import tarfile
 import urllib.parse
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import BinaryIO
@@ -25,18 +32,18 @@ from typing import BinaryIO
 from . import store
 from .download import download
 from .errors import (
+    ArtifactError,
     ArtifactNotFoundError,
     CorruptArtifactError,
     HashMismatchError,
-    IncompleteDownloadError,
     ManifestError,
     MissingFileError,
 )
-from .index import IndexEntry, default_index, is_url, local_path, lookup
-from .manifest import MANIFEST, NAME_PATTERN, Manifest, manifest_sha256, sha256_file
+from .index import IndexEntry, default_index, is_name, is_url, local_path, lookup
+from .manifest import MANIFEST, Manifest, manifest_sha256, sha256_file
 from .target import check_compatible
 
-_MAX_MANIFEST = 64 << 20
+MAX_MANIFEST = 16 << 20  # bytes; a manifest lists files: ~150 bytes each
 
 
 @dataclass(frozen=True)
@@ -52,30 +59,53 @@ class PullResult:
 
 
 class _TarSource:
-    """An artifact file: an (uncompressed or compressed) tar with ``manifest.json``."""
+    """An artifact file: an (uncompressed or compressed) tar with ``manifest.json``. Only
+    regular files and folders may be members, each path once."""
 
     def __init__(self, path: Path, label: str):
         self.label = label
+        self.members: dict[str, tarfile.TarInfo] = {}
         try:
             self.tar = tarfile.open(path, "r:*")
-            self.members = {}
-            for info in self.tar.getmembers():
-                name = str(PurePosixPath(info.name))
-                if info.isdir():
-                    continue
-                if not info.isfile():
-                    raise CorruptArtifactError(
-                        f"{label}: member {info.name} is not a regular file; not a valid artifact"
-                    )
-                self.members[name] = info
-        except (tarfile.TarError, EOFError, OSError) as err:
+        except PermissionError:
+            raise  # not damage: cache_access names the file
+        except (tarfile.TarError, EOFError, OSError, ValueError) as err:
             raise CorruptArtifactError(
                 f"{label}: not a readable artifact file ({err}); it is truncated or damaged: "
                 "download it again"
             ) from err
+        try:
+            for info in self.tar:  # headers only: no member is extracted here
+                name = PurePosixPath(info.name).as_posix()
+                if info.isdir():
+                    continue
+                if not info.isfile():
+                    raise CorruptArtifactError(
+                        f"{label}: member {info.name!r} is a {_kind(info)}, not a regular file; "
+                        "not a valid artifact"
+                    )
+                if name in self.members:
+                    raise CorruptArtifactError(
+                        f"{label}: member {info.name!r} is in it twice; not a valid artifact"
+                    )
+                self.members[name] = info
+        except (tarfile.TarError, EOFError, OSError, ValueError) as err:
+            self.tar.close()
+            raise CorruptArtifactError(
+                f"{label}: not a readable artifact file ({err}); it is truncated or damaged: "
+                "download it again"
+            ) from err
+        except BaseException:
+            self.tar.close()
+            raise
 
     def names(self) -> set[str]:
         return set(self.members)
+
+    def size(self, rel: str) -> int | None:
+        """The size a member's header declares (what reading it yields)."""
+        info = self.members.get(rel)
+        return None if info is None else info.size
 
     def open(self, rel: str) -> BinaryIO | None:
         info = self.members.get(rel)
@@ -86,6 +116,16 @@ class _TarSource:
 
     def close(self) -> None:
         self.tar.close()
+
+
+def _kind(info: tarfile.TarInfo) -> str:
+    if info.issym():
+        return f"symbolic link (to {info.linkname!r})"
+    if info.islnk():
+        return f"hard link (to {info.linkname!r})"
+    if info.isdev():
+        return "device or FIFO"
+    return "special member"
 
 
 class _Guarded:
@@ -102,11 +142,14 @@ class _Guarded:
                 f"{self.label}: truncated or damaged ({err}); download it again"
             ) from err
 
+    def close(self) -> None:
+        self.stream.close()
+
     def __enter__(self) -> _Guarded:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.stream.close()
+        self.close()
 
 
 class _FolderSource:
@@ -118,6 +161,10 @@ class _FolderSource:
     def names(self) -> set[str]:
         return {p.relative_to(self.path).as_posix() for p in self.path.rglob("*") if p.is_file()}
 
+    def size(self, rel: str) -> int | None:
+        file = self.path / rel
+        return file.stat().st_size if file.is_file() else None
+
     def open(self, rel: str) -> BinaryIO | None:
         file = self.path / rel
         return open(file, "rb") if file.is_file() else None
@@ -126,16 +173,51 @@ class _FolderSource:
         pass
 
 
+class _Bounded:
+    """A file's stream that fails as soon as it yields more than the manifest's size for it, so
+    no more than that is ever written (a compressed member can expand to anything)."""
+
+    def __init__(self, stream: BinaryIO, limit: int, label: str, rel: str):
+        self.stream, self.limit, self.label, self.rel = stream, limit, label, rel
+        self.seen = 0
+
+    def read(self, n: int = -1) -> bytes:
+        want = (
+            self.limit - self.seen + 1 if n is None or n < 0 else min(n, self.limit - self.seen + 1)
+        )
+        data = self.stream.read(want)
+        self.seen += len(data)
+        if self.seen > self.limit:
+            raise HashMismatchError(
+                f"{self.label}: {self.rel} is larger than the {self.limit} bytes the manifest "
+                "says; the artifact is corrupted or forged (nothing was installed)"
+            )
+        return data
+
+    def __enter__(self) -> _Bounded:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stream.close()
+
+
 def _read_manifest(src: _TarSource | _FolderSource) -> bytes:
+    size = src.size(MANIFEST)
     stream = src.open(MANIFEST)
-    if stream is None:
+    if stream is None or size is None:
         raise ManifestError(
             f"{src.label}: no {MANIFEST}; not a dsv2-mlc artifact (make one with "
             "`dsv2-mlc package COMPILED_DIR -o ARTIFACT`)"
         )
+    if size > MAX_MANIFEST:
+        stream.close()
+        raise ManifestError(
+            f"{src.label}: {MANIFEST} is {size} bytes, more than the {MAX_MANIFEST} a manifest "
+            "may have; not an artifact"
+        )
     with stream:
-        data = stream.read(_MAX_MANIFEST + 1)
-    if len(data) > _MAX_MANIFEST:
+        data = stream.read(MAX_MANIFEST + 1)
+    if len(data) > MAX_MANIFEST:
         raise ManifestError(f"{src.label}: {MANIFEST} is implausibly large; not an artifact")
     return data
 
@@ -147,20 +229,57 @@ def _download_path(url: str, cache_dir: str | Path | None) -> Path:
 
 
 def _resolve(source: str, index: str | None, timeout: float) -> tuple[str, IndexEntry | None]:
-    """SOURCE as a location (path or URL), with its index entry when SOURCE is a name."""
-    if is_url(source):
+    """SOURCE as a location (path or URL), with its index entry when SOURCE is a name.
+
+    A name (:func:`~.index.is_name`) is only ever looked up in the index, never taken for a
+    file or folder of that name in the current directory (that one is ``./NAME``)."""
+    if is_url(source) or not is_name(source):
         return source, None
-    if Path(source).expanduser().exists():
-        return source, None
-    location = index or default_index()
-    if NAME_PATTERN.fullmatch(source) and location is not None:
-        entry = lookup(source, location, timeout=timeout)
-        return entry.url, entry
-    raise ArtifactNotFoundError(
-        f"{source}: no such file or folder"
-        + ("" if location is None else f", and not a name in the index {location}")
-        + "; pass an artifact file, folder, URL, or a name listed in dist/index.json"
+    here = Path(source)
+    hint = (
+        f"; the {'folder' if here.is_dir() else 'file'} {source} in the current directory is "
+        f"not used for a name: pass ./{source} to pull it"
+        if here.exists()
+        else ""
     )
+    location = index or default_index()
+    if location is None:
+        raise ArtifactNotFoundError(
+            f"{source!r} looks like an artifact name, and there is no artifact index to look it "
+            "up in: pass --index PATH_OR_URL (or set DSV2_MLC_INDEX), or an artifact file, "
+            f"folder or URL{hint}"
+        )
+    try:
+        entry = lookup(source, location, timeout=timeout)
+    except ArtifactNotFoundError as err:
+        if hint:
+            raise ArtifactNotFoundError(f"{err}{hint}") from err
+        raise
+    return entry.url, entry
+
+
+@contextlib.contextmanager
+def cache_access(cache_dir: str | Path | None, *, write: bool = True) -> Iterator[None]:
+    """Turn a permission error on the artifact cache into an :class:`ArtifactError` naming the
+    folder and the fix (the commands ``pull``, ``rm`` and, with ``write=False``, ``list`` run
+    under it); one on a file outside the cache (an unreadable SOURCE) says so."""
+    try:
+        yield
+    except PermissionError as err:
+        root = store.cache_root(cache_dir)
+        where = Path(err.filename) if err.filename else None
+        try:
+            inside = where is not None and where.resolve().is_relative_to(root.resolve())
+        except OSError:
+            inside = False
+        if where is not None and not inside:
+            msg = f"cannot read {where} ({err.strerror}); check its permissions"
+            raise ArtifactError(msg) from err
+        able = "writable" if write else "readable"
+        raise ArtifactError(
+            f"the artifact cache {root} is not {able} ({err.strerror}: {where or root}); make it "
+            f"{able}, or use another cache folder: --cache-dir DIR or DSV2_MLC_CACHE_DIR=DIR"
+        ) from err
 
 
 def pull(
@@ -180,11 +299,24 @@ def pull(
     publishes). ``force`` replaces another build of the same name. ``check=False`` installs an
     artifact this machine cannot run (it is checked again when opened).
     """
+    with cache_access(cache_dir):
+        return _pull(source, cache_dir, sha256, index, force, check, progress, timeout)
+
+
+def _pull(
+    source: str,
+    cache_dir: str | Path | None,
+    sha256: str | None,
+    index: str | None,
+    force: bool,
+    check: bool,
+    progress: bool,
+    timeout: float,
+) -> PullResult:
     location, entry = _resolve(source, index, timeout)
     expected = (sha256 or (entry.manifest_sha256 if entry else None) or "").lower() or None
     path = local_path(location)
     partial: Path | None = None
-    created: list[Path] = []
     if path is None:  # http(s)
         partial = _download_path(location, cache_dir)
         created = store.make_dirs(partial.parent)
@@ -196,15 +328,20 @@ def pull(
                 progress=progress,
                 timeout=timeout,
             )
-        except IncompleteDownloadError:
-            raise  # the partial file stays for the next pull to resume
         except BaseException:
+            # download() keeps the partial file only when it can be resumed (bounded by its
+            # declared size); otherwise it is gone, and so are the folders made for it
             if partial.is_file() and partial.stat().st_size == 0:
                 partial.unlink()
-            store.remove_dirs(created)
+            if not partial.exists():
+                store.remove_dirs(created)
             raise
         path = partial
-    elif not path.exists():
+    elif path.is_dir() or path.is_file():
+        pass
+    elif path.exists():
+        raise ArtifactNotFoundError(f"{location}: neither a file nor a folder; not an artifact")
+    else:
         raise ArtifactNotFoundError(f"{location}: no such file or folder")
     try:
         result = _install_from(path, location, entry, expected, cache_dir, force, check, progress)
@@ -254,12 +391,26 @@ def _install_from(
                 "this is not the published artifact: get it from the right source"
             )
         manifest = Manifest.from_bytes(data, f"{label}: {MANIFEST}")
-        extra = sorted(src.names() - {MANIFEST} - {f.path for f in manifest.files})
+        declared = {f.path: f.size for f in manifest.files}
+        extra = sorted(src.names() - {MANIFEST} - set(declared))
         if extra:
             raise ManifestError(
-                f"{label}: holds files its manifest does not list ({', '.join(extra[:3])}); it "
-                "was changed after packaging: get it again"
+                f"{label}: holds files its manifest does not list "
+                f"({', '.join(map(repr, extra[:3]))}); it was changed after packaging: get it again"
             )
+        if isinstance(src, _TarSource):  # a member's header fixes its size: check before copying
+            for rel, size in declared.items():
+                have = src.size(rel)
+                if have is not None and have != size:
+                    raise HashMismatchError(
+                        f"{label}: {rel} is {have} bytes, the manifest says {size}; the artifact "
+                        "is corrupted or forged (nothing was installed)"
+                    )
+
+        def open_bounded(rel: str) -> BinaryIO | None:
+            stream = src.open(rel)
+            return None if stream is None else _Bounded(stream, declared[rel], label, rel)
+
         if check:
             check_compatible(manifest)
         installed = store.get_installed(manifest.name, cache_dir)
@@ -270,7 +421,7 @@ def _install_from(
             except (MissingFileError, HashMismatchError):
                 force = True  # the installed copy was damaged: replace it with this one
         dest = store.install(
-            src.open,
+            open_bounded,
             manifest,
             data,
             source=label,
