@@ -1,11 +1,16 @@
 """``dsv2-mlc chat``: an interactive REPL (or one ``--prompt`` answer) on a :class:`ChatSession`.
 
 Replies stream to stdout as they are produced, one flush per delta; the banner, prompts and notes
-go to stderr, so stdout carries only the answers and the output of commands.
+go to stderr, so stdout carries only the answers and the output of commands. Input that is not
+UTF-8 (a line on stdin, ``--prompt``, ``--system``) has each undecodable byte replaced by U+FFFD,
+with a note, so such a line never ends the conversation.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
+import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,6 +30,22 @@ Commands:
   /reset  start a new conversation (frees the cache)
   /exit   leave (Ctrl-D too)
 A line starting with // sends the text after the first /."""
+
+_UNDECODABLE = re.compile("[\ud800-\udfff]")  # bytes that are not UTF-8, as surrogateescape keeps
+REPLACEMENT = "\ufffd"
+
+
+def replace_undecodable(text: str) -> tuple[str, int]:
+    """``text`` with each byte that was not UTF-8 replaced by U+FFFD, and how many there were.
+
+    Python decodes argv, and stdin in the C / POSIX locales (and here, see :class:`ChatRepl`), with
+    ``surrogateescape``: such a byte arrives as a lone surrogate, which the tokenizer rejects.
+    """
+    return _UNDECODABLE.subn(REPLACEMENT, text)
+
+
+def _undecodable_note(where: str, count: int) -> str:
+    return f"({where} held {count} bytes that are not UTF-8; each was replaced by U+FFFD)"
 
 
 @dataclass
@@ -57,6 +78,16 @@ def run_chat(
     def note(msg: str) -> None:
         print(msg, file=stderr, flush=True)
 
+    def clean(text: str | None, where: str) -> str | None:
+        if text is None:
+            return None
+        text, bad = replace_undecodable(text)
+        if bad:
+            note(_undecodable_note(where, bad))
+        return text
+
+    prompt, system = clean(options.prompt, "--prompt"), clean(options.system, "--system")
+
     engine = open_engine(
         options.model,
         cache_dir=options.cache_dir,
@@ -69,10 +100,10 @@ def run_chat(
         log=note,
     )
     sampling = SamplingParams.from_generation_config(engine.path).updated(**explicit)
-    session = ChatSession(engine, system=options.system, sampling=sampling)
+    session = ChatSession(engine, system=system, sampling=sampling)
     repl = ChatRepl(session, stdin, stdout, stderr)
-    if options.prompt is not None:
-        repl.answer(options.prompt)
+    if prompt is not None:
+        repl.answer(prompt)
         return 0
     return repl.run()
 
@@ -84,6 +115,11 @@ class ChatRepl:
         self.session = session
         self.stdin, self.stdout, self.stderr = stdin, stdout, stderr
         self.interactive = stdin is sys.stdin and stdin.isatty()
+        if isinstance(stdin, io.TextIOWrapper):
+            # keep undecodable bytes (as lone surrogates) instead of raising UnicodeDecodeError
+            # and losing the conversation; run() replaces them with U+FFFD
+            with contextlib.suppress(ValueError, io.UnsupportedOperation):
+                stdin.reconfigure(errors="surrogateescape")
         if self.interactive:
             try:
                 import readline  # noqa: F401  (line editing and history for input())
@@ -148,6 +184,9 @@ class ChatRepl:
                 if self.interactive:
                     print(file=self.stderr)
                 return 0
+            text, bad = replace_undecodable(text)
+            if bad:
+                self._note(_undecodable_note("the line", bad))
             if text.startswith("/") and not text.startswith("//"):
                 command = self.commands.get(text.strip().split()[0] if text.strip() else text)
                 if command is None:

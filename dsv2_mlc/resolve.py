@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .errors import Dsv2Error
+from .fsutil import UnwritableFolderError
 from .layout import BUILD_CONFIG, TOKENIZER_FILES, BuildConfig
 from .paths import CACHE_DIR_ENV, default_cache_dir
 from .version import __version__, tvm_version
@@ -201,6 +202,7 @@ def cached_build(
     entry = root / f"{name}-{scheme}-{device}-{key[:16]}"
     if (entry / BUILD_CONFIG).is_file():
         return entry
+    _check_writable(root, ckpt_dir)
     with _locked(root / f".{entry.name}.lock"):
         if (entry / BUILD_CONFIG).is_file():  # built by another process meanwhile
             return entry
@@ -217,6 +219,20 @@ def cached_build(
             progress=progress,
         )
     return entry
+
+
+def _check_writable(root: Path, ckpt_dir: Path) -> None:
+    """Raise :class:`UnwritableFolderError` unless a build can be written into ``root``."""
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=root, prefix=".write-test-"):
+            pass
+    except OSError as err:
+        raise UnwritableFolderError(
+            f"{root}: the cache of checkpoints compiled on first use cannot be written "
+            f"({err.strerror or err}); set {CACHE_DIR_ENV} or --cache-dir to a folder you can "
+            f"write, or compile it yourself (`dsv2-mlc compile {ckpt_dir} -o OUT`) and pass OUT"
+        ) from err
 
 
 def resolve_model(

@@ -6,7 +6,8 @@ libraries the library was built against (``lib/``: ``libtvm_runtime.so``, plus
 ``libtvm_runtime_cuda.so`` and the CUDA runtime ``libcudart.so.N`` for CUDA), so it runs with
 only ``apache-tvm-ffi`` installed. Packaging is deterministic (fixed member order, times and
 owners): the same compiled folder gives the same bytes. The file is written beside ``output`` and
-renamed into place when complete.
+renamed into place when complete; an existing ``output`` is replaced only when it is an artifact
+(a tar whose first member is a valid ``manifest.json``), anything else there is refused.
 """
 
 from __future__ import annotations
@@ -234,6 +235,37 @@ def _tarinfo(name: str, size: int, executable: bool) -> tarfile.TarInfo:
     return info
 
 
+def is_artifact(path: Path) -> bool:
+    """Whether ``path`` is an artifact file: a tar whose first member is a valid manifest."""
+    try:
+        with tarfile.open(path, "r:*") as tar:
+            first = tar.next()
+            if first is None or first.name != MANIFEST or not first.isfile():
+                return False
+            stream = tar.extractfile(first)
+            if stream is None:
+                return False
+            Manifest.from_bytes(stream.read(), where=f"{path}: {MANIFEST}")
+            return True
+    except (tarfile.TarError, EOFError, OSError, ValueError):  # ManifestError is a ValueError
+        return False
+
+
+def check_output(out: Path) -> None:
+    """Refuse an ``out`` whose replacement would delete what is not an artifact."""
+    if out.is_symlink():
+        raise ArtifactError(
+            f"{out}: a symbolic link; packaging would replace the link: choose another path"
+        )
+    if out.is_dir():
+        raise ArtifactError(f"{out}: a folder, not an artifact file; choose another path")
+    if out.exists() and not is_artifact(out):
+        raise ArtifactError(
+            f"{out}: exists and is not a dsv2-mlc artifact, and packaging would replace it; "
+            "choose another path, or move that file away first"
+        )
+
+
 def package_artifact(
     compiled_dir: str | Path,
     output: str | Path,
@@ -248,12 +280,15 @@ def package_artifact(
     defaults to ``MODEL-QUANT-DEVICE[-ARCH]`` with ``model_name`` (default: the folder's name).
     ``lib_dir`` holds the TVM runtime libraries to bundle (default: found like the runtime does).
     """
+    out = Path(output)
+    if not out.is_dir():
+        check_output(out)  # before the (long) hashing of every file
     manifest, sources = build_manifest(
         compiled_dir, name=name, model_name=model_name, lib_dir=lib_dir
     )
-    out = Path(output)
     if out.is_dir():
         out = out / f"{manifest.name}{ARTIFACT_SUFFIX}"
+        check_output(out)
     out = out.resolve()
     data = manifest.to_bytes()
     try:

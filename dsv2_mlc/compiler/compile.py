@@ -2,7 +2,9 @@
 
 Everything is checked (config values, every checkpoint tensor's presence and shape) before any
 output is produced; the output is built in a temporary folder beside OUT_DIR and moved into place
-only when complete, so a failure leaves OUT_DIR exactly as it was.
+only when complete, so a failure leaves OUT_DIR exactly as it was. OUT_DIR is replaced only when
+it is empty or holds exactly an earlier build (:func:`foreign_entries` lists anything else), and
+never when an input or the IR dump lies inside it: such a request is refused before any work.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from ..layout import (
     FORMAT_VERSION,
     LIBRARY,
     PARAMS_DIR,
+    SPEC_FILE,
     TOKENIZER_FILES,
     BuildConfig,
 )
@@ -168,7 +171,7 @@ def compile_model(
     if not model_dir.is_dir():
         raise CompileError(f"{model_dir}: model folder not found")
     out_dir = Path(out_dir).resolve()
-    _check_out_dir(out_dir)
+    _check_out_dir(out_dir, (model_dir,), dump_ir)
 
     # 1. Everything that can be wrong with the input is found here, before any output exists.
     cfg = DeepseekV2Config.from_file(model_dir)
@@ -178,7 +181,7 @@ def compile_model(
     target = make_target(device, arch)
 
     try:
-        with staged_dir(out_dir) as tmp:
+        with staged_dir(out_dir, _check_out_dir) as tmp:
             build = _build(cfg, ckpt, convs, target, device, quant, tmp, dump_ir, progress, options)
             for name in TOKENIZER_FILES:
                 if (model_dir / name).is_file():
@@ -353,11 +356,11 @@ def compile_random_model(
     quant = _resolve_quantization(dtype, quantization, quantize_embedding, quantize_lm_head)
     options = _build_options(device, arch, pdl, pdl_launch_dependents, gemm)
     out_dir = Path(out_dir).resolve()
-    _check_out_dir(out_dir)
+    _check_out_dir(out_dir, (Path(config),), dump_ir)
     cfg = DeepseekV2Config.from_file(config)
     target = make_target(device, arch)
 
-    with staged_dir(out_dir) as tmp:
+    with staged_dir(out_dir, _check_out_dir) as tmp:
         mod, named_params, _ = _export(cfg, target, quant)
         mod = add_fill_kernels(mod, (quant.dtype, "float32"))
         _compile_library(mod, target, device, tmp, dump_ir, options)
@@ -368,11 +371,79 @@ def compile_random_model(
     return CompileResult(out_dir, build, time.perf_counter() - start)
 
 
-def _check_out_dir(out_dir: Path) -> None:
-    if out_dir.exists() and not out_dir.is_dir():
-        raise CompileError(f"{out_dir}: exists and is not a folder; choose another output path")
-    if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / BUILD_CONFIG).is_file():
+# what a build writes besides its params/ (whose files its index lists): nothing else may be in a
+# folder that compile replaces, so it never deletes what a user put there
+_BUILD_FILES = frozenset((BUILD_CONFIG, LIBRARY, SPEC_FILE, *TOKENIZER_FILES))
+_PARAMS_INDEX = "tensor-cache.json"  # written by tvmjs.dump_tensor_cache, with its shards
+_PARAMS_EXTRA = ("tensor-cache-b16.json",)  # the same writer's record of bfloat16 tensors
+_LISTED = 8  # unexpected entries named in a refusal
+
+
+def foreign_entries(out_dir: Path) -> list[str]:
+    """The entries of the folder ``out_dir`` that no build writes (``params/X`` inside params/,
+    a trailing ``/`` for folders): replacing ``out_dir`` would delete them."""
+    found = []
+    for entry in sorted(out_dir.iterdir()):
+        if entry.is_symlink():
+            found.append(entry.name)
+        elif entry.name == PARAMS_DIR and entry.is_dir():
+            found += [f"{PARAMS_DIR}/{name}" for name in _foreign_params(entry)]
+        elif entry.name not in _BUILD_FILES or not entry.is_file():
+            found.append(entry.name + ("/" if entry.is_dir() else ""))
+    return found
+
+
+def _foreign_params(params: Path) -> list[str]:
+    """The entries of a build's params/ that its index does not list (all, if it has none)."""
+    listed = {_PARAMS_INDEX, *_PARAMS_EXTRA}
+    try:
+        index = json.loads((params / _PARAMS_INDEX).read_text())
+        listed |= {str(record["dataPath"]) for record in index["records"]}
+    except (OSError, ValueError, KeyError, TypeError):
+        listed = set()  # no readable index: nothing in it is known to be the build's
+    return [
+        entry.name + ("/" if entry.is_dir() else "")
+        for entry in sorted(params.iterdir())
+        if entry.name not in listed or entry.is_symlink() or not entry.is_file()
+    ]
+
+
+def _inside(path: Path, folder: Path) -> bool:
+    path, folder = path.resolve(), folder.resolve()
+    return path == folder or folder in path.parents
+
+
+def _check_out_dir(
+    out_dir: Path, inputs: tuple[Path, ...] = (), dump_ir: str | Path | None = None
+) -> None:
+    """Refuse, before any work, an ``out_dir`` whose replacement would delete something that is
+    not an earlier build's: an ``inputs`` path or the ``dump_ir`` folder inside it, a file, a
+    folder that is not a build, or a build holding entries a build does not write."""
+    for path in inputs:
+        if _inside(path, out_dir):
+            raise CompileError(
+                f"{path} is inside the output folder {out_dir}, which the build replaces (so "
+                "it would be deleted); choose an output folder outside it"
+            )
+    if dump_ir is not None and _inside(Path(dump_ir), out_dir):
         raise CompileError(
-            f"{out_dir}: folder is not empty and is not a dsv2-mlc build; "
-            "choose a new or empty output folder"
+            f"--dump-ir {dump_ir} is inside the output folder {out_dir}, which the build "
+            "replaces (so the dump would be deleted); write the dump to a folder outside it"
+        )
+    if out_dir.is_symlink() or (out_dir.exists() and not out_dir.is_dir()):
+        raise CompileError(f"{out_dir}: exists and is not a folder; choose another output path")
+    if not out_dir.is_dir() or not any(out_dir.iterdir()):
+        return
+    if not (out_dir / BUILD_CONFIG).is_file():
+        raise CompileError(
+            f"{out_dir}: folder is not empty and is not a dsv2-mlc build (no {BUILD_CONFIG}), "
+            "and compiling would replace it; choose a new or empty output folder"
+        )
+    foreign = foreign_entries(out_dir)
+    if foreign:
+        more = f" and {len(foreign) - _LISTED} more" if len(foreign) > _LISTED else ""
+        raise CompileError(
+            f"{out_dir}: holds an earlier build and {', '.join(foreign[:_LISTED])}{more}, which "
+            "a build does not write; compiling replaces the folder and would delete them: choose "
+            "another output folder, or move them out first"
         )
