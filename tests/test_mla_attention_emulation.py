@@ -16,15 +16,18 @@ Stand-ins (the kernel's PTX): ``mma.sync.m16n8k16`` and ``ldmatrix`` (x4, x4.tra
 by their PTX fragment layouts over a warp's lanes; ``cp.async`` 16-byte copies (zero-fill)
 landing at issue or only at the ``wait_group`` that must cover them (both ends of what the
 hardware may do). The PDL wait (``griddepcontrol.wait``) is modelled as what it waits for: at the
-start of every split block the rows the step's KV append writes (the last ``q_len`` tokens of
-each sequence) are NaN, and they land when the block calls its wait; so a page read before the
-wait that holds a new token shows as NaN. Unused pages, page rows past a sequence's length and
-the shared memory start as NaN too. Not modelled: the release of the dependents (it only lets the
-next kernel start early) and what the kernel writes before its wait.
+start of every split block the query (the MLA prologue writes it) and the rows the step's KV
+append writes (the last ``q_len`` tokens of each sequence) are NaN, and they land when the block
+calls its wait (all its threads: a barrier), so a read of them before the wait shows as NaN; and
+whatever the block may write (out, lse, the workspace) must be unchanged at its wait. Every split
+block must wait once. Unused pages, page rows past a sequence's length and the shared memory
+start as NaN too. Not modelled: the release of the dependents (it only lets the next kernel start
+early; passes/grid_dependency_control.py and tests/test_kernel_lab_mla.py check the source for
+it), and the merge kernel's wait, which that pass puts first in it.
 
 Controls (each must fail): the planning drops a sequence's last partial page; the merge weighs
 the splits in base e instead of 2; a split copies one page more than the old ones before its
-wait.
+wait; a split waits only after it has read Q.
 """
 
 from __future__ import annotations
@@ -130,17 +133,38 @@ static void emu_wait_group(size_t pending) {
     t_groups.erase(t_groups.begin());
   }
 }
-// PDL: the rows the step's KV append writes are NaN from the start of every split block until
-// the block's wait (all its threads call it: a barrier whose completion lands them)
-static std::vector<std::pair<half*, std::vector<half>>> g_emu_new;
+// PDL, modelled as what the split kernel's wait waits for: its predecessors write the query
+// (q, the MLA prologue) and the step's new latent rows (the KV append), so from the start of
+// every split block until its wait (all its threads call it: a barrier whose completion lands
+// them) those are NaN; and a block must write nothing before its wait (what it may write
+// - out, lse, ws_lse, ws_n, its ws_o slot - is compared with a copy taken at its start).
+typedef std::vector<half> EmuRow;
+static std::vector<std::pair<half*, EmuRow>> g_emu_new;
 static std::atomic<long long> g_emu_blocks{0}, g_emu_waits{0};
 static struct {
-  half* pages;
+  half *pages, *q, *out;
+  float *lse, *ws_lse, *ws_o;
+  int* ws_n;
   const int *page_indptr, *ids, *last_len, *q_indptr;
-  int batch;
+  int batch, smax;
+  long long bx;
 } g_emu_k;
-static void emu_poison() noexcept {
-  if (g_emu_new.empty()) {  // (the first block: find the new rows from the page tables)
+static std::vector<char> g_emu_snap;
+template <class F> static void emu_outputs(F f) {
+  const size_t total = g_emu_k.q_indptr[g_emu_k.batch];
+  f(g_emu_k.out, total * 16 * $dl);
+  f(g_emu_k.lse, total * 16);
+  f(g_emu_k.ws_lse, total * g_emu_k.smax * 16);
+  f(g_emu_k.ws_n, total);
+  if (g_emu_k.smax > 1) f(g_emu_k.ws_o + g_emu_k.bx * 16 * $dl, 16 * $dl);  // (else size 1)
+}
+static void emu_block_start() noexcept {
+  if (g_emu_new.empty()) {  // (the first block: the query, the new rows by the page tables)
+    const size_t total = g_emu_k.q_indptr[g_emu_k.batch];
+    for (size_t r = 0; r < total * 16; ++r) {
+      half* row = g_emu_k.q + r * $d;
+      g_emu_new.push_back({row, EmuRow(row, row + $d)});
+    }
     for (int b = 0; b < g_emu_k.batch; ++b) {
       const int np = g_emu_k.page_indptr[b + 1] - g_emu_k.page_indptr[b];
       const int kv = np > 0 ? (np - 1) * $page + g_emu_k.last_len[b] : 0;
@@ -148,28 +172,41 @@ static void emu_poison() noexcept {
       for (int pos = kv - q_len; pos < kv; ++pos) {
         const int id = g_emu_k.ids[g_emu_k.page_indptr[b] + pos / $page];
         half* row = g_emu_k.pages + ((size_t)id * $page + pos % $page) * $d;
-        g_emu_new.push_back({row, std::vector<half>(row, row + $d)});
+        g_emu_new.push_back({row, EmuRow(row, row + $d)});
       }
     }
   }
   for (auto& [row, clean] : g_emu_new) std::fill(row, row + $d, (half)NAN);
+  g_emu_snap.clear();
+  emu_outputs([](auto* p, size_t n) {
+    const char* c = (const char*)p;
+    g_emu_snap.insert(g_emu_snap.end(), c, c + n * sizeof(*p));
+  });
   ++g_emu_blocks;
 }
-static void emu_land() noexcept {
+static void emu_wait_done() noexcept {
+  size_t at = 0;
+  emu_outputs([&](auto* p, size_t n) {
+    if (memcmp(g_emu_snap.data() + at, p, n * sizeof(*p))) emu_fail("a write before the wait");
+    at += n * sizeof(*p);
+  });
   for (auto& [row, clean] : g_emu_new) std::copy(clean.begin(), clean.end(), row);
   ++g_emu_waits;
 }
-static std::barrier<decltype(&emu_poison)> g_emu_begin_bar(256, &emu_poison);
-static std::barrier<decltype(&emu_land)> g_emu_wait_bar(256, &emu_land);
+static std::barrier<decltype(&emu_block_start)> g_emu_begin_bar(256, &emu_block_start);
+static std::barrier<decltype(&emu_wait_done)> g_emu_wait_bar(256, &emu_wait_done);
 static void emu_block_begin(half* smem, half* pages, const int* page_indptr, const int* ids,
-                            const int* last_len, const int* q_indptr, int batch) {
+                            const int* last_len, const int* q_indptr, int batch, half* q,
+                            half* out, float* lse, float* ws_o, float* ws_lse, int* ws_n,
+                            int smax) {
   // (a block may leave empty commit groups behind, not copies it never waited for)
   if (!t_open.empty()) emu_fail("cp.async copies never committed");
   for (auto& g : t_groups) if (!g.empty()) emu_fail("cp.async copies never waited for");
   t_groups.clear();
   if (t_lin == 0) {
     g_emu_sbase = (char*)smem;
-    g_emu_k = {pages, page_indptr, ids, last_len, q_indptr, batch};
+    g_emu_k = {pages, q, out, lse, ws_lse, ws_o, ws_n, page_indptr, ids, last_len, q_indptr,
+               batch, smax, (long long)blockIdx.x};
   }
   g_emu_begin_bar.arrive_and_wait();
 }
@@ -218,12 +255,13 @@ def _split_patch(late: bool, *controls: Callable[[str], str]) -> Callable[[str],
         src = src.replace(
             entry,
             entry + "  emu_block_begin(smem_ptr, pages_ptr, page_indptr_ptr, page_values_ptr, "
-            "length_info_ptr, q_indptr_ptr, batch_size);\n",
+            "length_info_ptr, q_indptr_ptr, batch_size, q_ptr, output_ptr, lse_ptr, ws_o_ptr, "
+            "ws_lse_ptr, ws_n_ptr, cse_v24);\n",
         )
         for control in controls:
             src = control(src)
         stand = _STANDINS.replace("$late", str(int(late))).replace("$page", str(P))
-        return _MATH + stand.replace("$d", str(D)) + src
+        return _MATH + stand.replace("$dl", str(L)).replace("$d", str(D)) + src
 
     return patch
 
@@ -385,14 +423,25 @@ def _one_page_early(src: str) -> str:
     return src.replace(old, "s0 <= n_early && s0 < npg")
 
 
+def _wait_after_q(src: str) -> str:
+    """A split block waits only after it has issued its first pages and read Q."""
+    wait = "  dsv2_griddepcontrol_wait();\n  dsv2_griddepcontrol_launch_dependents();"
+    pipe = src.index("void mla_split_pipe_")
+    at = src.index(wait, pipe)
+    src = src[:at] + src[at + len(wait) :]
+    acc = src.index("  float acc[", pipe)
+    return src[:acc] + wait + "\n" + src[acc:]
+
+
 @pytest.mark.parametrize(
     ("seqs", "split_controls", "merge_controls"),
     [
         ([(5, 1), (40, 3)], (_drop_partial_page,), ()),
         ([(700, 1)], (), (_merge_base_e,)),
         ([(700, 1)], (_one_page_early,), ()),  # (the new token's page is its split's second)
+        ([(40, 3)], (_wait_after_q,), ()),
     ],
-    ids=["planning_drops_partial_page", "merge_base_e", "page_copied_before_wait"],
+    ids=["planning_drops_partial_page", "merge_base_e", "page_copied_before_wait", "late_wait"],
 )
 def test_split_kv_attention_broken_variants_fail(kernels, seqs, split_controls, merge_controls):
     """The controls (module docstring), on the sequences that show them: each misses the
