@@ -195,9 +195,11 @@ def _lab_kernels() -> dict[str, tirx.PrimFunc]:
     return out
 
 
+@pytest.mark.lab  # (the shipped choices run under the emulation: test_decode_gemv_emulation.py)
 @needs_nvcc
 @pytest.mark.parametrize("config", VARIANTS, ids=[v.name for v in VARIANTS])
 def test_gemv_variants_compile_for_sm90(config: GemvConfig):
+    """Every kernel-lab variant schedules and compiles the small kernels of every tagged kind."""
     target = make_target("cuda", "sm_90")
     funcs = {}
     for name, func in _lab_kernels().items():
