@@ -17,16 +17,20 @@ the next (a barrier between blocks).
 :func:`emulate` builds a TVM PrimFunc for CUDA, takes the generated source (nvcc checks it too),
 compiles it with AddressSanitizer into an executable that runs the grid, and returns a launcher:
 the arrays go through files, so an out-of-bounds access (ASan) or a deadlock (the timeout) fails
-the test instead of taking pytest down. Emulation limits: one-dimensional blocks, grids of one or
-two dimensions, no inline PTX outside ``#if defined(__CUDA_ARCH__)`` blocks (whose ``#else`` or
-``#elif defined(DSV2_EMULATION)`` branch is compiled instead: the bulk-copy and mbarrier helpers
-call the ``dsv2_emu_*`` functions, where a copy lands at issue; an L2 prefetch is checked for
-alignment and bounds and counted; ``ldmatrix``, ``mma.sync`` m16n8k16, ``cp.async`` (a copy lands
-at its ``wait_group``, its destination NaN from issue to then) and ``ex2.approx`` have stand-ins
-too, shared addresses map back to the ``__shared__`` arrays), dynamic shared memory as one static
-array, warp collectives over the whole warp only, and the threads of a warp are not in lockstep
-(code that relies on implicit warp synchronisation, without ``__syncwarp``, is not modelled); the
-OS scheduler, not the GPU's, decides the interleaving (``slow_warp``: that warp sleeps 5 ms at its
+the test instead of taking pytest down. Blocks and grids may have up to three dimensions (a warp is
+32 consecutive threads of ``x + blockDim.x * (y + blockDim.y * z)``, as on the GPU; blocks run in
+the order x, then y, then z); a PrimFunc of several kernels (a split kernel and its merge) gives
+one launcher per kernel (``kernel=``). Emulation limits: no inline PTX outside
+``#if defined(__CUDA_ARCH__)`` blocks (whose ``#else`` or ``#elif defined(DSV2_EMULATION)``
+branch is compiled instead: the bulk-copy and mbarrier helpers call the ``dsv2_emu_*``
+functions, where a copy lands at issue; an L2 prefetch is checked for alignment and bounds and
+counted; ``ldmatrix``, ``mma.sync`` m16n8k16, ``cp.async`` (a copy lands at its ``wait_group``,
+its destination NaN from issue to then) and ``ex2.approx`` have stand-ins too, shared addresses
+map back to the ``__shared__`` arrays; these use ``threadIdx.x`` as the lane, so kernels that
+use them have one-dimensional blocks), dynamic shared memory as one static array, warp
+collectives over the whole warp only, and the threads of a warp are not in lockstep (code that
+relies on implicit warp synchronisation, without ``__syncwarp``, is not modelled); the OS
+scheduler, not the GPU's, decides the interleaving (``slow_warp``: that warp sleeps 5 ms at its
 first collective in every block, so that the others run ahead of it).
 """
 
@@ -36,6 +40,7 @@ import os
 import re
 import shutil
 import subprocess
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -127,6 +132,7 @@ template <class A, class B> static inline std::common_type_t<A, B> max(A a, B b)
 THREADS = r"""
 struct dim3_ { unsigned x = 0, y = 0, z = 0; };
 thread_local dim3_ threadIdx, blockIdx;
+thread_local unsigned t_lin;  // the thread's linear index in its block (its warp: t_lin / 32)
 thread_local bool t_first_collective;
 static dim3_ blockDim, gridDim;
 static std::barrier<>* g_block_bar;
@@ -212,14 +218,15 @@ static inline void dsv2_emu_mbar_wait(unsigned long long* bar, unsigned parity) 
 }
 static inline void __syncwarp(unsigned mask = 0xffffffffu) {
   if (mask != 0xffffffffu) emu_fail("partial-warp mask");
-  if (t_first_collective && (int)(threadIdx.x >> 5) == g_slow_warp)
+  if (t_first_collective && (int)(t_lin >> 5) == g_slow_warp)
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
   t_first_collective = false;
-  g_warp_bar[threadIdx.x >> 5]->arrive_and_wait();
+  g_warp_bar[t_lin >> 5]->arrive_and_wait();
 }
+static inline unsigned __activemask() { return 0xffffffffu; }  // (whole warps only)
 template <class T> static inline T emu_shfl(unsigned mask, T v, int src) {
   static_assert(sizeof(T) <= 8);
-  const unsigned t = threadIdx.x;
+  const unsigned t = t_lin;
   memcpy(&g_lane_val[t], &v, sizeof(T));
   __syncwarp(mask);
   T r;
@@ -233,25 +240,28 @@ template <class T> static inline T __shfl_sync(unsigned mask, T v, int src, int 
 }
 template <class T> static inline T __shfl_xor_sync(unsigned mask, T v, int o, int width = 32) {
   if (width != 32) emu_fail("shfl width");
-  return emu_shfl(mask, v, (int)(threadIdx.x & 31) ^ o);
+  return emu_shfl(mask, v, (int)(t_lin & 31) ^ o);
 }
 template <class T> static inline T __shfl_down_sync(unsigned mask, T v, unsigned d, int w = 32) {
   if (w != 32) emu_fail("shfl width");
-  const int lane = threadIdx.x & 31;
+  const int lane = t_lin & 31;
   return emu_shfl(mask, v, lane + (int)d < 32 ? lane + (int)d : lane);
 }
 static inline unsigned __ballot_sync(unsigned mask, int pred) {
-  const unsigned t = threadIdx.x;
+  const unsigned t = t_lin;
   g_lane_val[t] = pred != 0;
   __syncwarp(mask);
   unsigned r = 0;
-  for (unsigned l = 0; l < 32 && (t & ~31u) + l < blockDim.x; ++l)
+  for (unsigned l = 0; l < 32 && (t & ~31u) + l < blockDim.x * blockDim.y * blockDim.z; ++l)
     r |= (unsigned)g_lane_val[(t & ~31u) + l] << l;
   __syncwarp(mask);
   return r;
 }
-// the grid, block after block, on one std::thread per thread of a block (kept across blocks)
-template <class F> static void emu_run_grid(long long grid, int threads, F call) {
+// the grid, block after block (x fastest), on one std::thread per thread of a block (kept across
+// blocks)
+template <class F> static void emu_run_grid(F call) {
+  const int threads = blockDim.x * blockDim.y * blockDim.z;
+  const long long grid = (long long)gridDim.x * gridDim.y * gridDim.z;
   std::barrier<> bar(threads);
   std::vector<std::barrier<>*> warps;
   for (int w = 0; w * 32 < threads; ++w)
@@ -262,10 +272,14 @@ template <class F> static void emu_run_grid(long long grid, int threads, F call)
   std::vector<std::thread> ts;
   for (int t = 0; t < threads; ++t)
     ts.emplace_back([&, t]() {
-      threadIdx.x = t;
+      t_lin = t;
+      threadIdx.x = t % blockDim.x;
+      threadIdx.y = t / blockDim.x % blockDim.y;
+      threadIdx.z = t / blockDim.x / blockDim.y;
       for (long long b = 0; b < grid; ++b) {
         blockIdx.x = b % gridDim.x;
-        blockIdx.y = b / gridDim.x;
+        blockIdx.y = b / gridDim.x % gridDim.y;
+        blockIdx.z = b / gridDim.x / gridDim.y;
         t_first_collective = true;
         call();
         next.arrive_and_wait();
@@ -402,24 +416,25 @@ static inline float dsv2_emu_ex2(float x) {
 # -- end of the tensor-core and cp.async stand-ins -----------------------------------------------
 
 _MAIN = r"""
-// argv: dir grid (x or x,y) slow_warp launches scalars...; buffer i is the file dir/a<i>, read
-// before every launch (each starts from the arrays as given) and written back after the last;
-// __device__ variables persist from one launch to the next, as on a GPU
+// argv: dir grid_x grid_y grid_z slow_warp launches scalars...; buffer i is the file dir/a<i>,
+// read before every launch (each starts from the arrays as given) and written back after the
+// last; __device__ variables persist from one launch to the next, as on a GPU
 int main(int argc, char** argv) {
-  if (argc != 5 + $n_scalars) emu_fail("arguments");
+  if (argc != 7 + $n_scalars) emu_fail("arguments");
   const std::string dir = argv[1];
-  const char* grid_y = strchr(argv[2], ',');
-  const long long grid = atoll(argv[2]) * (grid_y ? atoll(grid_y + 1) : 1);
-  g_slow_warp = atoi(argv[3]);
-  const int launches = atoi(argv[4]);
-  double s[$n_scalars + 1];  // (integers up to 2^53 exact)
-  for (int i = 0; i < $n_scalars; ++i) s[i] = strtod(argv[5 + i], nullptr);
+  gridDim.x = atoll(argv[2]);
+  gridDim.y = atoll(argv[3]);
+  gridDim.z = atoll(argv[4]);
+  g_slow_warp = atoi(argv[5]);
+  const int launches = atoi(argv[6]);
+  double s[$n_scalars + 1];  // (integers and floats alike; exact for the int32/int64 we pass)
+  for (int i = 0; i < $n_scalars; ++i) s[i] = strtod(argv[7 + i], nullptr);
   void* a[$n_buffers + 1];
   size_t bytes[$n_buffers + 1];
   for (int i = 0; i < $n_buffers; ++i) a[i] = nullptr;
-  blockDim.x = $threads;
-  gridDim.x = atoll(argv[2]);
-  gridDim.y = grid / gridDim.x;
+  blockDim.x = $block_x;
+  blockDim.y = $block_y;
+  blockDim.z = $block_z;
   for (int l = 0; l < launches; ++l) {
     for (int i = 0; i < $n_buffers; ++i) {
       const std::string path = dir + "/a" + std::to_string(i);
@@ -432,7 +447,7 @@ int main(int argc, char** argv) {
       if (fread(a[i], 1, bytes[i], f) != bytes[i]) emu_fail("read buffer");
       fclose(f);
     }
-    emu_run_grid(grid, $threads, [&]() { $call; });
+    emu_run_grid([&]() { $call; });
   }
   for (int i = 0; i < $n_buffers; ++i) {
     FILE* f = fopen((dir + "/a" + std::to_string(i)).c_str(), "wb");
@@ -501,28 +516,31 @@ def _statics(body: str) -> str:
 
 @dataclass
 class Emulated:
-    """A CUDA kernel compiled for the CPU: ``threads`` per block, its pointer parameters
-    (``buffers``, TVM's names without ``_ptr``) and scalar ones (``scalars``)."""
+    """A CUDA kernel compiled for the CPU: ``threads`` per block (``block``: its x, y, z
+    extents), its pointer parameters (``buffers``, TVM's names without ``_ptr``) and scalar ones
+    (``scalars``)."""
 
     exe: Path
     threads: int
     buffers: list[str]
     scalars: list[str]
+    block: tuple[int, int, int] = (0, 1, 1)
 
     def __call__(
         self,
-        grid: int | tuple[int, int],
+        grid: int | tuple[int, ...],
         arrays: dict[str, np.ndarray],
-        *scalars: int,
+        *scalars: float,
         slow_warp: int = -1,
         timeout: float = 300,
         launches: int = 1,
     ) -> dict[str, int]:
-        """Run ``grid`` blocks (``(x, y)``: a two-dimensional grid) on ``arrays`` (by buffer
-        name; contiguous, updated in place) and the scalar arguments, ``launches`` times (each
-        launch from the arrays as given, the kernel's ``__device__`` variables kept; the arrays
-        as the last launch left them); returns counters (``nanosleep``: ``__nanosleep`` calls,
-        ``prefetches`` / ``prefetch_bytes``: L2 prefetches and their bytes; over all launches)."""
+        """Run ``grid`` blocks (a number, or the grid's x, y[, z] extents) on ``arrays`` (by
+        buffer name; contiguous, updated in place) and the scalar arguments (ints, or floats
+        for float parameters), ``launches`` times (each launch from the arrays as given, the
+        kernel's ``__device__`` variables kept; the arrays as the last launch left them);
+        returns counters (``nanosleep``: ``__nanosleep`` calls, ``prefetches`` /
+        ``prefetch_bytes``: L2 prefetches and their bytes; over all launches)."""
         assert len(scalars) == len(self.scalars), f"scalars {self.scalars}"
         work = self.exe.parent / f"{self.exe.name}.io"
         work.mkdir(exist_ok=True)
@@ -530,9 +548,11 @@ class Emulated:
             assert arrays[name].flags.c_contiguous, name
             arrays[name].tofile(work / f"a{i}")
         env = {**os.environ, "ASAN_OPTIONS": "detect_leaks=0"}
-        grid_arg = ",".join(map(str, grid)) if isinstance(grid, tuple) else str(grid)
-        args = [str(self.exe), str(work), grid_arg, str(slow_warp), str(launches)]
-        args += list(map(str, scalars))
+        dims = (grid, 1, 1) if isinstance(grid, int) else (*grid, 1, 1)[:3]
+        args = [str(self.exe), str(work), *map(str, dims), str(slow_warp), str(launches)]
+        args += [
+            repr(float(v)) if isinstance(v, (float, np.floating)) else str(int(v)) for v in scalars
+        ]
         run = subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=env)
         assert run.returncode == 0, f"emulated kernel failed ({run.returncode}):\n{run.stderr}"
         for i, name in enumerate(self.buffers):
@@ -542,18 +562,44 @@ class Emulated:
         return {k: int(v) for k, v in stats}
 
 
+def block_dims(func: tvm.tirx.PrimFunc) -> tuple[int, int, int]:
+    """The (x, y, z) thread extents of ``func``'s kernels (its ``threadIdx`` bindings; every
+    kernel of ``func`` must bind each one to the same constant)."""
+    binding = r"T\.(?:thread_binding|launch_thread)\((?:T\.int\d+\()?(\d+)\)?, "
+    binding += r'(?:thread=)?"threadIdx\.(\w)"'
+    found = re.findall(binding, func.script())
+    dims = {}
+    for extent, axis in found:
+        assert dims.setdefault(axis, int(extent)) == int(extent), f"threadIdx.{axis}: two extents"
+    return dims.get("x", 1), dims.get("y", 1), dims.get("z", 1)
+
+
 def emulate(
-    func: tvm.tirx.PrimFunc, tmp_path: Path, name: str = "kernel", *, sanitize: bool = True
+    func: tvm.tirx.PrimFunc,
+    tmp_path: Path,
+    name: str = "kernel",
+    *,
+    sanitize: bool = True,
+    kernel: int | None = None,
+    patch: Callable[[str], str] | None = None,
 ) -> Emulated:
-    """Build ``func`` (one CUDA kernel) with TVM and compile its source for the CPU, as
-    ``tmp_path / name`` (with AddressSanitizer unless ``sanitize`` is False)."""
+    """Build ``func`` with TVM and compile its source for the CPU, as ``tmp_path / name`` (with
+    AddressSanitizer unless ``sanitize`` is False). ``func`` has one CUDA kernel, or ``kernel``
+    picks one (in the order of the source: a split kernel before its merge; the host code that
+    launches them one after the other is the caller's to do). ``patch``, if given, rewrites the
+    kernel source (after the header) before it is compiled: a test's deliberately broken variant
+    or its stand-in for a device function."""
     from string import Template
 
     src = cuda_source(func)
     assert _HEADER_END in src, "TVM's CUDA header changed: update cuda_emulation._HEADER_END"
     body = src[src.index(_HEADER_END) + len(_HEADER_END) :]
+    if patch is not None:
+        body = patch(body)
     kernels = list(_KERNEL.finditer(body))
-    assert len(kernels) == 1, f"expected one kernel, found {len(kernels)}"
+    if kernel is None:
+        assert len(kernels) == 1, f"expected one kernel, found {len(kernels)}"
+        kernel = 0
     # code for the GPU only (PDL's wait, bulk copies; the wgmma bodies of the MoE GEMMs): its CPU
     # branch (#else), if any, instead
     body = re.sub(
@@ -573,7 +619,7 @@ def emulate(
         body,
     )
     assert not re.search(r"\basm\b|extern __shared__", body), "inline PTX outside __CUDA_ARCH__"
-    head = kernels[0]
+    head = kernels[kernel]
     params = [p.strip() for p in head.group(3).split(",")]
     buffers, scalars, args = [], [], []
     for p in params:
@@ -585,14 +631,18 @@ def emulate(
             args.append(f"({p.rsplit(maxsplit=1)[0]})s[{len(scalars)}]")
             scalars.append(pname)
     threads = int(head.group(1))
+    block = block_dims(func)
+    assert block[0] * block[1] * block[2] == threads, f"threads {block} vs launch bounds {threads}"
     main = Template(_MAIN).substitute(
         n_scalars=len(scalars),
         n_buffers=len(buffers),
-        threads=threads,
+        block_x=block[0],
+        block_y=block[1],
+        block_z=block[2],
         call=f"{head.group(2)}({', '.join(args)})",
     )
     exe = compile_cpp(TYPES + THREADS + _statics(body) + main, tmp_path / name, sanitize=sanitize)
-    return Emulated(exe, threads, buffers, scalars)
+    return Emulated(exe, threads, buffers, scalars, block)
 
 
 def random_int4(
