@@ -41,6 +41,7 @@ class ChatOptions:
     quantization: str | None = None
     context_window: int | None = None
     sampling: dict[str, Any] = field(default_factory=dict)
+    verify: bool = False  # hash the weight files too before loading them
 
 
 def run_chat(
@@ -67,6 +68,7 @@ def run_chat(
         max_batch_size=1,
         progress=True,
         log=note,
+        verify=options.verify,
     )
     sampling = SamplingParams.from_generation_config(engine.path).updated(**explicit)
     session = ChatSession(engine, system=options.system, sampling=sampling)

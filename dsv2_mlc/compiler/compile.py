@@ -28,6 +28,7 @@ from ..layout import (
     PARAMS_DIR,
     TOKENIZER_FILES,
     BuildConfig,
+    file_records,
 )
 from ..model.checkpoint import SafetensorsCheckpoint
 from ..model.config import DeepseekV2Config
@@ -319,6 +320,7 @@ def _write_build_config(
         pdl=options.pdl,
         pdl_launch_dependents=options.pdl_launch_dependents,
         gemm=options.gemm,
+        files=file_records(tmp),  # what the runtime checks before loading (runtime/integrity.py)
     )
     (tmp / BUILD_CONFIG).write_text(json.dumps(build.to_dict(), indent=1))
     return build
