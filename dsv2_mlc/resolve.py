@@ -9,8 +9,10 @@ and the TVM version, so anything that changes the build gives a new entry.
 
 The cache is ``cache_dir``, else ``$DSV2_MLC_CACHE_DIR``, else ``$XDG_CACHE_HOME/dsv2-mlc``, else
 ``~/.cache/dsv2-mlc``; builds go to its ``builds/NAME-QUANT-DEVICE-KEY/`` (beside the installed
-artifacts of :mod:`dsv2_mlc.artifacts`). The compiler is imported only when something must be
-compiled, so a compiled folder or an installed artifact opens without TVM's compiler.
+artifacts of :mod:`dsv2_mlc.artifacts`). An entry is used only if its files have the sizes and
+SHA-256 its build recorded (:func:`dsv2_mlc.runtime.integrity.verify_build`); a damaged one is
+removed and compiled again. The compiler is imported only when something must be compiled, so a
+compiled folder or an installed artifact opens without TVM's compiler.
 
 This module sits above the compiler, the runtime and the artifacts: none of them imports it.
 """

@@ -141,6 +141,9 @@ def test_weights_are_hashed_with_verify_and_at_pull(installed):
     verify_build(folder, BuildConfig.read(folder))  # what opening checks: their sizes only
     with pytest.raises(IntegrityError, match=f"^{shard}: sha256 "):
         dsv2_mlc.load(NAME, cache_dir=cache, verify=True)
+    proc = run_chat(NAME, "--cache-dir", str(cache), "--verify")
+    assert proc.returncode == 2
+    assert proc.stderr.startswith(f"dsv2-mlc chat: error: {shard}: sha256 ")
     assert not pull(str(TAR), cache_dir=cache, progress=False).already_installed
     assert shard.read_bytes() == tar_member("params/params_shard_0.bin")
     verify_build(folder, BuildConfig.read(folder), full=True)
