@@ -266,7 +266,7 @@ def test_compiler_records_library_and_weights(compiled):
         assert record == {"size": path.stat().st_size, "sha256": sha256(path)}
 
 
-def test_tampered_driver_stub_is_built_again_never_loaded(tmp_path, monkeypatch):
+def test_tampered_driver_stub_is_built_again_never_loaded(tmp_path, monkeypatch, caplog):
     cache = tmp_path / "cache"
     monkeypatch.setenv("DSV2_MLC_CACHE_DIR", str(cache))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))  # not where it goes
@@ -276,7 +276,19 @@ def test_tampered_driver_stub_is_built_again_never_loaded(tmp_path, monkeypatch)
     assert record.read_text() == sha256(stub) + "\n"
     evil, marker = evil_library(tmp_path, None)
     shutil.copyfile(evil, stub)
-    assert cuda.build_driver_stub() == stub
+    with caplog.at_level(logging.WARNING, logger="dsv2_mlc"):
+        assert cuda.build_driver_stub() == stub
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{stub}: not the driver stub dsv2-mlc built (sha256 differs); building anew"
+    ]
     assert sha256(stub) == record.read_text().strip() != sha256(evil)
     assert not marker.exists()
     assert not (tmp_path / "xdg").exists()
+    # a stub built before records were kept (no record) is built again quietly
+    record.unlink()
+    shutil.copyfile(evil, stub)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="dsv2_mlc"):
+        assert cuda.build_driver_stub() == stub
+    assert caplog.records == []
+    assert sha256(stub) == record.read_text().strip() != sha256(evil)

@@ -123,12 +123,17 @@ def cache_dir() -> Path:
 
 
 def _stub_intact(lib: Path) -> bool:
-    """Whether ``lib`` has the SHA-256 recorded when it was built."""
+    """Whether ``lib`` has the SHA-256 recorded when it was built (a stub without a record, built
+    before records were kept, is built again quietly; one that differs is reported)."""
     record = lib.with_name(lib.name + _STUB_RECORD_SUFFIX)
     try:
-        return record.read_text().strip() == sha256_file(lib)[1]
+        recorded = record.read_text().strip()
     except OSError:
         return False
+    if recorded == sha256_file(lib)[1]:
+        return True
+    LOG.warning("%s: not the driver stub dsv2-mlc built (sha256 differs); building anew", lib)
+    return False
 
 
 def build_driver_stub(folder: Path | None = None) -> Path:
@@ -139,7 +144,6 @@ def build_driver_stub(folder: Path | None = None) -> Path:
     if lib.is_file():
         if _stub_intact(lib):
             return lib
-        LOG.warning("%s: not the driver stub dsv2-mlc built (sha256 differs); building anew", lib)
     gcc = shutil.which("gcc") or shutil.which("cc")
     if gcc is None:
         raise CudaBuildError(
