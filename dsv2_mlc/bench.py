@@ -86,6 +86,7 @@ class BenchOptions:
     prefill_chunk: int | None = None
     expert_major_from: int | None = None  # None: the engine's default
     token_major: bool = False  # every decode step on the fused per-token MoE kernels
+    verify: bool = False  # hash the weight files too before loading them
 
     def check(self) -> None:
         """Raise :class:`BenchError` for impossible values."""
@@ -417,6 +418,7 @@ def _open_engine(opts: BenchOptions, log: Callable[[str], None]) -> tuple[Any, f
         lib_dir=opts.lib_dir,
         random_weights=None if has_params else opts.seed,
         cuda_graph=opts.cuda_graph,
+        verify=opts.verify,
         **_expert_major(opts),
     )
     _sync(engine.device)

@@ -62,6 +62,7 @@ class ChatOptions:
     quantization: str | None = None
     context_window: int | None = None
     sampling: dict[str, Any] = field(default_factory=dict)
+    verify: bool = False  # hash the weight files too before loading them
 
 
 def run_chat(
@@ -98,6 +99,7 @@ def run_chat(
         max_batch_size=1,
         progress=True,
         log=note,
+        verify=options.verify,
     )
     sampling = SamplingParams.from_generation_config(engine.path).updated(**explicit)
     session = ChatSession(engine, system=system, sampling=sampling)

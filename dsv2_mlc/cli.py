@@ -8,6 +8,11 @@ from collections.abc import Callable, Sequence
 
 from .errors import Dsv2Error
 
+VERIFY_HELP = (
+    "check the SHA-256 of the weight files too before loading them (the library's is checked "
+    "on every open; see dist/README.md)"
+)
+
 
 def _compile(args: argparse.Namespace) -> int:
     from .compiler.compile import compile_model, compile_random_model
@@ -96,6 +101,7 @@ def _add_bench_command(sub: argparse._SubParsersAction) -> None:
         help="every decode step on the fused per-token MoE kernels",
     )
     p.add_argument("--json", default=None, help="write the full report (every raw number) here")
+    p.add_argument("--verify", action="store_true", help=VERIFY_HELP)
     p.set_defaults(func=_bench)
 
 
@@ -121,6 +127,7 @@ def _chat(args: argparse.Namespace) -> int:
         quantization=args.quantization,
         context_window=args.context_window,
         sampling=sampling,
+        verify=args.verify,
     )
     return run_chat(options)
 
@@ -340,6 +347,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--quantization", default=None, help="quantization when compiling (see compile --help)"
     )
     p.add_argument("--context-window", type=int, default=None, help="tokens of one conversation")
+    p.add_argument("--verify", action="store_true", help=VERIFY_HELP)
     p.set_defaults(func=_chat)
     _add_bench_command(sub)
     _add_artifact_commands(sub)

@@ -2,13 +2,16 @@
 
 ``dsv2-mlc.json`` (:class:`BuildConfig`), the library and weights beside it, the tokenizer files,
 and for config-only builds ``random-params.json`` (:func:`write_spec`: how to fill every
-parameter; the fill itself is :mod:`dsv2_mlc.runtime.random_params`). The runtime reads the few
-model values it needs from the build's config through :class:`ModelInfo`, so it never imports the
-model package.
+parameter; the fill itself is :mod:`dsv2_mlc.runtime.random_params`). ``BuildConfig.files``
+records the size and SHA-256 of the library and the weight files (:func:`file_records`), which
+the runtime checks before it loads anything (:mod:`dsv2_mlc.runtime.integrity`). The runtime reads
+the few model values it needs from the build's config through :class:`ModelInfo`, so it never
+imports the model package.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from collections.abc import Iterable, Sequence
@@ -57,6 +60,9 @@ class BuildConfig:
     # who runs the prefill / extend GEMMs: "tir" (kernels in the library) or "cublas" (the library
     # carries runtime/cublas_gemm.cc; runtime/cublas.py finds libcublas when it is loaded)
     gemm: str = "tir"
+    # size and SHA-256 of the library, the weight files and random-params.json as the compiler
+    # wrote them ({relative path: {"size": n, "sha256": hex}}); empty in builds made before it
+    files: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-serialisable form."""
@@ -72,7 +78,13 @@ class BuildConfig:
             missing=f"{build_dir}: not a compiled dsv2-mlc model (no {BUILD_CONFIG}); "
             "run `dsv2-mlc compile MODEL_DIR -o OUT_DIR` first",
         )
-        return cls(**data)
+        try:
+            return cls(**data)
+        except TypeError as err:  # a key this version does not know, or one missing
+            raise BuildError(
+                f"{Path(build_dir) / BUILD_CONFIG}: not a build config of this dsv2-mlc ({err}); "
+                "compile the model again"
+            ) from err
 
 
 def read_build_json(path: Path, version_key: str, version: int, missing: str) -> dict[str, Any]:
@@ -90,6 +102,32 @@ def read_build_json(path: Path, version_key: str, version: int, missing: str) ->
             "compile the model again with this dsv2-mlc"
         )
     return data
+
+
+def sha256_file(path: str | Path) -> tuple[int, str]:
+    """Size and SHA-256 (hex) of a file, read in 4 MiB blocks."""
+    h = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+            size += len(block)
+    return size, h.hexdigest()
+
+
+def file_records(build_dir: str | Path) -> dict[str, dict[str, Any]]:
+    """``BuildConfig.files`` of a finished build folder: the library, every file under
+    ``params/`` and ``random-params.json``, by relative POSIX path."""
+    root = Path(build_dir)
+    files = [root / LIBRARY, root / SPEC_FILE]
+    if (root / PARAMS_DIR).is_dir():
+        files += sorted(p for p in (root / PARAMS_DIR).rglob("*") if p.is_file())
+    records = {}
+    for path in files:
+        if path.is_file():
+            size, digest = sha256_file(path)
+            records[path.relative_to(root).as_posix()] = {"size": size, "sha256": digest}
+    return records
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,10 @@ and the TVM version, so anything that changes the build gives a new entry.
 
 The cache is ``cache_dir``, else ``$DSV2_MLC_CACHE_DIR``, else ``$XDG_CACHE_HOME/dsv2-mlc``, else
 ``~/.cache/dsv2-mlc``; builds go to its ``builds/NAME-QUANT-DEVICE-KEY/`` (beside the installed
-artifacts of :mod:`dsv2_mlc.artifacts`). The compiler is imported only when something must be
-compiled, so a compiled folder or an installed artifact opens without TVM's compiler.
+artifacts of :mod:`dsv2_mlc.artifacts`). An entry is used only if its files have the sizes and
+SHA-256 its build recorded (:func:`dsv2_mlc.runtime.integrity.verify_build`); a damaged one is
+removed and compiled again. The compiler is imported only when something must be compiled, so a
+compiled folder or an installed artifact opens without TVM's compiler.
 
 This module sits above the compiler, the runtime and the artifacts: none of them imports it.
 """
@@ -26,8 +28,10 @@ import contextlib
 import hashlib
 import importlib.util
 import json
+import logging
 import os
 import re
+import shutil
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -35,7 +39,7 @@ from typing import TYPE_CHECKING
 
 from .errors import Dsv2Error
 from .fsutil import UnwritableFolderError
-from .layout import BUILD_CONFIG, TOKENIZER_FILES, BuildConfig
+from .layout import BUILD_CONFIG, LIBRARY, TOKENIZER_FILES, BuildConfig, BuildError
 from .paths import CACHE_DIR_ENV, default_cache_dir
 from .version import __version__, tvm_version
 
@@ -52,6 +56,7 @@ __all__ = [
     "resolve_model",
 ]
 
+LOG = logging.getLogger("dsv2_mlc")
 BUILDS_DIR = "builds"
 DEFAULT_MODEL = "default_model"
 CHECKPOINT_PATTERNS = ("config.json", "*.safetensors", "*.safetensors.index.json")
@@ -200,13 +205,16 @@ def cached_build(
     name = re.sub(r"[^A-Za-z0-9._-]+", "_", ckpt_dir.name) or "model"
     scheme = re.sub(r"[^A-Za-z0-9._-]+", "_", build_scheme(dtype, quantization))
     entry = root / f"{name}-{scheme}-{device}-{key[:16]}"
-    if (entry / BUILD_CONFIG).is_file():
+    if _intact(entry):
         return entry
     _check_writable(root, ckpt_dir)
     with _locked(root / f".{entry.name}.lock"):
-        if (entry / BUILD_CONFIG).is_file():  # built by another process meanwhile
+        if _intact(entry, log or LOG.warning):  # built by another process meanwhile
             return entry
         from .compiler import compile as compiler  # lazily: running needs no compiler
+
+        if entry.exists():  # damaged or incomplete: it is ours to rebuild
+            shutil.rmtree(entry)
 
         if log is not None:
             log(f"compiling {ckpt_dir} for {device} ({scheme}) on first use into {entry}")
@@ -233,6 +241,26 @@ def _check_writable(root: Path, ckpt_dir: Path) -> None:
             f"({err.strerror or err}); set {CACHE_DIR_ENV} or --cache-dir to a folder you can "
             f"write, or compile it yourself (`dsv2-mlc compile {ckpt_dir} -o OUT`) and pass OUT"
         ) from err
+
+
+def _intact(entry: Path, log: Callable[[str], None] | None = None) -> bool:
+    """Whether the cache entry ``entry`` is a complete build whose files have the sizes and
+    SHA-256 it recorded (:func:`~dsv2_mlc.runtime.integrity.verify_build`, weights by size);
+    a damaged one is reported through ``log``, to be compiled again."""
+    if not (entry / BUILD_CONFIG).is_file():
+        return False
+    from .runtime.integrity import verify_build
+
+    try:
+        build = BuildConfig.read(entry)
+        if LIBRARY not in build.files:
+            raise BuildError(f"{entry / BUILD_CONFIG}: no recorded SHA-256 of {LIBRARY}")
+        verify_build(entry, build)
+    except BuildError as err:
+        if log is not None:
+            log(f"damaged cache entry, compiling it again: {err}")
+        return False
+    return True
 
 
 def resolve_model(
@@ -323,10 +351,12 @@ def open_engine(
     prefill_chunk_size: int | None = None,
     progress: bool = False,
     log: Callable[[str], None] | None = None,
+    verify: bool = False,
 ) -> Engine:
     """Open MODEL as an :class:`~dsv2_mlc.runtime.engine.Engine`: a compiled folder, an installed
     artifact's name, a checkpoint folder (compiled on first use into the per-user cache, see
-    :func:`resolve_model`) or ``None`` for the embedded default model."""
+    :func:`resolve_model`) or ``None`` for the embedded default model. ``verify``: hash the
+    weight files too before loading them (the library is hashed on every open)."""
     from .runtime.engine import ContextLengthError, Engine
 
     if context_window is not None and context_window < 2:
@@ -345,4 +375,5 @@ def open_engine(
         context_window=context_window,
         max_batch_size=max_batch_size,
         prefill_chunk_size=prefill_chunk_size,
+        verify=verify,
     )

@@ -412,7 +412,7 @@ def test_missing_file_is_refused(artifact, cache, tmp_path):
     # A file deleted from an installed artifact is caught when it is opened.
     installed = pull(str(artifact.path), cache_dir=cache, progress=False).path
     (installed / LIBRARY).unlink()
-    with pytest.raises(MissingFileError, match=rf"`dsv2-mlc rm {NAME}` then `dsv2-mlc pull"):
+    with pytest.raises(MissingFileError, match=rf"reinstall it: `dsv2-mlc pull {NAME} --force`"):
         dsv2_mlc.load(NAME, cache_dir=cache)
     # Pulling it again repairs it.
     assert not pull(str(artifact.path), cache_dir=cache, progress=False).already_installed

@@ -33,7 +33,14 @@ from .errors import (
     ManifestError,
     MissingFileError,
 )
-from .manifest import MANIFEST, NAME_PATTERN, RUNTIME_LIB_DIR, Manifest, manifest_sha256
+from .manifest import (
+    MANIFEST,
+    NAME_PATTERN,
+    RUNTIME_LIB_DIR,
+    Manifest,
+    manifest_sha256,
+    sha256_file,
+)
 from .manifest import sha256_stream as _copy_hashed
 
 ARTIFACTS_DIR = "artifacts"
@@ -251,19 +258,25 @@ def remove_installed(name: str, cache_dir: str | Path | None = None) -> Path:
     return art.path
 
 
-def check_files(art: InstalledArtifact) -> None:
-    """Every file the manifest lists is present with its size (a cheap check at each open)."""
+def check_files(art: InstalledArtifact, *, full: bool = True) -> None:
+    """Every file the manifest lists is present with its size and, with ``full``, its SHA-256
+    (what ``pull`` checks before it calls an artifact installed, so a damaged copy is replaced).
+    Opening checks the sizes here; the runtime hashes the libraries before it loads them
+    (:mod:`dsv2_mlc.runtime.integrity`)."""
+    fix = f"reinstall it: `dsv2-mlc pull {art.name} --force` (or the artifact file it came from)"
     for entry in art.manifest.files:
         path = art.path / entry.path
         if not path.is_file():
-            raise MissingFileError(
-                f"{path}: missing from the installed artifact {art.name}; reinstall it: "
-                f"`dsv2-mlc rm {art.name}` then `dsv2-mlc pull SOURCE`"
-            )
+            raise MissingFileError(f"{path}: missing from the installed artifact; {fix}")
         if path.stat().st_size != entry.size:
             raise HashMismatchError(
                 f"{path}: {path.stat().st_size} bytes, the manifest says {entry.size}; the "
-                f"installed artifact was modified: `dsv2-mlc rm {art.name}` and pull it again"
+                f"installed artifact was modified: {fix}"
+            )
+        if full and sha256_file(path)[1] != entry.sha256:
+            raise HashMismatchError(
+                f"{path}: its sha256 is not the manifest's; the installed artifact was modified: "
+                f"{fix}"
             )
 
 
@@ -276,7 +289,7 @@ def open_installed(name: str, cache_dir: str | Path | None = None) -> Path:
     art = get_installed(name, cache_dir)
     if art is None:
         raise _not_installed(name, cache_dir)
-    check_files(art)
+    check_files(art, full=False)  # sizes; the runtime hashes what it loads
     check_compatible(art.manifest)
     if art.manifest.runtime_libs:
         tvm_runtime.prefer_lib_dir(art.path / RUNTIME_LIB_DIR)

@@ -31,6 +31,7 @@ from ..layout import (
     SPEC_FILE,
     TOKENIZER_FILES,
     BuildConfig,
+    file_records,
 )
 from ..model.checkpoint import SafetensorsCheckpoint
 from ..model.config import DeepseekV2Config
@@ -322,6 +323,7 @@ def _write_build_config(
         pdl=options.pdl,
         pdl_launch_dependents=options.pdl_launch_dependents,
         gemm=options.gemm,
+        files=file_records(tmp),  # what the runtime checks before loading (runtime/integrity.py)
     )
     (tmp / BUILD_CONFIG).write_text(json.dumps(build.to_dict(), indent=1))
     return build

@@ -11,9 +11,11 @@ Python callback to load the model (notes/tvm-0.27.md, section 4).
 
 1. If the real driver loads, it is used. Otherwise a stub ``libcuda.so.1`` exporting the nine
    driver symbols that ``libtvm_runtime_cuda.so`` links against (every call returns
-   ``CUDA_ERROR_NO_DEVICE``) is built with ``gcc`` into a per-user cache folder
-   (``$XDG_CACHE_HOME/dsv2-mlc`` or ``~/.cache/dsv2-mlc``) and loaded ``RTLD_GLOBAL``. The stub is
-   a build-time crutch only: it never goes into a build folder and is never committed.
+   ``CUDA_ERROR_NO_DEVICE``) is built with ``gcc`` into the per-user cache folder
+   (:func:`dsv2_mlc.paths.default_cache_dir`) and loaded ``RTLD_GLOBAL``; its SHA-256, recorded
+   beside it when it is built, is checked before every load (a stub that differs is built
+   again). The stub is a build-time crutch only: it never goes into a build folder and is never
+   committed.
 2. ``libtvm_runtime_cuda.so`` is then loaded ``RTLD_GLOBAL`` from TVM's ``lib/`` folder.
 
 Why no "stub before ``import tvm``" subprocess: ``import tvm`` merely *tries* to load
@@ -45,6 +47,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import importlib.util
+import logging
 import os
 import re
 import shutil
@@ -54,6 +57,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from ..errors import UsageError
+from ..layout import sha256_file
+from ..paths import default_cache_dir
+
+LOG = logging.getLogger("dsv2_mlc")
 
 DEFAULT_ARCH = "sm_90"
 # target arch -> the nvcc arch with its arch-specific features (``cuda_codegen``)
@@ -71,6 +78,7 @@ CUresult cuGetErrorName(CUresult e, const char **s) { *s = "CUDA_ERROR_STUB_NO_D
 CUresult cuGetErrorString(CUresult e, const char **s) { *s = "libcuda stub: no device"; return 0; }
 """
 _STUB_VERSION = "1"  # bump when _STUB_SOURCE changes
+_STUB_RECORD_SUFFIX = ".sha256"  # libcuda.so.1.sha256: the stub's SHA-256 when it was built
 _FATBIN_MAGIC = (0xBA55ED50).to_bytes(4, "little")  # fatbin wrapper magic 0xBA55ED50
 _CUDA_SOURCE_MARKER = b"__global__"
 _EM_CUDA = 190
@@ -110,17 +118,32 @@ def make_cuda_target(arch: str = DEFAULT_ARCH):  # -> tvm.target.Target
 
 
 def cache_dir() -> Path:
-    """The per-user folder that holds the driver stub."""
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "dsv2-mlc"
+    """The per-user folder that holds the driver stub (the cache folder of dsv2-mlc)."""
+    return default_cache_dir()
+
+
+def _stub_intact(lib: Path) -> bool:
+    """Whether ``lib`` has the SHA-256 recorded when it was built (a stub without a record, built
+    before records were kept, is built again quietly; one that differs is reported)."""
+    record = lib.with_name(lib.name + _STUB_RECORD_SUFFIX)
+    try:
+        recorded = record.read_text().strip()
+    except OSError:
+        return False
+    if recorded == sha256_file(lib)[1]:
+        return True
+    LOG.warning("%s: not the driver stub dsv2-mlc built (sha256 differs); building anew", lib)
+    return False
 
 
 def build_driver_stub(folder: Path | None = None) -> Path:
-    """Compile the stub ``libcuda.so.1`` into ``folder`` (default: :func:`cache_dir`) once."""
+    """Compile the stub ``libcuda.so.1`` into ``folder`` (default: :func:`cache_dir`) once; a
+    stub whose SHA-256 is not the one recorded when it was built is built again (never loaded)."""
     folder = (folder or cache_dir()) / f"cuda-driver-stub-v{_STUB_VERSION}"
     lib = folder / "libcuda.so.1"
     if lib.is_file():
-        return lib
+        if _stub_intact(lib):
+            return lib
     gcc = shutil.which("gcc") or shutil.which("cc")
     if gcc is None:
         raise CudaBuildError(
@@ -135,7 +158,10 @@ def build_driver_stub(folder: Path | None = None) -> Path:
         proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if proc.returncode != 0:
             raise CudaBuildError(f"building the CUDA driver stub failed: {proc.stderr.strip()}")
+        record = Path(tmp) / "sha256"
+        record.write_text(sha256_file(out)[1] + "\n")
         os.replace(out, lib)  # atomic: concurrent builders are fine
+        os.replace(record, lib.with_name(lib.name + _STUB_RECORD_SUFFIX))
     return lib
 
 

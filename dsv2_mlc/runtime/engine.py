@@ -22,6 +22,7 @@ from .cublas import init_cublas
 from .cuda_graph import DecodeGraphs, decode_graph_key, same_greedy, same_logits
 from .device import copy_into, to_device, to_numpy
 from .generation import GenerationResult, GenerationStream, StreamDelta, run_generation
+from .integrity import verify_build
 from .pdl import PORTS as PDL_PORTS
 from .pending import PendingTokens
 from .sampling import SamplingParams
@@ -113,6 +114,7 @@ class Engine:
         pdl: str | None = None,
         overlap_steps: bool = True,
         expert_major_from: int | None = EXPERT_MAJOR_FROM,
+        verify: bool = False,
     ):
         """``random_weights=SEED`` creates deterministic random weights on the device instead of
         reading ``params/`` (required for builds made with ``--random-weights``; see
@@ -134,7 +136,11 @@ class Engine:
 
         ``expert_major_from``: decode steps of at least this many sequences run the MoE blocks'
         expert-major kernels (``batch_decode_expert_major``, CUDA builds that have it: each
-        expert the batch selects read once); None: never (the fused per-token kernels)."""
+        expert the batch selects read once); None: never (the fused per-token kernels).
+
+        Before anything is loaded the folder is checked against the sizes and SHA-256 recorded
+        when it was made (:mod:`dsv2_mlc.runtime.integrity`: the library and the weight index
+        hashed, the weight files' sizes); ``verify``: the weight files hashed too."""
         self.path = Path(model)
         self.overlap_steps = overlap_steps
         self.build = BuildConfig.read(self.path)
@@ -157,6 +163,7 @@ class Engine:
             DEFAULT_PREFILL_CHUNK[self.device], self.kv_capacity
         )
 
+        verify_build(self.path, self.build, full=verify)  # before any of its files is loaded
         bundled = self.path / "lib"  # an installed artifact carries its own TVM runtime
         if lib_dir is None and (bundled / "libtvm_runtime.so").is_file():
             lib_dir = bundled
