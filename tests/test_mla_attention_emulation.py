@@ -63,9 +63,11 @@ static unsigned g_emu_slot[32][32][8];
 struct EmuCopy { unsigned dst; const char* src; int bytes; };
 thread_local std::vector<EmuCopy> t_open;
 thread_local std::vector<std::vector<EmuCopy>> t_groups;
-static inline size_t __cvta_generic_to_shared(const void* p) {
+// (shared addresses as offsets into this block's array: the emulator's own mapping is replaced)
+static inline size_t emu_mla_cvta(const void* p) {
   return (size_t)((const char*)p - g_emu_sbase);
 }
+#define __cvta_generic_to_shared emu_mla_cvta
 static inline float emu_lo(unsigned u) {
   unsigned short s = u & 0xffff; half h; memcpy(&h, &s, 2); return (float)h;
 }
