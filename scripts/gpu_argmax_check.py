@@ -1,6 +1,6 @@
 """The compiled greedy arg-max kernel (``greedy_tokens``) against ``np.argmax``, on the GPU.
 
-``python3 scripts/gpu_argmax_check.py BUILD --lib-dir .devcarry/tvm-lib --out $OUT`` (GPU
+``python3 scripts/gpu_argmax_check.py BUILD --lib-dir TVM_LIB --out $OUT`` (GPU
 machine, ``PYTHONPATH`` with the runtime and ``tvm_ffi``). Runs the build's ``greedy_tokens``
 on crafted logits ``[rows, 1, vocab]`` (random rows, ties, NaNs, infinities, signed zeros; rows
 up to past the kernel's ticket counters; the build's vocabulary, its only one), each shape

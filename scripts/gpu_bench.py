@@ -2,7 +2,7 @@
 
 ``python scripts/gpu_bench.py prepare`` (build box, needs TVM and nvcc, no GPU):
 
-* compiles ``--config`` (default: ../shared/notes/configs/config_v2_lite.json) for CUDA sm_90 in
+* compiles ``--config`` (a model's config.json, e.g. DeepSeek-V2-Lite's) for CUDA sm_90 in
   ``--quantization`` (default q4f16_g128) with ``--random-weights`` into
   ``build/bench/<name>`` (no weights: the runtime creates them on the GPU at load time);
 * compiles the tiny test config A the same way (``build/bench/tiny``), for a smoke run first;
@@ -10,7 +10,7 @@
   against concurrent edits) and writes ``build/bench/manifest.json`` (commit, uncommitted files,
   compile times, commands).
 
-``python3 scripts/gpu_bench.py run --lib-dir .devcarry/tvm-lib --out $OUT`` (GPU machine, with
+``python3 scripts/gpu_bench.py run --lib-dir TVM_LIB --out $OUT`` (GPU machine, with
 ``PYTHONPATH=build/bench/src:.site``): records the GPU and a torch HBM read bandwidth, then runs,
 each in its own process (clean memory numbers), within ``--budget-s`` seconds:
 
@@ -36,7 +36,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH_DIR = ROOT / "build" / "bench"
-DEFAULT_CONFIG = ROOT.parent / "shared" / "notes" / "configs" / "config_v2_lite.json"
 
 
 # -- here: builds ----------------------------------------------------------------------------------
@@ -243,13 +242,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("prepare", help="compile the builds here (no GPU needed)")
-    p.add_argument("--config", default=str(DEFAULT_CONFIG))
+    p.add_argument("--config", required=True, help="the model's config.json (V2-Lite's, say)")
     p.add_argument("--quantization", default="q4f16_g128")
     p.add_argument("--name", default="v2-lite-q4f16_g128")
     p.add_argument("--arch", default="sm_90")
     p.set_defaults(func=prepare)
     p = sub.add_parser("run", help="run the benchmarks (GPU machine)")
-    p.add_argument("--lib-dir", default=".devcarry/tvm-lib")
+    p.add_argument("--lib-dir", default=None, help="folder of libtvm_runtime*.so")
     p.add_argument("--out", default=os.environ.get("OUT", "out"))
     p.add_argument("--name", default="v2-lite-q4f16_g128")
     p.add_argument("--budget-s", type=float, default=480.0)

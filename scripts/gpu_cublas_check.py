@@ -1,6 +1,6 @@
 """The cuBLAS GEMM shim of a ``--gemm cublas`` build against torch, on the GPU, over a shape sweep.
 
-``python3 scripts/gpu_cublas_check.py BUILD --lib-dir .devcarry/tvm-lib --out $OUT`` (GPU
+``python3 scripts/gpu_cublas_check.py BUILD --lib-dir TVM_LIB --out $OUT`` (GPU
 machine, ``PYTHONPATH`` with the runtime and ``tvm_ffi``, torch installed): loads the build's
 library (which registers ``dsv2.cublas.*``, ``dsv2_mlc/runtime/cublas_gemm.cc``), opens cuBLAS
 the way the engine does (:func:`dsv2_mlc.runtime.cublas.init_cublas`) and runs

@@ -1,6 +1,6 @@
 """Decode throughput against the batch size, on the GPU: token-major vs expert-major MoE kernels.
 
-``python3 -P scripts/gpu_decode_batches.py BUILD --lib-dir .devcarry/tvm-lib --out $OUT`` (GPU
+``python3 -P scripts/gpu_decode_batches.py BUILD --lib-dir TVM_LIB --out $OUT`` (GPU
 machine, ``PYTHONPATH`` with the runtime and ``tvm_ffi``; a CUDA build with
 ``batch_decode_expert_major``). For each ``--batches`` size ``b``: one engine (graphs on),
 ``b`` fresh sequences of ``--prompt-len`` random ids prefilled, then

@@ -1,6 +1,6 @@
 """Greedy generation with and without overlapped steps (``Engine.overlap_steps``), on the GPU.
 
-``python3 scripts/gpu_generate_overlap.py BUILD --lib-dir .devcarry/tvm-lib --out $OUT`` (GPU
+``python3 scripts/gpu_generate_overlap.py BUILD --lib-dir TVM_LIB --out $OUT`` (GPU
 machine, ``PYTHONPATH`` with the runtime and ``tvm_ffi``). One engine; a prompt of
 ``--prompt-len`` random ids; then ``Engine.stream`` of ``--tokens`` new tokens (no stop token),
 the consumer busy for ``--consumer-us`` microseconds on every delta (what a chat front end or an

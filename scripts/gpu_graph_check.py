@@ -1,6 +1,6 @@
 """Decode from CUDA graphs vs eager decode, same build and weights, on the GPU.
 
-``python3 scripts/gpu_graph_check.py BUILD --lib-dir .devcarry/tvm-lib --out $OUT`` (GPU machine,
+``python3 scripts/gpu_graph_check.py BUILD --lib-dir TVM_LIB --out $OUT`` (GPU machine,
 ``PYTHONPATH`` with the runtime and ``tvm_ffi``): opens the build twice with the same random
 weights, once with ``cuda_graph=True`` and once without, and runs the same steps on both,
 teacher-forced with the eager engine's arg-max:

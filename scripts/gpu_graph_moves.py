@@ -1,6 +1,6 @@
 """Greedy decode over new page buckets with decode graphs moved (default) or captured per bucket.
 
-``python3 scripts/gpu_graph_moves.py BUILD --lib-dir .devcarry/tvm-lib --out $OUT`` (GPU
+``python3 scripts/gpu_graph_moves.py BUILD --lib-dir TVM_LIB --out $OUT`` (GPU
 machine, ``PYTHONPATH`` with the runtime and ``tvm_ffi``). One engine with decode graphs. A
 warm-up generation (prompt 300, 256 steps) makes the graph keys trusted and lets the graphs of
 one batch size learn how they move (``runtime/graph_relocation.py``). Then runs alternate

@@ -1,6 +1,6 @@
 """GPU time of every kernel of a decode step and of a prefill, from CUPTI (torch.profiler).
 
-``python3 scripts/gpu_kernel_profile.py BUILD --lib-dir .devcarry/tvm-lib --out $OUT``
+``python3 scripts/gpu_kernel_profile.py BUILD --lib-dir TVM_LIB --out $OUT``
 (GPU machine; torch for the profiler only, the model runs on our runtime): opens the build with
 random weights, prefills ``--batch`` sequences of ``--prompt-len`` tokens, then profiles
 ``--steps`` decode steps of them (eager, so every kernel is its own launch; the kernels are the

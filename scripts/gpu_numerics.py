@@ -13,8 +13,8 @@ For every build in ``BUILDS/manifest.json`` it measures
 * ``greedy``: 32 free-running greedy tokens vs HF's: tokens equal, first divergence;
 * ``decode_ms``: mean wall time of one decode step (batch 1, informational only).
 
-Usage (device machine): ``python3 scripts/gpu_numerics.py --builds build/gpu
---lib-dir .devcarry/tvm-lib --out $OUT/gpu_numerics.json``
+Usage (device machine): ``python3 scripts/gpu_numerics.py --builds REFS --lib-dir TVM_LIB
+--out $OUT/gpu_numerics.json`` (REFS: the folder ``scripts/make_gpu_refs.py`` wrote)
 """
 
 from __future__ import annotations
@@ -137,7 +137,7 @@ def check_build(
 def main(argv: list[str] | None = None) -> int:
     """Check every build of the manifest; print a table; write the JSON report."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--builds", default="build/gpu")
+    parser.add_argument("--builds", required=True, help="the folder make_gpu_refs.py wrote")
     parser.add_argument("--lib-dir", default=None, help="folder of libtvm_runtime*.so")
     parser.add_argument("--out", default=None, help="JSON report path")
     args = parser.parse_args(argv)

@@ -1,6 +1,6 @@
 """Decode graphs with programmatic (PDL) kernel edges vs eager decode, on the GPU.
 
-``python3 scripts/gpu_pdl_check.py BUILD --lib-dir .devcarry/tvm-lib --out $OUT`` (GPU machine,
+``python3 scripts/gpu_pdl_check.py BUILD --lib-dir TVM_LIB --out $OUT`` (GPU machine,
 ``PYTHONPATH`` with the runtime and ``tvm_ffi``; BUILD compiled with ``--pdl``, e.g.
 ``dsv2-mlc compile CONFIG --random-weights --device cuda --quantization q4f16_g128 --pdl``).
 Opens the build once per variant with the same random weights: eager (no graphs) and decode

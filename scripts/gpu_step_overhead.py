@@ -1,6 +1,6 @@
 """Where a greedy decode step's wall time goes beyond its graph's GPU time, on the GPU.
 
-``python3 scripts/gpu_step_overhead.py BUILD --lib-dir .devcarry/tvm-lib --out $OUT`` (GPU
+``python3 scripts/gpu_step_overhead.py BUILD --lib-dir TVM_LIB --out $OUT`` (GPU
 machine, ``PYTHONPATH`` with the runtime and ``tvm_ffi``). One engine with decode graphs; after
 a prompt of ``--prompt-len`` random ids and ``--warmup`` greedy steps (graphs captured and
 trusted), it times, per step (us, median over ``--steps``):

@@ -10,8 +10,7 @@ compare the logits that predicted each generated token: max |difference| and top
 (``batch_decode_expert_major``); ``--expert-major-from N`` moves that threshold (0: never, the
 token-major kernels at every batch; 1: every step, batch 1 included).
 
-    PYTHONPATH=build/v2n/src:.site python3 scripts/gpu_v2lite_numerics.py \\
-        --build build/v2n/v2-lite-q0f16 --lib-dir .devcarry/tvm-lib --out $OUT/v2lite.json
+    python3 scripts/gpu_v2lite_numerics.py --build BUILD --lib-dir TVM_LIB --out $OUT/v2lite.json
 """
 
 from __future__ import annotations

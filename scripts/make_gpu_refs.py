@@ -1,6 +1,6 @@
 """Prepare a GPU numerics run (here, on the build machine; no GPU needed): see docs/gpu-numerics.md.
 
-Writes into OUT (default ``build/gpu``, an ignored folder carried to the device machine):
+Writes into OUT (a folder to carry to the GPU machine):
 
 * ``checkpoints/{A,B}``: the tiny random HF checkpoints of the test suite (tests/hf_reference.py);
 * ``{A,B}-{quantization}``: those checkpoints compiled for CUDA (precompiled sm_90 fatbins), by
@@ -15,7 +15,7 @@ Writes into OUT (default ``build/gpu``, an ignored folder carried to the device 
   travels with them;
 * ``manifest.json``: prompt, builds, compile times, versions and commit.
 
-Usage: ``python scripts/make_gpu_refs.py [--out build/gpu] [--arch sm_90]``
+Usage: ``python scripts/make_gpu_refs.py --out OUT [--arch sm_90]``
 """
 
 from __future__ import annotations
