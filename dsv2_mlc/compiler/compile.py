@@ -68,7 +68,6 @@ class BuildOptions:
     """Code-generation options recorded in the build (``BuildConfig``) for the runtime."""
 
     pdl: bool = False
-    pdl_launch_dependents: bool = False
     gemm: str = "tir"  # prefill / extend GEMMs: "tir" or "cublas" (passes/pipeline.py)
 
 
@@ -76,7 +75,7 @@ PDL_MIN_SM = 90  # griddepcontrol.* (PTX ISA 7.8) needs sm_90
 
 
 def _build_options(
-    device: str, arch: str, pdl: bool | None, pdl_launch_dependents: bool, gemm: str | None = None
+    device: str, arch: str, pdl: bool | None, gemm: str | None = None
 ) -> BuildOptions:
     """``pdl=None`` (the default): on for CUDA at sm_90 or newer, off otherwise; ``gemm=None``:
     ``"cublas"`` for CUDA, ``"tir"`` otherwise."""
@@ -92,15 +91,13 @@ def _build_options(
     pdl_arch = sm.isdigit() and int(sm) >= PDL_MIN_SM
     if pdl is None:
         pdl = device == "cuda" and pdl_arch
-    if pdl_launch_dependents and not pdl:
-        raise CompileError("--pdl-launch-dependents needs PDL (--pdl, CUDA sm_90 or newer)")
     if pdl and device != "cuda":
         raise CompileError(f"--pdl is for --device cuda only, not {device!r}")
     if pdl and not pdl_arch:
         raise CompileError(
             f"--pdl needs sm_{PDL_MIN_SM} or newer (griddepcontrol); --arch is {arch}"
         )
-    return BuildOptions(pdl=pdl, pdl_launch_dependents=pdl_launch_dependents, gemm=gemm)
+    return BuildOptions(pdl=pdl, gemm=gemm)
 
 
 def _resolve_quantization(
@@ -137,7 +134,6 @@ def compile_model(
     progress: bool = True,
     arch: str = DEFAULT_ARCH,
     pdl: bool | None = None,
-    pdl_launch_dependents: bool = False,
     gemm: str | None = None,
 ) -> CompileResult:
     """Compile the HF checkpoint in ``model_dir`` for ``device`` into ``out_dir``.
@@ -154,8 +150,7 @@ def compile_model(
     the build says so (``BuildConfig.pdl``) so the runtime links the kernels of its decode graphs
     with programmatic edges (a decode step replays ~2.5 % faster on the H200,
     docs/benchmarks.md). The hand kernels release their successor's launch right after their
-    wait (``griddepcontrol.launch_dependents``); ``pdl_launch_dependents`` (needs PDL) makes
-    TVM's kernels do the same (slower on the H200: docs/benchmarks.md).
+    wait (``griddepcontrol.launch_dependents``); TVM's kernels release it at their exit.
 
     ``gemm`` (default: ``"cublas"`` for CUDA, ``"tir"`` otherwise) picks who runs the prefill /
     extend GEMMs: cuBLAS (the library then needs libcublas at run time,
@@ -163,7 +158,7 @@ def compile_model(
     """
     start = time.perf_counter()
     quant = _resolve_quantization(dtype, quantization, quantize_embedding, quantize_lm_head)
-    options = _build_options(device, arch, pdl, pdl_launch_dependents, gemm)
+    options = _build_options(device, arch, pdl, gemm)
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise CompileError(f"{model_dir}: model folder not found")
@@ -266,7 +261,7 @@ def _compile_library(
                 mod,
                 target=target,
                 relax_pipeline=build_pipeline(target, dump_ir, PipelineOptions(options.gemm)),
-                tir_pipeline=tir_pipeline(options.pdl, options.pdl_launch_dependents),
+                tir_pipeline=tir_pipeline(options.pdl),
             )
         if options.pdl:
             check_pdl_kernels(executable.mod)
@@ -315,7 +310,6 @@ def _write_build_config(
         tvm_version=tvm.__version__,
         tvm_ffi_version=tvm_ffi.__version__,
         pdl=options.pdl,
-        pdl_launch_dependents=options.pdl_launch_dependents,
         gemm=options.gemm,
     )
     (tmp / BUILD_CONFIG).write_text(json.dumps(build.to_dict(), indent=1))
@@ -334,7 +328,6 @@ def compile_random_model(
     dump_ir: str | Path | None = None,
     arch: str = DEFAULT_ARCH,
     pdl: bool | None = None,
-    pdl_launch_dependents: bool = False,
     gemm: str | None = None,
 ) -> CompileResult:
     """Compile from a ``config.json`` alone (a file or the folder holding it), for benchmarks.
@@ -349,7 +342,7 @@ def compile_random_model(
 
     start = time.perf_counter()
     quant = _resolve_quantization(dtype, quantization, quantize_embedding, quantize_lm_head)
-    options = _build_options(device, arch, pdl, pdl_launch_dependents, gemm)
+    options = _build_options(device, arch, pdl, gemm)
     out_dir = Path(out_dir).resolve()
     _check_out_dir(out_dir)
     cfg = DeepseekV2Config.from_file(config)
