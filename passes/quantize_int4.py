@@ -29,12 +29,7 @@ from ..model.moe import (
 )
 from ..quantization import Quantization, packed_shape, quantize_int4
 from ..schedules.dequantize_cuda import DEQUANTIZE_ATTR
-from ..schedules.moe_decode_cuda import (
-    DOWN_TILES,
-    MoeDecodeShape,
-    moe_down_decode,
-    moe_gate_up_decode,
-)
+from ..schedules.moe_decode_cuda import MoeDecodeShape, moe_down_decode, moe_gate_up_decode
 from ..schedules.moe_expert_mma_cuda import (
     expert_mma_unsupported,
     moe_down_expert_mma,
@@ -198,7 +193,14 @@ class GroupQuantExperts(nn.Module):
                 Tensor.placeholder((n, k), "int32"),
             ],
         )
-        return self._down(hidden, (weights, idx, logits), shape, shared)
+        sd = shared.down_proj
+        return op.tensor_ir_op(
+            moe_down_decode(shape),
+            "moe_decode_down",
+            args=[hidden, weights, idx, self.down_q_weight, self.down_q_scale, sd.q_weight,
+                  sd.q_scale],
+            out=Tensor.placeholder((n, shape.hidden), x.dtype),
+        )  # fmt: skip
 
     def expert_major_decode(
         self, x: Tensor, logits: Tensor, gate: DeepseekV2Gate, shared: DeepseekV2MLP
@@ -229,37 +231,6 @@ class GroupQuantExperts(nn.Module):
             lambda p, w: expert_major_combine_te(p, w, x.dtype),
             "moe_expert_major_combine",
             [part, weights],
-        )
-
-    def fused_decode_routed(
-        self, x: Tensor, routing: tuple[Tensor, Tensor, Tensor], shape: MoeDecodeShape,
-        shared: DeepseekV2MLP,
-    ) -> Tensor:  # fmt: skip
-        """:meth:`fused_decode` for a token already routed (``routing``: weights, ids and
-        logits, from ``oproj_router_cuda``): the gate/up kernel reads the ids."""
-        su = shared.gate_up_proj
-        hidden = op.tensor_ir_op(
-            moe_gate_up_decode(shape, routed=True),
-            "moe_decode_gate_up_routed",
-            args=[x, routing[1], self.gate_up_q_weight, self.gate_up_q_scale, su.q_weight,
-                  su.q_scale],
-            out=Tensor.placeholder((x.shape[0], shape.total), x.dtype),
-        )  # fmt: skip
-        return self._down(hidden, routing, shape, shared)
-
-    def _down(
-        self, hidden: Tensor, routing: tuple[Tensor, Tensor, Tensor], shape: MoeDecodeShape,
-        shared: DeepseekV2MLP,
-    ) -> Tensor:  # fmt: skip
-        weights, idx, logits = routing
-        sd = shared.down_proj
-        # the down kernel routes again from the logits itself in its early_route variant
-        args = [logits] if DOWN_TILES.early_route else [weights, idx]
-        return op.tensor_ir_op(
-            moe_down_decode(shape, DOWN_TILES),
-            "moe_decode_down",
-            args=[hidden, *args, self.down_q_weight, self.down_q_scale, sd.q_weight, sd.q_scale],
-            out=Tensor.placeholder((hidden.shape[0], shape.hidden), hidden.dtype),
         )
 
     def forward(self, x: Tensor, weights: Tensor, idx: Tensor, mode: str | None = None) -> Tensor:

@@ -19,12 +19,11 @@ from tvm.relax.frontend.nn import Tensor, op
 from tvm.target import Target
 
 from ..schedules import moe_grouped_cuda as grouped
-from ..schedules import oproj_router_cuda as oproj_router
 from ..schedules.decode_gemv_cuda import DECODE_GEMV
 from ..schedules.moe_decode_cuda import MoeDecodeShape
 from ..schedules.moe_routing import moe_route
 from .config import DeepseekV2Config
-from .decode_linear import int4_decode_gemv, int4_group
+from .decode_linear import int4_decode_gemv
 
 WeightReader = Callable[[list[te.Tensor], Expr, Expr, Expr], Expr]
 
@@ -283,14 +282,6 @@ class DeepseekV2Experts(nn.Module):
         None here (float weights)."""
         return None
 
-    def fused_decode_routed(
-        self, x: Tensor, routing: tuple[Tensor, Tensor, Tensor], shape: MoeDecodeShape,
-        shared: DeepseekV2MLP,
-    ) -> Tensor:  # fmt: skip
-        """The fused decode kernels given the routing ``(weights, ids, logits)``; only for a
-        layout with a :meth:`decode_shape`."""
-        raise NotImplementedError(f"{type(self).__name__} has no fused decode kernels")
-
     def forward(self, x: Tensor, weights: Tensor, idx: Tensor, mode: str | None = None) -> Tensor:
         """x [n, H], weights [n, k] fp32, idx [n, k] -> sum_j weights[:, j] * expert_j(x).
 
@@ -331,58 +322,6 @@ class DeepseekV2MoE(nn.Module):
         ``batch_decode_expert_major``): the experts' expert-major kernels where they have them
         (``expert_major_decode``: each expert the batch selects read once)."""
         return self.forward_with_logits(x, self.gate.logits(x), mode, expert_major)
-
-    def oproj_router(
-        self, o_proj: nn.Module, x: Tensor, eps: float
-    ) -> tuple[tirx.PrimFunc, MoeDecodeShape] | None:
-        """Decode on CUDA: the kernel that computes the attention's ``o_proj``, the residual
-        add, the RMSNorm (``eps``) before this block and the routing in one launch
-        (:mod:`dsv2_mlc.schedules.oproj_router_cuda`), with the shape of this layer's fused
-        decode kernels, where the experts have them and ``o_proj`` is an INT4 layer of a shape
-        it takes; else None. ``x``: the residual stream (its dtype and the target decide). Off
-        unless the lab switch ``oproj_router_cuda.ROUTE_IN_OPROJ`` is on (measured slower on the
-        H200)."""
-        if not oproj_router.ROUTE_IN_OPROJ or self.shared_experts is None:
-            return None
-        shape = self.experts.decode_shape(x, self.gate, self.shared_experts)
-        group = int4_group(o_proj)
-        if shape is None or group is None:
-            return None
-        n_out, k_in = o_proj.out_features, o_proj.in_features
-        if oproj_router.oproj_router_unsupported(n_out, k_in, group, shape.experts):
-            return None
-        return oproj_router.oproj_router_decode(n_out, k_in, group, shape.router, eps), shape
-
-    def forward_after_attention(
-        self,
-        routed: tuple[tirx.PrimFunc, MoeDecodeShape],
-        attn: Tensor,
-        o_proj: nn.Module,
-        r: Tensor,
-        norm_w: Tensor,
-    ) -> tuple[Tensor, Tensor]:
-        """Decode with :meth:`oproj_router`'s ``(kernel, shape)``: ``attn [n, heads * v]`` (before
-        ``o_proj``), the residual ``r [n, H]`` and the norm's weight -> ``(s, out)``: the new
-        residual ``s = r + o_proj(attn)`` and this block's output for ``RMSNorm(s)``."""
-        kernel, shape = routed
-        n, h = r.shape
-        e, k = self.gate.weight.shape[0], self.gate.cfg.num_experts_per_tok
-        _, s, xn, logits, weights, ids = op.tensor_ir_op(
-            kernel,
-            "oproj_router",
-            args=[attn, o_proj.q_weight, o_proj.q_scale, r, norm_w, self.gate.weight],
-            out=[
-                Tensor.placeholder((n, e + 1, h // 8), "float32"),  # the partial sums
-                Tensor.placeholder((n, h), r.dtype),
-                Tensor.placeholder((n, h), r.dtype),
-                Tensor.placeholder((n, e), "float32"),
-                Tensor.placeholder((n, k), "float32"),
-                Tensor.placeholder((n, k), "int32"),
-            ],
-        )
-        shared = self.shared_experts
-        out = self.experts.fused_decode_routed(xn, (weights, ids, logits), shape, shared)
-        return s, out
 
     def forward_with_logits(
         self, x: Tensor, logits: Tensor, mode: str | None = None, expert_major: bool = False
