@@ -6,6 +6,7 @@ from .artifacts.errors import ArtifactError
 from .model.checkpoint import CheckpointError
 from .model.config import ConfigError
 from .model.weights import WeightMapError
+from .quant import QuantizationError
 from .runtime.chat_template import ChatTemplateError
 from .runtime.engine import ContextLengthError, PromptError
 from .runtime.layout import BuildError
@@ -21,6 +22,7 @@ class UsageError(ValueError):
 
 USER_ERRORS: tuple[type[BaseException], ...] = (
     UsageError,
+    QuantizationError,
     ConfigError,
     CheckpointError,
     WeightMapError,

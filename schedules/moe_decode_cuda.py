@@ -32,7 +32,7 @@ before its PDL wait and, once routed, for all its routed rows (lane ``m`` the ``
 in the model (schedules/results/moe_decode.md); the off path still emits the (uncalled) prefetch
 helper.
 
-INT4 group weights as :mod:`dsv2_mlc.passes.quantize_int4` stores them (``[rows, K / 8]`` uint32,
+INT4 group weights as :mod:`dsv2_mlc.quant.packing` stores them (``[rows, K / 8]`` uint32,
 nibble ``i`` of word ``j`` is element ``8 j + i``, value ``(q - 8) * scale[k // group]``). Each
 32-element chunk (one 16-byte load, one scale) is one call of the half2 dot product of
 :func:`dsv2_mlc.schedules.decode_gemv_cuda.dot32_source` (fp16 partial sums of ``run``

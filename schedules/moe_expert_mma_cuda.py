@@ -25,7 +25,7 @@ decode steps of ``EXPERT_MAJOR_FROM`` (16) sequences and more. On the H200 (V2-L
 31; at batch 8 it is slower (1,559 against 1,636), at batch 1 much slower (451 against 863).
 
 **The fragments from the INT4 layout as it is.** The weights stay in the layout of
-:mod:`dsv2_mlc.passes.quantize_int4` (``[rows, K/8]`` words, element ``8 j + i`` in nibble ``i``
+:mod:`dsv2_mlc.quant.packing` (``[rows, K/8]`` words, element ``8 j + i`` in nibble ``i``
 of word ``j``), which the token-major kernels read too. An MMA's reduction order over its 16
 inputs does not matter as long as A and B agree, so each lane takes 32 *consecutive* inputs of its
 rows: in a run of 128 inputs, lane ``(g, t)`` (``g = lane / 4``, ``t = lane % 4``) loads the 16

@@ -352,7 +352,7 @@ __device__ __forceinline__ void moe_mma_pair_{tag}(
 def int4_group(weights: Sequence[te.Tensor], red: int) -> int | None:
     """The INT4 group size of ``weights`` (packed ``uint32 [E, out, red / 8]`` + ``float16``
     scales ``[E, out, red / group]``, the layout that
-    :func:`dsv2_mlc.passes.quantize_int4.dequantize_expr` reads), or None for any other format."""
+    :func:`dsv2_mlc.quant.modules.dequantize_expr` reads), or None for any other format."""
     if len(weights) != 2:
         return None
     qw, sc = weights

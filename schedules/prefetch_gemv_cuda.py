@@ -9,7 +9,7 @@ rows first and only then calls ``griddepcontrol.wait``
 graphs launch a kernel before its predecessor ends, the weight loads overlap the predecessor.
 
 * :func:`gemv_q4_decode`: ``y[t] = W x[t]`` for an INT4 group weight ``W [N, K]`` (``o_proj``,
-  the dense MLP's ``down_proj``, the first layer's ``qkv_a``: :mod:`dsv2_mlc.model.decode_linear`).
+  the dense MLP's ``down_proj``, the first layer's ``qkv_a``: :mod:`dsv2_mlc.quant.decode_linear`).
   ``ceil(N / warps)`` blocks (at most ``max_blocks``: ``PrefetchGemvTiles`` of
   ``schedules/tiles.py``), a warp per output row (strided over the
   grid when there are more rows than warps); the block stages ``x[t]`` in shared memory (16-byte

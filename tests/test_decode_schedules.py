@@ -174,7 +174,7 @@ def _lab_kernels() -> dict[str, tirx.PrimFunc]:
     """Small kernels of every tagged kind: dense (K=256, and K=1408 whose steps over 32 lanes do
     not divide), the routed-expert gather with its weight epilogue, the fp32 router gate."""
     from dsv2_mlc.model.moe import gather_matmul_te
-    from dsv2_mlc.passes.quantize_int4 import dequantize_expr
+    from dsv2_mlc.quant.modules import dequantize_expr
 
     k = _kernels()
     out = {"dense": k["dequantize_matmul"], "gate": k["gate_logits"]}
@@ -226,7 +226,7 @@ def test_fast_dequant_rewrites_the_nibble_conversion_exactly():
 def _swiglu_kernels() -> dict[str, tirx.PrimFunc]:
     """The SwiGLU-prologue kernels (dense and routed down), which keep the scalar path."""
     from dsv2_mlc.model.moe import gather_matmul_te
-    from dsv2_mlc.passes.quantize_int4 import dequantize_expr
+    from dsv2_mlc.quant.modules import dequantize_expr
 
     x = te.placeholder((N, *_i64(512)), "float16", name="x")
     qw = te.placeholder(_i64(96, 32), "uint32", name="qw")

@@ -15,8 +15,8 @@ import tvm
 from tvm import te, tirx
 
 from dsv2_mlc.model.config import DeepseekV2Config
-from dsv2_mlc.passes.quantize_int4 import dequantize_expr
-from dsv2_mlc.quantization import get_quantization, quantize_int4
+from dsv2_mlc.quant import get_quantization, quantize_int4
+from dsv2_mlc.quant.modules import dequantize_expr
 from dsv2_mlc.schedules import moe_grouped_cuda as grouped
 from dsv2_mlc.schedules.moe_mma_cuda import grouped_mma_kernel
 from dsv2_mlc.schedules.tiles import GroupedMmaTiles

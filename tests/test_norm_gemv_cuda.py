@@ -61,7 +61,7 @@ def test_kernels_compile_for_sm90():
     assert "1e-05f" in src and "1e-06f" in src
 
 
-# the model's calls of the prefetch INT4 GEMV (dsv2_mlc/model/decode_linear.py), by kernel name
+# the model's calls of the prefetch INT4 GEMV (dsv2_mlc/quant/decode_linear.py), by kernel name
 PREFETCH_GEMVS = ("qkv_a_decode", "o_proj_decode", "mlp_down_decode")
 
 

@@ -24,7 +24,7 @@ from ..fsutil import staged_dir
 from ..model.checkpoint import SafetensorsCheckpoint
 from ..model.config import DeepseekV2Config
 from ..model.weights import check_checkpoint, convert, weight_map
-from ..quantization import Quantization, get_quantization
+from ..quant import Quantization, get_quantization
 from ..runtime.layout import (
     BUILD_CONFIG,
     FORMAT_VERSION,
@@ -138,7 +138,7 @@ def compile_model(
 ) -> CompileResult:
     """Compile the HF checkpoint in ``model_dir`` for ``device`` into ``out_dir``.
 
-    ``quantization`` names a scheme of :mod:`dsv2_mlc.quantization` (default: ``q0f32``, or
+    ``quantization`` names a scheme of :mod:`dsv2_mlc.quant` (default: ``q0f32``, or
     ``q0f16`` with ``dtype="float16"``); ``dtype``, when also given, must agree with it.
 
     ``arch`` is the CUDA architecture for ``device="cuda"`` (kernels are precompiled for it with
@@ -197,7 +197,7 @@ def _build(
 ) -> BuildConfig:
     from tvm.contrib import tvmjs
 
-    from ..passes.quantize_int4 import quantize_params
+    from ..quant import quantize_params
 
     mod, named_params, plan = _export(cfg, target, quant)
     param_dtypes = {name: str(p.dtype) for name, p in named_params}
@@ -234,7 +234,7 @@ def _build(
 def _export(cfg: DeepseekV2Config, target, quant: Quantization) -> tuple:
     """The traced (and for INT4, rewritten) model: (IRModule, named params, quantization plan)."""
     from ..model.deepseek_v2 import DeepseekV2ForCausalLM
-    from ..passes.quantize_int4 import quantize_model
+    from ..quant.mutator import quantize_model
 
     model = DeepseekV2ForCausalLM(cfg, quant.dtype, target)
     plan = quantize_model(model, quant)

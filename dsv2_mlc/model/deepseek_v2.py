@@ -36,11 +36,11 @@ from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache
 from tvm.target import Target
 
 from ..passes._rewrite import ENTRY_KIND_ATTR
+from ..quant.decode_linear import int4_decode_gemv, int4_group
 from ..schedules.argmax import greedy_argmax
 from ..schedules.norm_gemv_cuda import add_norm_gemv_q4, add_norm_router, add_norm_unsupported
 from ..schedules.rms_norm_cuda import RMS_NORM_ATTR  # the RMSNorm kernels' tag (epsilon)
 from .config import DeepseekV2Config
-from .decode_linear import int4_decode_gemv, int4_group
 from .kv_cache import MLAPagedKVCache
 from .mla_ops import (
     absorb_query,

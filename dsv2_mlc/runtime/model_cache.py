@@ -32,8 +32,8 @@ BUILDS_DIR = "builds"
 DEFAULT_MODEL = "default_model"
 CHECKPOINT_PATTERNS = ("config.json", "*.safetensors", "*.safetensors.index.json")
 EXTRA_TOKENIZER_FILES = ("special_tokens_map.json", "chat_template.jinja")
-COMPILER_PACKAGES = ("compiler", "model", "passes", "schedules")
-COMPILER_MODULES = ("quantization.py", "runtime/layout.py", "runtime/cublas_gemm.cc")
+COMPILER_PACKAGES = ("compiler", "model", "passes", "quant", "schedules")
+COMPILER_MODULES = ("runtime/layout.py", "runtime/cublas_gemm.cc")
 _HASH_MEMO = "file-hashes.json"
 
 

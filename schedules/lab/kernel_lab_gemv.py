@@ -98,7 +98,7 @@ def build_kernel(name: str):  # -> tvm.tirx.PrimFunc
 
     from dsv2_mlc.model.moe import gate_logits_te, gather_matmul_te
     from dsv2_mlc.passes.fuse_dequantize_matmul import dequantize_matmul_te
-    from dsv2_mlc.passes.quantize_int4 import dequantize_expr
+    from dsv2_mlc.quant.modules import dequantize_expr
 
     kind, n_out, k = KERNELS[name]
     b = tirx.Var("n", "int64")

@@ -74,7 +74,7 @@ def _kernels(group: int, tilings: tuple[str, ...] = DEFAULT_TILINGS) -> dict:
 
     from dsv2_mlc.model.moe import gather_matmul_te
     from dsv2_mlc.passes.fuse_gate_up_silu_mul import silu_mul_te
-    from dsv2_mlc.passes.quantize_int4 import dequantize_expr
+    from dsv2_mlc.quant.modules import dequantize_expr
     from dsv2_mlc.schedules import moe_grouped_cuda as grouped
     from dsv2_mlc.schedules.moe_mma_cuda import grouped_mma_kernel
     from dsv2_mlc.schedules.tiles import GroupedMmaTiles
