@@ -26,7 +26,6 @@ def _compile(args: argparse.Namespace) -> int:
         quantize_lm_head=args.quantize_lm_head,
         dump_ir=args.dump_ir,
         pdl=args.pdl,
-        pdl_launch_dependents=args.pdl_launch_dependents,
         gemm=args.gemm,
     )
     if args.random_weights:
@@ -288,12 +287,6 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="Programmatic Dependent Launch: kernels wait with griddepcontrol.wait and decode "
         "graphs link them with programmatic edges (default: on for CUDA sm_90+)",
-    )
-    p.add_argument(
-        "--pdl-launch-dependents",
-        action="store_true",
-        help="with --pdl: TVM's kernels also release the next one's launch after their wait "
-        "(the hand kernels always do)",
     )
     p.add_argument(
         "--gemm",

@@ -28,7 +28,7 @@ import numpy as np
 
 from .model.config import DeepseekV2Config
 from .model.weights import weight_map
-from .quantization import get_quantization
+from .quant import get_quantization
 
 if TYPE_CHECKING:
     from .runtime.engine import Engine
@@ -116,7 +116,7 @@ class _Ops:
     def dequantize(self, packed: Any, scale: Any) -> Any:
         """float32 weights ``[..., K]`` from uint32 words ``[..., K/8]`` and scales."""
         if not self.torch:
-            from .quantization import dequantize_int4
+            from .quant import dequantize_int4
 
             return dequantize_int4(packed, scale, self.group)
         import torch

@@ -53,9 +53,9 @@ class BuildConfig:
     tvm_ffi_version: str = ""
     # Programmatic Dependent Launch (CUDA, sm_90+): every kernel starts with griddepcontrol.wait,
     # so decode graphs may use programmatic kernel->kernel edges (runtime/pdl.py); the hand
-    # kernels signal griddepcontrol.launch_dependents after their wait, and with
-    # pdl_launch_dependents TVM's kernels do too.
+    # kernels signal griddepcontrol.launch_dependents after their wait, TVM's kernels at exit.
     pdl: bool = False
+    # kept so that build configs which record it still read; dsv2-mlc writes False
     pdl_launch_dependents: bool = False
     # who runs the prefill / extend GEMMs: "tir" (kernels in the library) or "cublas" (the library
     # carries runtime/cublas_gemm.cc; runtime/cublas.py finds libcublas when it is loaded)

@@ -62,7 +62,7 @@ DEFAULT_MODEL = "default_model"
 CHECKPOINT_PATTERNS = ("config.json", "*.safetensors", "*.safetensors.index.json")
 EXTRA_TOKENIZER_FILES = ("special_tokens_map.json", "chat_template.jinja")
 COMPILER_PACKAGES = ("compiler", "model", "passes", "quant", "schedules")
-COMPILER_MODULES = ("layout.py", "quantization.py", "rope.py", "runtime/cublas_gemm.cc")
+COMPILER_MODULES = ("layout.py", "rope.py", "runtime/cublas_gemm.cc")
 _HASH_MEMO = "file-hashes.json"
 
 

@@ -19,9 +19,10 @@ import tvm
 from tvm import relax, te
 from tvm.ir import IRModule
 
+from ..quant.modules import dequantize_expr
 from ..schedules.decode_gemv_cuda import DECODE_GEMV
+from ..schedules.dequantize_cuda import DEQUANTIZE_ATTR
 from ._rewrite import bound_call, entry_kind, primfunc_attr, rewrite_relax_functions
-from .quantize_int4 import DEQUANTIZE_ATTR, dequantize_expr
 
 # Larger float copies of a weight are never materialised per call (GPU prefill), see above.
 MAX_MATERIALISED_BYTES = 256 << 20

@@ -9,12 +9,7 @@ import tvm
 from tvm import tirx
 from tvm.backend.cuda.op import cuda_func_call
 
-from ..schedules.cuda_call import (
-    GRID_WAIT,
-    LAUNCH_DEPENDENTS,
-    grid_wait_source,
-    launch_dependents_source,
-)
+from ..schedules.cuda_call import GRID_WAIT, grid_wait_source
 
 WAIT = GRID_WAIT
 _KERNEL_LAUNCH = 2  # CallingConv::kDeviceKernelLaunch: a __global__ function after SplitHostDevice
@@ -39,7 +34,7 @@ def is_cuda_kernel(func: tirx.PrimFunc) -> bool:
     return int(attrs["calling_conv"]) == _KERNEL_LAUNCH and attrs["target"].kind.name == "cuda"
 
 
-def InsertGridDependencyControl(launch_dependents: bool = False) -> tvm.transform.Pass:
+def InsertGridDependencyControl() -> tvm.transform.Pass:
     """Prepend ``griddepcontrol.wait`` (sm_90+) to every CUDA kernel of a device module that
     does not call it itself (:func:`waits_itself`: a hand kernel that loads its weights first).
 
@@ -48,14 +43,11 @@ def InsertGridDependencyControl(launch_dependents: bool = False) -> tvm.transfor
     one programmatically depends on have completed and their writes are visible; without such a
     dependency (a plain launch or graph edge) it returns at once. Being first in the kernel, it
     precedes every read of a predecessor's output, so a programmatic graph edge into the kernel
-    is safe whatever the kernel does. ``launch_dependents`` adds ``griddepcontrol
-    .launch_dependents`` right after the wait it inserts: the next kernel may then be launched
-    once all of this kernel's blocks have started (its blocks sit on SM slots in their own wait
-    until this kernel completes), instead of once they have all exited. Hand kernels that wait
-    themselves release their dependents themselves, after their wait
-    (:data:`~dsv2_mlc.schedules.cuda_call.WAIT_THEN_RELEASE`, in every build), so this option
-    only adds the release to TVM's kernels (on the H200 that made a decode graph's replay
-    1.0 % slower than the hand kernels' releases alone: docs/benchmarks.md)."""
+    is safe whatever the kernel does. TVM's kernels release their dependents at their exit; the
+    hand kernels that wait themselves release them right after their wait
+    (:data:`~dsv2_mlc.schedules.cuda_call.WAIT_THEN_RELEASE`). Releasing TVM's kernels' dependents
+    after the inserted wait too made a decode graph's replay no faster on the H200
+    (schedules/results/decode_kernels.md)."""
 
     @tirx.transform.prim_func_pass(opt_level=0, name="InsertGridDependencyControl")
     def insert(func: tirx.PrimFunc, _mod: tvm.IRModule, _ctx) -> tirx.PrimFunc:  # noqa: ANN001
@@ -63,10 +55,7 @@ def InsertGridDependencyControl(launch_dependents: bool = False) -> tvm.transfor
             return func
         if waits_itself(func):
             return func
-        prologue = [_call(WAIT, grid_wait_source())]
-        if launch_dependents:
-            prologue.append(_call(LAUNCH_DEPENDENTS, launch_dependents_source()))
-        return func.with_body(tirx.SeqStmt([*prologue, func.body]))
+        return func.with_body(tirx.SeqStmt([_call(WAIT, grid_wait_source()), func.body]))
 
     return insert
 

@@ -140,30 +140,26 @@ def _dump_pass(path: Path) -> tvm.transform.Pass:
     return dump
 
 
-def tir_pipeline(pdl: bool = False, launch_dependents: bool = False) -> str:
+def tir_pipeline(pdl: bool = False) -> str:
     """The name of the TIR pipeline to pass to ``tvm.compile(..., tir_pipeline=...)``.
 
     ``"default"`` unless ``pdl``; with ``pdl``, TVM's default pipeline with
-    ``InsertGridDependencyControl(launch_dependents)`` after its device finalisation passes
+    ``InsertGridDependencyControl`` after its device finalisation passes
     (registered with TVM under a dsv2-mlc name on first use: ``tvm.compile`` takes TIR
     pipelines by name only)."""
-    if launch_dependents and not pdl:
-        raise ValueError("launch_dependents needs pdl")
     if not pdl:
         return "default"
     from tvm.tirx import compilation_pipeline
 
     from .grid_dependency_control import InsertGridDependencyControl
 
-    name = "dsv2_mlc_pdl_launch" if launch_dependents else "dsv2_mlc_pdl"
+    name = "dsv2_mlc_pdl"
 
     def make() -> tuple:
         lower, finalize_host, finalize_device = compilation_pipeline.get_tir_pipeline("default")
 
         def finalize_device_pdl() -> tvm.transform.Pass:
-            return tvm.transform.Sequential(
-                [finalize_device(), InsertGridDependencyControl(launch_dependents)]
-            )
+            return tvm.transform.Sequential([finalize_device(), InsertGridDependencyControl()])
 
         return lower, finalize_host, finalize_device_pdl
 

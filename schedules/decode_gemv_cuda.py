@@ -11,8 +11,10 @@ the lanes' partial sums are combined by a shuffle reduction (``rfactor`` + cross
 Epilogue blocks (casts, the expert-weight multiply, a residual add) are inlined or computed per
 output under its lanes. A K that no ``(TX, VEC)`` divides is left to dlight.
 
-The schedule is parameterised by a :class:`GemvConfig` (``DEFAULT`` is the schedule above; the
-kernel lab ``schedules/lab/kernel_lab_gemv.py`` builds and times the ``VARIANTS``):
+The schedule is parameterised by a :class:`~dsv2_mlc.schedules.tiles.GemvConfig` (the
+``"decode_gemv"`` entries of ``schedules/tiles.py``: one per class of shape, :func:`config_for`;
+the ``ANY`` one is the schedule above; the kernel lab ``schedules/lab/kernel_lab_gemv.py`` builds
+and times other configurations through :func:`schedule_decode_gemv`'s ``config``):
 
 * ``rows``: outputs per group of lanes (R). Each lane issues R independent 16-byte weight loads
   per K step; its activation values are staged once per step and reused for the R rows.
@@ -40,7 +42,7 @@ kernel lab ``schedules/lab/kernel_lab_gemv.py`` builds and times the ``VARIANTS`
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import tvm
 import tvm.sym
@@ -48,10 +50,11 @@ from tvm import s_tir, tirx
 from tvm.ir.expr import TensorLoad
 from tvm.tirx.analysis import undefined_vars
 
+from .tiles import GemvConfig, tuned
+
 # Block annotation (key, value) the kernel builders set on the reduction block of a decode GEMV.
 DECODE_GEMV = ("dsv2_mlc.decode_schedule", "gemv")
 
-TY = 4  # output elements per thread block (one per group of TX lanes)
 # (lanes reducing over K, consecutive K elements per lane and step), the first that divides K:
 # 32 INT4 values = one 16-byte load of packed weights per lane and step.
 SPLITS = ((32, 32), (32, 16), (32, 8), (16, 8))
@@ -114,56 +117,6 @@ def _vector_loads(sch: s_tir.Schedule, rf_name: str) -> s_tir.Schedule:
         sch = trial
     return sch
 
-
-@dataclass(frozen=True)
-class GemvConfig:
-    """Parameters of the decode GEMV schedule (see the module docstring)."""
-
-    rows: int = 1  # outputs per group of lanes (R)
-    groups: int = TY  # lane groups per thread block (TY)
-    lanes: int | None = None  # lanes per output (TX); None: the legacy SPLITS rule
-    vec: int = 32  # K elements per lane and step (with ``lanes``)
-    unroll: int = 64  # pragma_auto_unroll_max_step of the K-step loop (0: none)
-    unroll_k: bool = False  # unroll the K-step loop fully instead
-    fast_dequant: bool = False  # INT4 -> float32 by the 2^23 bit trick instead of I2F
-    hfma2: int = 0  # products per fp16 partial per half lane (4, 8, 16); 0: scalar fp32 path
-
-    @property
-    def name(self) -> str:
-        """A short tag, e.g. ``r4_g4_l32_v32_u64_fast``."""
-        lanes = "legacy" if self.lanes is None else f"l{self.lanes}_v{self.vec}"
-        fast = "_fast" if self.fast_dequant else ""
-        unroll = "uk" if self.unroll_k else f"u{self.unroll}"
-        h2 = f"_h{self.hfma2}" if self.hfma2 else ""
-        return f"r{self.rows}_g{self.groups}_{lanes}_{unroll}{fast}{h2}"
-
-
-DEFAULT = GemvConfig()
-# What the kernel lab builds and times (the lead picks the winner for DEFAULT from its numbers).
-VARIANTS: tuple[GemvConfig, ...] = (
-    DEFAULT,
-    GemvConfig(fast_dequant=True),
-    GemvConfig(rows=1, groups=4, lanes=32, unroll_k=True, fast_dequant=True),
-    GemvConfig(rows=2, groups=4, lanes=32, unroll_k=True, fast_dequant=True),
-    GemvConfig(rows=4, groups=4, lanes=32, unroll_k=True, fast_dequant=True),
-    GemvConfig(rows=4, groups=4, lanes=32, fast_dequant=True),
-    GemvConfig(rows=4, groups=4, lanes=32, unroll_k=True),
-    GemvConfig(rows=4, groups=2, lanes=32, unroll_k=True, fast_dequant=True),
-    # (rows=8 does not build: TVM's CUDA codegen fails on a vector store, PrintVecElemStore)
-    GemvConfig(rows=2, groups=4, lanes=16, unroll_k=True, fast_dequant=True),
-    GemvConfig(rows=4, groups=8, lanes=8, unroll_k=True, fast_dequant=True),
-    GemvConfig(rows=1, groups=2, lanes=64, unroll_k=True, fast_dequant=True),
-    GemvConfig(rows=2, groups=1, lanes=128, unroll_k=True, fast_dequant=True),
-    # the hand half2 dot product (``hfma2``) on the shapes of the per-kernel winners below
-    GemvConfig(rows=2, groups=4, lanes=16, unroll_k=True, fast_dequant=True, hfma2=16),
-    GemvConfig(rows=2, groups=4, lanes=16, unroll_k=True, fast_dequant=True, hfma2=4),
-    GemvConfig(rows=4, groups=4, lanes=16, unroll_k=True, fast_dequant=True, hfma2=16),
-    GemvConfig(rows=1, groups=2, lanes=64, unroll_k=True, fast_dequant=True, hfma2=16),
-    GemvConfig(rows=1, groups=4, lanes=32, unroll_k=True, fast_dequant=True, hfma2=16),
-    GemvConfig(rows=2, groups=4, lanes=32, unroll_k=True, fast_dequant=True, hfma2=16),
-    GemvConfig(rows=2, groups=4, lanes=32, unroll_k=True, fast_dequant=True, hfma2=8),
-    GemvConfig(rows=4, groups=4, lanes=32, unroll_k=True, fast_dequant=True, hfma2=16),
-)
 
 _MAGIC = 0x4B000000  # float32 2^23: bits_as_float(_MAGIC | q) == 2^23 + q for q < 2^23
 
@@ -433,42 +386,32 @@ def _subst(e: tirx.Expr, vmap: dict) -> tirx.Expr:
     raise ValueError(f"hfma2: unexpected {type(e).__name__} in the update")
 
 
-# The configuration per kernel shape, from the kernel lab on the H200 (CUPTI kernel times, V2-Lite
-# shapes, schedules/results/decode_kernels.md): (rule, config, what the lab measured).
-ROUTED = GemvConfig(rows=2, groups=4, lanes=16, unroll_k=True, fast_dequant=True, hfma2=16)
-VOCAB = GemvConfig(rows=4, groups=4, lanes=16, unroll_k=True, fast_dequant=True, hfma2=16)
-SKINNY = GemvConfig(rows=1, groups=2, lanes=64, unroll_k=True, fast_dequant=True)
-LONG_K = GemvConfig(rows=2, groups=4, lanes=32, unroll_k=True, fast_dequant=True, hfma2=8)
-WIDE = GemvConfig(rows=2, groups=4, lanes=32, unroll_k=True, fast_dequant=True, hfma2=16)
+# The classes of shape config_for tells apart (outputs per row, K).
 SKINNY_N, VOCAB_N, LONG_K_MIN = 1024, 32768, 2816
 
 
-def config_for(n_out: int, k_dim: int, routed: bool) -> GemvConfig:
-    """The lab's winner for a GEMV with ``n_out`` outputs per row over ``k_dim`` (H200, CUPTI
-    kernel times, V2-Lite shapes; the ``hfma2`` dot product vs the best scalar fp32 config; rel
-    L2 vs a float32 reference 4.7e-4 to 6.8e-4 with ``hfma2``, 2.1e-4 without):
-
-    * routed experts (gathered by id; 6 x 2816 x 2048 and 6 x 2048 x 1408): ``ROUTED``,
-      10.16 / 6.06 us vs 11.84 / 7.62 us (r2_g4_l16 fast; 14.0 / 10.7 us for ``DEFAULT``);
-    * ``n_out >= VOCAB_N`` (lm_head 102400 x 2048): ``VOCAB``, 30.0 vs 53.1 us (3.6 TB/s);
-    * ``n_out <= SKINNY_N`` (kv_a 576, router 64): 64 lanes per output, 2.20 / 2.26 us (hfma2
-      2.22 on kv_a: no gain, the fp32 router never takes it);
-    * ``k_dim >= LONG_K_MIN`` (shared-expert down, K = 2816): ``LONG_K``, 3.66 vs 4.17 us;
-    * the rest (q_proj, o_proj, shared gate_up): two outputs per warp, 3.36 / 3.13 / 4.11 vs
-      3.45 / 2.98 / 5.35 us.
-
-    ``hfma2`` configs fall back to their scalar path (``fast_dequant``) where the kernel is not a
-    plain INT4 dot product (a SwiGLU prologue, fp32 weights).
-    """
+def shape_class(n_out: int, k_dim: int, routed: bool) -> str:
+    """The class of a GEMV with ``n_out`` outputs per row over ``k_dim``, the key of its
+    configuration in ``schedules/tiles.py``: ``"routed"`` (the routed experts, gathered by id),
+    ``"vocab"`` (``n_out >= VOCAB_N``: lm_head), ``"skinny"`` (``n_out <= SKINNY_N``: kv_a, the
+    router), ``"long_k"`` (``k_dim >= LONG_K_MIN``: the shared experts' down), else ``"wide"``."""
     if routed:
-        return ROUTED
+        return "routed"
     if n_out >= VOCAB_N:
-        return VOCAB
+        return "vocab"
     if n_out <= SKINNY_N:
-        return SKINNY
+        return "skinny"
     if k_dim >= LONG_K_MIN:
-        return LONG_K
-    return WIDE
+        return "long_k"
+    return "wide"
+
+
+def config_for(n_out: int, k_dim: int, routed: bool) -> GemvConfig:
+    """The configuration of ``schedules/tiles.py`` for the :func:`shape_class` of a GEMV (the
+    measurements behind each: schedules/results/decode_kernels.md). ``hfma2`` configs fall back
+    to their scalar path (``fast_dequant``) where the kernel is not a plain INT4 dot product (a
+    SwiGLU prologue, fp32 weights)."""
+    return tuned("decode_gemv", shape=shape_class(n_out, k_dim, routed))
 
 
 def _has_prologue(block: tirx.SBlock, k_dim: int) -> bool:
@@ -498,7 +441,7 @@ def _shape_of(func: tirx.PrimFunc, name: str) -> tuple[int, int, bool] | None:
     """(outputs per row, K, routed) of the tagged block, if static and without an input
     prologue: the lab measured plain GEMVs only, and the configurations made a SwiGLU-prologue
     kernel (silu(g) * u read from a [.., 2K] input) 40x slower on the H200; those keep
-    ``DEFAULT``."""
+    the ``ANY`` configuration of ``schedules/tiles.py``."""
     sch = s_tir.Schedule(func)
     block = sch.get(sch.get_sblock(name))
     iters = block.iter_vars
@@ -515,7 +458,7 @@ def schedule_decode_gemv(
 ) -> tirx.PrimFunc | None:
     """The schedule of the module docstring, or None if ``func`` does not have its shape.
     ``config`` None: :func:`config_for` the kernel's shape (the first that applies of it and
-    ``DEFAULT``)."""
+    the ``ANY`` entry of ``schedules/tiles.py``)."""
     names = tagged_blocks(func, DECODE_GEMV[1])
     if len(names) != 1:
         return None
@@ -529,7 +472,7 @@ def schedule_decode_gemv(
             configs = []
         if configs and configs[0].hfma2:  # (the scalar path of the same config next)
             configs.append(replace(configs[0], hfma2=0))
-        for cfg in [*configs, DEFAULT]:
+        for cfg in [*configs, tuned("decode_gemv")]:
             done = schedule_decode_gemv(func, cfg)
             if done is not None:
                 return done

@@ -2,7 +2,7 @@
 
 Prefill and extend dequantize each INT4 weight of a dense matmul to fp16 (``[rows, k]``) for the
 tensor-core matmul that follows (decode folds the dequantization into its GEMVs instead). The TE
-(``passes/quantize_int4.py``: ``(nibble - 8) * scale`` in float32, rounded to fp16 once) got
+(``dsv2_mlc/quant/modules.py``: ``(nibble - 8) * scale`` in float32, rounded to fp16 once) got
 dlight's ``Fallback``: a thread per value, each loading its packed word and scale again, 2-byte
 stores. On the H200 that took 37.8 / 25.6 / 21.5 / 14.6 us per layer for the shared experts'
 gate/up and down, ``qkv_a`` and ``o_proj`` weights (2.6 ms of a 4K prefill, paid again by every
@@ -21,7 +21,7 @@ from .cuda_call import buffer_dims, token_grid_call
 
 __all__ = ["DEQUANTIZE_ATTR", "THREADS", "dequantize_int4_kernel", "dequantize_int4_rows"]
 
-# PrimFunc attribute (value: the group size) of the dequantize TEs (passes/quantize_int4.py), by
+# PrimFunc attribute (value: the group size) of the dequantize TEs (dsv2_mlc/quant/modules.py), by
 # which FuseDequantizeMatmul recognises them and :func:`dequantize_int4_kernel` replaces them.
 DEQUANTIZE_ATTR = "dsv2_mlc.dequantize_int4_group"
 THREADS = 256

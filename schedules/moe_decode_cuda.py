@@ -10,7 +10,7 @@ Here, after the router's logits GEMV:
    SM of an H100/H200), each warp a strided share of the ``top_k * I + Is`` outputs
    ``h[o] = silu(gate_o . x) * (up_o . x)``, one output per warp step with the next step's
    weight loads issued before this step's dot products (two in flight per lane; deeper register
-   rings measured slower: schedules/results/moe_decode.md, round 4). The shared experts' rows
+   rings measured slower: schedules/results/moe_decode.md). The shared experts' rows
    (``Is = n_shared * I``, the fused ``gate_up_proj`` of the shared MLP) come first: they need
    no routing, so they load (before the PDL wait: overlapping the previous kernel in a ``--pdl``
    build) while warp 0 of each block routes the token (the
@@ -25,41 +25,22 @@ Here, after the router's logits GEMV:
    ``out[o] = sum_j w_j * (down_{ids[j]}[o] . h_j) + shared_down[o] . h_s`` over one flattened
    range of 32-element chunks (``top_k * I / 32`` routed, then ``Is / 32`` shared).
 
-**Routed elsewhere, lab variant** (``moe_gate_up_decode(..., routed=True)``, off): kernel 1
-takes the expert ids ``[n, top_k]`` of :mod:`dsv2_mlc.schedules.oproj_router_cuda` (``o_proj``
-with the router folded in) instead of the logits, no block routes, and warp 0 too loads its
-first shared row before the wait; it writes ``h`` alone. On the H200 it took 9.1 us of a
-replayed step against 10.8, but the kernel that routes for it cost more than that
-(schedules/results/moe_decode.md, round 8).
+**L2 prefetches of a warp's later rows** (``GateUpTiles.l2_rows``, off in the shipped tiles):
+each gate/up warp asks L2 (``cp.async.bulk.prefetch`` through
+:func:`~dsv2_mlc.schedules.cuda_call.l2_prefetch_source`) for its later shared-expert rows
+before its PDL wait and, once routed, for all its routed rows (lane ``m`` the ``m``-th). Slower
+in the model (schedules/results/moe_decode.md); the off path still emits the (uncalled) prefetch
+helper.
 
-**Routing again in the down kernel, lab variant** (``DecodeTiles.early_route``, off by default):
-the down kernel takes the router's logits instead of kernel 1's ids and weights, routes them
-itself (the same warp router, so the same experts) and issues *every* weight load before its PDL
-wait, not only the shared experts'. The logits are two kernels back, complete before the kernel
-starts (kernel 1 releases its dependents only after its own wait:
-:func:`~dsv2_mlc.schedules.cuda_call.grid_wait_source`), so this is safe; whether it pays depends
-on how early the down blocks start while kernel 1 runs (one fits next to one gate/up block on an
-SM at 157 registers, the default kernel's; this variant takes 164 with the loads live across
-the staging of ``h``, 159 with that loop not unrolled). Unmeasured on the GPU yet.
-
-**L2 prefetches, lab variants** (``GateUpTiles.l2_rows`` / ``l2_down``, off by default;
-``cp.async.bulk.prefetch`` through :func:`~dsv2_mlc.schedules.cuda_call.l2_prefetch_source`):
-``l2_rows`` has each gate/up warp ask L2 for its later shared-expert rows before its PDL wait and,
-once routed, for all its routed rows (lane ``m`` the ``m``-th); ``l2_down`` has each warp, after
-its last row, ask L2 for its ``1 / (blocks * warps)`` piece of each selected expert's down rows,
-on behalf of the down kernel (which cannot load them before its wait: the ids come from this
-kernel). On the H200 in the model the first made gate/up 1.9 us slower; the second moved ~1.4 us
-from the down kernel into gate/up, whose blocks then end later (schedules/results/moe_decode.md,
-round 6).
-
-INT4 group weights as :mod:`dsv2_mlc.passes.quantize_int4` stores them (``[rows, K / 8]`` uint32,
+INT4 group weights as :mod:`dsv2_mlc.quant.packing` stores them (``[rows, K / 8]`` uint32,
 nibble ``i`` of word ``j`` is element ``8 j + i``, value ``(q - 8) * scale[k // group]``). Each
 32-element chunk (one 16-byte load, one scale) is one call of the half2 dot product of
 :func:`dsv2_mlc.schedules.decode_gemv_cuda.dot32_source` (fp16 partial sums of ``run``
 products, float32 across chunks). SiLU and the products are float32; ``h`` is rounded to fp16
 once (the Relax composition rounds gate and up first). The reference is that composition
-(``DeepseekV2MoE`` on the CPU, checked against Hugging Face in CI); ``scripts/
-kernel_lab_moe_decode.py`` checks these kernels against a torch float32 reference on the GPU.
+(``DeepseekV2MoE`` on the CPU, checked against Hugging Face in CI);
+``schedules/lab/kernel_lab_moe_decode.py`` checks these kernels against a torch float32
+reference on the GPU.
 """
 
 from __future__ import annotations
@@ -78,13 +59,12 @@ from .cuda_call import (
 )
 from .decode_gemv_cuda import dot32_source
 from .moe_routing import RouterShape
+from .tiles import DecodeTiles, GateUpTiles, tuned
 
 __all__ = [
-    "DOWN_TILES",
-    "GATE_UP_TILES",
-    "DecodeTiles",
-    "GateUpTiles",
     "MoeDecodeShape",
+    "down_decode_kernel",
+    "gate_up_decode_kernel",
     "moe_down_decode",
     "moe_gate_up_decode",
 ]
@@ -142,56 +122,6 @@ class MoeDecodeShape:
         return None
 
 
-@dataclass(frozen=True)
-class DecodeTiles:
-    """Work split of one kernel: ``warps`` per block, ``lanes`` per output (a power of two
-    <= 32), ``rows`` outputs per group of lanes, ``run`` products per fp16 partial sum."""
-
-    warps: int
-    lanes: int
-    rows: int
-    run: int = 16
-    min_blocks: int = 0  # __launch_bounds__ blocks an SM (caps the registers), 0: none
-    early_route: bool = False  # down: route from the logits and load every row before the wait
-
-    @property
-    def outputs_per_block(self) -> int:
-        return self.warps * (32 // self.lanes) * self.rows
-
-    @property
-    def name(self) -> str:
-        bound = f"_m{self.min_blocks}" if self.min_blocks else ""
-        early = "_er" if self.early_route else ""
-        return f"w{self.warps}_l{self.lanes}_r{self.rows}_h{self.run}{bound}{early}"
-
-
-@dataclass(frozen=True)
-class GateUpTiles:
-    """Work split of the gate/up kernel: ``blocks`` per token of ``warps`` warps; each warp
-    takes every ``blocks * warps``-th output (a warp per output, two in flight); ``run``
-    products per fp16 partial sum."""
-
-    warps: int
-    blocks: int
-    run: int = 16
-    min_blocks: int = 0  # __launch_bounds__ blocks an SM (caps the registers), 0: none
-    l2_rows: bool = False  # L2-prefetch a warp's later rows (module docstring; slower)
-    l2_down: bool = False  # L2-prefetch the routed down rows for the next kernel (no net gain)
-    x_shared: bool = False  # each warp's copy of x in shared memory instead of its registers
-
-    @property
-    def name(self) -> str:
-        bound = f"_m{self.min_blocks}" if self.min_blocks else ""
-        pf = ("_pr" if self.l2_rows else "") + ("_pd" if self.l2_down else "")
-        pf += "_xs" if self.x_shared else ""
-        return f"w{self.warps}_b{self.blocks}_h{self.run}{bound}{pf}"
-
-
-# Defaults (the kernel lab's candidates: schedules/lab/kernel_lab_moe_decode.py).
-GATE_UP_TILES = GateUpTiles(warps=8, blocks=264, run=16)
-DOWN_TILES = DecodeTiles(warps=8, lanes=32, rows=2, run=8)
-
-
 def _check_tiles(tiles: DecodeTiles) -> None:
     if tiles.lanes not in (1, 2, 4, 8, 16, 32) or tiles.warps < 1 or tiles.rows < 1:
         raise ValueError(f"bad tiles {tiles}")
@@ -223,28 +153,20 @@ def x_lanes_source(hidden: int) -> str:
   }}"""
 
 
-def swiglu_dots_source(hidden: int, run: int, x_shared: bool) -> tuple[str, str]:
+def swiglu_dots_source(hidden: int, run: int) -> tuple[str, str]:
     """(parameter, body) of the dot products of one gate/up row in a warp. The parameter is
     ``x``, named ``xv``: each lane's chunks ``lane + 32 j`` in its registers (``uint4
-    xv[cpl][4]``, :func:`x_lanes_source`) or, with ``x_shared``, a pointer to the whole row in
-    shared memory (pair order, piece ``p`` of chunk ``c`` at ``dsv2_swz(c, p)``). The body
-    declares ``float g, u``: the dot products of the row buffer ``b`` (``b.g[j]`` / ``b.u[j]``,
-    scales ``b.sg[j]`` / ``b.su[j]`` of the lane's chunks) with ``x``, summed over the warp."""
+    xv[cpl][4]``, :func:`x_lanes_source`). The body declares ``float g, u``: the dot products of
+    the row buffer ``b`` (``b.g[j]`` / ``b.u[j]``, scales ``b.sg[j]`` / ``b.su[j]`` of the lane's
+    chunks) with ``x``, summed over the warp."""
     nch = hidden // _CHUNK
     cpl, exact = -(-nch // 32), "true" if nch % 32 == 0 else "false"
-    if x_shared:
-        param, arg = "const uint4* __restrict__ xv", "xq"
-        chunk = """
-      uint4 xq[4];
-#pragma unroll
-      for (int p = 0; p < 4; ++p) xq[p] = xv[dsv2_swz(c, p)];"""
-    else:
-        param, arg, chunk = f"const uint4 (&xv)[{cpl}][4]", "xv[j]", ""
+    param, arg = f"const uint4 (&xv)[{cpl}][4]", "xv[j]"
     body = f"""  float g = 0.f, u = 0.f;
 #pragma unroll
   for (int j = 0; j < {cpl}; ++j) {{
     const int c = lane + 32 * j;
-    if ({exact} || c < {nch}) {{{chunk}
+    if ({exact} || c < {nch}) {{
       g += dsv2_dot32p_int4_h{run}(reinterpret_cast<const unsigned*>(&b.g[j]), {arg},
                                          b.sg[j]);
       u += dsv2_dot32p_int4_h{run}(reinterpret_cast<const unsigned*>(&b.u[j]), {arg},
@@ -256,9 +178,8 @@ def swiglu_dots_source(hidden: int, run: int, x_shared: bool) -> tuple[str, str]
     return param, body
 
 
-def gate_up_source(s: MoeDecodeShape, tiles: GateUpTiles, routed: bool = False) -> tuple[str, str]:
-    """(device function name, CUDA source) of kernel 1 (module docstring); ``routed``: it reads
-    the expert ids instead of routing the logits (:func:`moe_gate_up_decode`)."""
+def gate_up_source(s: MoeDecodeShape, tiles: GateUpTiles) -> tuple[str, str]:
+    """(device function name, CUDA source) of kernel 1 (module docstring)."""
     route_name, route_src = s.router.warp_source()
     H, NI, IS, K, G, E = s.hidden, s.inter, s.shared_inter, s.top_k, s.group, s.experts
     W, NB = tiles.warps, tiles.blocks
@@ -267,71 +188,20 @@ def gate_up_source(s: MoeDecodeShape, tiles: GateUpTiles, routed: bool = False) 
     exact = "true" if nch % 32 == 0 else "false"
     items = s.total  # outputs: the shared experts' first, then the routed slots'
     stride = NB * W
-    tag = f"h{H}_i{NI}_s{IS}_k{K}_g{G}_{'ri' if routed else route_name}_{tiles.name}"
+    tag = f"h{H}_i{NI}_s{IS}_k{K}_g{G}_{route_name}_{tiles.name}"
     name = f"dsv2_moe_gu_{tag}"
     L2R = "true" if tiles.l2_rows else "false"
     srow_ok = "true" if (H // G * 2) % 16 == 0 else "false"
-    # l2_down: after its last row, each warp asks L2 for its 16-byte-aligned piece of each
-    # selected expert's down rows (bytes of one expert's weights / scales, of a warp's piece)
-    down_w, down_s = H * NI // 2, H * (NI // G) * 2
-    piece_w, piece_s = (-(-b // (NB * W * 16)) * 16 for b in (down_w, down_s))
-    down_tail = (
-        f"""
-  // after its last row, the next kernel's routed down rows: warp w takes part w of this
-  // block's slice of each selected expert's weights (q < K) and scales (q >= K), lane q
-  dsv2_gu_routed_{tag}(ready);
-  for (int q = lane; q < {2 * K}; q += 32) {{
-    const bool sc = q >= {K};
-    const long long e = s_ids[sc ? q - {K} : q];
-    const long long total = sc ? {down_s} : {down_w}, piece = sc ? {piece_s} : {piece_w};
-    const long long off = (long long)(blk * {W} + warp) * piece;
-    const char* base = sc ? reinterpret_cast<const char*>(ds + e * {H * (NI // G)})
-                          : reinterpret_cast<const char*>(dw + e * {H * NI // 8});
-    if (off < total) {L2_PREFETCH}(base + off, (unsigned)min(piece, total - off));
-  }}
-"""
-        if tiles.l2_down
-        else ""
-    )
-    # the down rows' buffers: parameters only of the l2_down variant
-    down_params = (
-        "const unsigned* __restrict__ dw, const half* __restrict__ ds,\n    "
-        if tiles.l2_down
-        else ""
-    )
-    # routed: the ids come from the kernel before (oproj_router_cuda), which also writes the
-    # weights the down kernel reads; else warp 0 of every block routes the logits
-    routing_in = "const int* __restrict__ rids" if routed else "const float* __restrict__ logits"
-    routing_out = "" if routed else ", float* __restrict__ wout, int* __restrict__ iout"
-    shared_routing = (
-        f"__shared__ int s_ids[{K}];"
-        if routed
-        else f"__shared__ float s_w[{K}];\n  __shared__ int s_ids[{K}];\n"
-        f"  __shared__ float s_p[{E}];"
-    )
-    # routed, warp 0 too loads its first shared row before the wait (it has no routing to do)
-    early = f"i < {IS}" if routed else f"i < {IS} && warp != 0"
-    warp0_late = "!early && " if routed else ""
-    route_body = (
-        f"""
-    if (lane < {K}) s_ids[lane] = rids[t * {K} + lane];"""
-        if routed
-        else f"""
+    # warp 0 of every block routes the logits; the others load their first (shared) row first
+    early = f"i < {IS} && warp != 0"
+    route_body = f"""
     {route_name}(logits + t * {E}, s_w, s_ids, lane, s_p);
     if (blk == 0 && lane < {K}) {{
       wout[t * {K} + lane] = s_w[lane];
       iout[t * {K} + lane] = s_ids[lane];
     }}"""
-    )
-    x_param, dots = swiglu_dots_source(H, tiles.run, tiles.x_shared)
-    if tiles.x_shared:  # the warp's own copy of x in shared memory: piece p of chunk c at swz
-        x_stage = f"""  __shared__ __align__(16) uint4 xs[{W}][{H // 8}];
-  uint4* xv = xs[warp];
-  const uint4* xrow = reinterpret_cast<const uint4*>(x + t * {H});
-  for (int v = lane; v < {H // 8}; v += 32) xv[dsv2_swz(v >> 2, v & 3)] = dsv2_pair8(xrow[v]);
-  __syncwarp();"""
-    else:
-        x_stage = x_lanes_source(H)
+    x_param, dots = swiglu_dots_source(H, tiles.run)
+    x_stage = x_lanes_source(H)
     src = f"""
 #ifndef DSV2_MOE_GU_{tag}
 #define DSV2_MOE_GU_{tag}
@@ -414,11 +284,13 @@ __device__ __forceinline__ void dsv2_gu_store_{tag}(const dsv2_gu_buf_{tag}& b, 
   if (lane == 0) hrow[dsv2_gu_out_{tag}(i)] = __float2half(g / (1.f + __expf(-g)) * u);
 }}
 __device__ __forceinline__ void {name}(const half* __restrict__ x,
-    {routing_in}, const unsigned* __restrict__ w,
+    const float* __restrict__ logits, const unsigned* __restrict__ w,
     const half* __restrict__ s, const unsigned* __restrict__ sw, const half* __restrict__ ss,
-    {down_params}half* __restrict__ hout{routing_out},
+    half* __restrict__ hout, float* __restrict__ wout, int* __restrict__ iout,
     long long t, int blk, int tid) {{
-  {shared_routing}
+  __shared__ float s_w[{K}];
+  __shared__ int s_ids[{K}];
+  __shared__ float s_p[{E}];
   __shared__ int s_ready;
   const int warp = tid >> 5, lane = tid & 31;
   if (tid == 0) s_ready = 0;
@@ -440,7 +312,7 @@ __device__ __forceinline__ void {name}(const half* __restrict__ x,
     __threadfence_block();
     __syncwarp();
     if (lane == 0) *((volatile int*)&s_ready) = 1;
-    if ({warp0_late}i < {items}) dsv2_gu_load_{tag}(a, i, lane, w, s, sw, ss, s_ids, ready);
+    if (i < {items}) dsv2_gu_load_{tag}(a, i, lane, w, s, sw, ss, s_ids, ready);
   }}
 {x_stage}
   bool routed_pf = !{L2R};  // the warp's routed rows: prefetched at its first routed load
@@ -458,20 +330,18 @@ __device__ __forceinline__ void {name}(const half* __restrict__ x,
     if (i2 < {items}) dsv2_gu_load_{tag}(a, i2, lane, w, s, sw, ss, s_ids, ready);
     dsv2_gu_store_{tag}(b, i1, lane, xv, hrow);
     i = i2;
-  }}{down_tail}
+  }}
 }}
 #endif
 """
     pre = grid_wait_source() + l2_prefetch_source() + dot32_source(tiles.run)
-    return name, pre + ("" if routed else route_src) + src
+    return name, pre + route_src + src
 
 
 def down_source(s: MoeDecodeShape, tiles: DecodeTiles) -> tuple[str, str]:
-    """(device function name, CUDA source) of kernel 2 (module docstring); with
-    ``tiles.early_route`` it takes the router's ``logits`` instead of kernel 1's routing."""
+    """(device function name, CUDA source) of kernel 2 (module docstring)."""
     _check_tiles(tiles)
     H, NI, IS, K, G, TOT = s.hidden, s.inter, s.shared_inter, s.top_k, s.group, s.total
-    E = s.experts
     L, R, W = tiles.lanes, tiles.rows, tiles.warps
     ci = NI // _CHUNK  # chunks of one routed slot
     kci = K * ci
@@ -479,14 +349,8 @@ def down_source(s: MoeDecodeShape, tiles: DecodeTiles) -> tuple[str, str]:
     cpl = -(-nc // L)
     exact = "true" if nc % L == 0 else "false"
     threads = W * 32
-    early = tiles.early_route
-    route_name, route_src = s.router.warp_source() if early else ("", "")
-    tag = f"h{H}_i{NI}_s{IS}_k{K}_g{G}_{route_name + '_' if early else ''}{tiles.name}"
+    tag = f"h{H}_i{NI}_s{IS}_k{K}_g{G}_{tiles.name}"
     name = f"dsv2_moe_dn_{tag}"
-    routing_in = (
-        "const float* __restrict__ logits," if early
-        else "const float* __restrict__ wts, const int* __restrict__ ids,"
-    )  # fmt: skip
     routed_loads = f"""
 #pragma unroll
   for (int j = 0; j < {cpl}; ++j) {{
@@ -505,43 +369,23 @@ def down_source(s: MoeDecodeShape, tiles: DecodeTiles) -> tuple[str, str]:
       }}
     }}
   }}"""
-    scratch = f"\n  __shared__ float s_p[{E}];  // the router's scratch" if early else ""
-    if early:
-        # The logits are two kernels back (router -> gate/up -> down): complete before this
-        # kernel starts, since gate/up releases its dependents only after its own wait
-        # (cuda_call.grid_wait_source). The routing is the same function on the same logits as
-        # kernel 1's, so the same experts and weights.
-        route_first = f"""
-  // routed first (no weight in flight yet: fewer registers live than around the loads)
-  if (warp == 0) {route_name}(logits + t * {E}, s_w, s_ids, lane, s_p);
-  __syncthreads();"""
-        before_wait = routed_loads
-        after_stage, after_sync = "", ""
-    else:
-        route_first, before_wait = "", ""
-        after_stage = f"""
-  if (tid < {K}) {{
-    s_w[tid] = wts[t * {K} + tid];
-    s_ids[tid] = ids[t * {K} + tid];
-  }}"""
-        after_sync = routed_loads
     src = f"""
 #ifndef DSV2_MOE_DN_{tag}
 #define DSV2_MOE_DN_{tag}
 __device__ __forceinline__ void {name}(const half* __restrict__ h,
-    {routing_in}
+    const float* __restrict__ wts, const int* __restrict__ ids,
     const unsigned* __restrict__ dw, const half* __restrict__ ds,
     const unsigned* __restrict__ sdw, const half* __restrict__ sds, half* __restrict__ out,
     long long t, int blk, int tid) {{
   // h of the token: 16-byte piece p of chunk c at dsv2_swz(c, p)
   __shared__ __align__(16) uint4 hs[{TOT // 8}];
   __shared__ float s_w[{K}];
-  __shared__ int s_ids[{K}];{scratch}
+  __shared__ int s_ids[{K}];
   const int warp = tid >> 5, lane = tid & 31;
   const int grp = lane / {L}, gl = lane % {L};
   const int o0 = ((blk * {W} + warp) * {32 // L} + grp) * {R};
   uint4 wq[{cpl}][{R}];
-  half sc[{cpl}][{R}];{route_first}
+  half sc[{cpl}][{R}];
   // the shared experts' chunks need no expert id: in flight while h is staged
 #pragma unroll
   for (int j = 0; j < {cpl}; ++j) {{
@@ -555,14 +399,18 @@ __device__ __forceinline__ void {name}(const half* __restrict__ h,
         sc[j][r] = sds[o * {IS // G} + col * {_CHUNK} / {G}];
       }}
     }}
-  }}{before_wait}
+  }}
   {WAIT_THEN_RELEASE}  // (PDL) the loads above overlap the previous kernel, which wrote h
   const uint4* hrow = reinterpret_cast<const uint4*>(h + t * {TOT});
   for (int v = tid; v < {TOT // 8}; v += {threads}) {{
     const int c = v >> 2, p = v & 3;
     hs[dsv2_swz(c, p)] = dsv2_pair8(hrow[v]);  // pair order, once
-  }}{after_stage}
-  __syncthreads();{after_sync}
+  }}
+  if (tid < {K}) {{
+    s_w[tid] = wts[t * {K} + tid];
+    s_ids[tid] = ids[t * {K} + tid];
+  }}
+  __syncthreads();{routed_loads}
   float acc[{R}];
 #pragma unroll
   for (int r = 0; r < {R}; ++r) acc[r] = 0.f;
@@ -590,96 +438,86 @@ __device__ __forceinline__ void {name}(const half* __restrict__ h,
 }}
 #endif
 """
-    return name, grid_wait_source() + dot32_source(tiles.run) + route_src + src
+    return name, grid_wait_source() + dot32_source(tiles.run) + src
 
 
 def _blocks(outputs: int, tiles: DecodeTiles) -> int:
     return -(-outputs // tiles.outputs_per_block)
 
 
-def moe_gate_up_decode(
-    s: MoeDecodeShape, tiles: GateUpTiles = GATE_UP_TILES, routed: bool = False
-) -> tirx.PrimFunc:
+def moe_gate_up_decode(s: MoeDecodeShape) -> tirx.PrimFunc:
     """``f(x [n, H] f16, logits [n, E] f32, w [E, 2I, H/8] u32, s [E, 2I, H/g] f16,
-    shared_w [2 Is, H/8] u32, shared_s [2 Is, H/g] f16[, down_w [E, H, I/8] u32, down_s [E, H,
-    I/g] f16]) -> (h [n, K I + Is] f16, weights [n, K] f32, ids [n, K] i32)`` (module docstring,
-    kernel 1; the down rows only with ``tiles.l2_down``). With ``routed`` it takes the expert
-    ids ``[n, K] i32`` of the kernel before (:mod:`~dsv2_mlc.schedules.oproj_router_cuda`)
-    instead of the logits and returns ``h`` alone: no block routes, and warp 0 too loads its
-    first shared row before the PDL wait."""
+    shared_w [2 Is, H/8] u32, shared_s [2 Is, H/g] f16) -> (h [n, K I + Is] f16,
+    weights [n, K] f32, ids [n, K] i32)`` (module docstring, kernel 1), with the tiles of
+    ``schedules/tiles.py``."""
+    return gate_up_decode_kernel(s, tuned("moe_decode_gate_up"))
+
+
+def gate_up_decode_kernel(s: MoeDecodeShape, tiles: GateUpTiles) -> tirx.PrimFunc:
+    """:func:`moe_gate_up_decode` with the given ``tiles``."""
     why = s.unsupported()
     if why:
         raise ValueError(f"moe_gate_up_decode: {why}")
     if tiles.warps < 1 or tiles.blocks < 1:
         raise ValueError(f"bad tiles {tiles}")
-    if tiles.x_shared and tiles.warps * s.hidden * 2 + 4 * s.experts + 64 > _SHARED_LIMIT:
-        raise ValueError(f"moe_gate_up_decode: {tiles.warps} copies of x do not fit in 48 KB")
-    NB, THREADS = tiles.blocks, tiles.warps * 32
-    fname, src = gate_up_source(s, tiles, routed)
-
+    fname, src = gate_up_source(s, tiles)
     return token_grid_call(
         "moe_gate_up",
         fname,
         src,
-        gate_up_params(s, tiles.l2_down, routed),
-        NB,
-        THREADS,
+        gate_up_params(s),
+        tiles.blocks,
+        tiles.warps * 32,
         min_blocks=tiles.min_blocks,
     )
 
 
-def gate_up_params(s: MoeDecodeShape, down: bool = False, routed: bool = False) -> list[tuple]:
-    """The buffers of a gate/up kernel (``token_grid_call`` parameters), see
-    :func:`moe_gate_up_decode`; ``down``: with the down rows' (``GateUpTiles.l2_down``);
-    ``routed``: the expert ids in, ``h`` alone out."""
+def gate_up_params(s: MoeDecodeShape) -> list[tuple]:
+    """The buffers of the gate/up kernel (``token_grid_call`` parameters), see
+    :func:`moe_gate_up_decode`."""
     H, NI, IS, E, K, G = s.hidden, s.inter, s.shared_inter, s.experts, s.top_k, s.group
-    routing_out = (
-        [] if routed else [("wout", (TOKENS, K), "float32"), ("iout", (TOKENS, K), "int32")]
-    )
     return [
         ("x", (TOKENS, H), "float16"),
-        ("ids", (TOKENS, K), "int32") if routed else ("logits", (TOKENS, E), "float32"),
+        ("logits", (TOKENS, E), "float32"),
         ("w", (E, 2 * NI, H // 8), "uint32"),
         ("sc", (E, 2 * NI, H // G), "float16"),
         ("sw", (2 * IS, H // 8), "uint32"),
         ("ss", (2 * IS, H // G), "float16"),
-        *([("dw", (E, H, NI // 8), "uint32"), ("ds", (E, H, NI // G), "float16")] if down else []),
         ("hout", (TOKENS, K * NI + IS), "float16"),
-        *routing_out,
+        ("wout", (TOKENS, K), "float32"),
+        ("iout", (TOKENS, K), "int32"),
     ]
 
 
-def moe_down_decode(s: MoeDecodeShape, tiles: DecodeTiles = DOWN_TILES) -> tirx.PrimFunc:
+def moe_down_decode(s: MoeDecodeShape) -> tirx.PrimFunc:
     """``f(h [n, K I + Is] f16, weights [n, K] f32, ids [n, K] i32, w [E, H, I/8] u32,
     s [E, H, I/g] f16, shared_w [H, Is/8] u32, shared_s [H, Is/g] f16) -> out [n, H] f16``
-    (module docstring, kernel 2); with ``tiles.early_route``, ``logits [n, E] f32`` (the
-    router's, as kernel 1 takes them) instead of ``weights`` and ``ids``."""
+    (module docstring, kernel 2), with the tiles of ``schedules/tiles.py``."""
+    return down_decode_kernel(s, tuned("moe_decode_down"))
+
+
+def down_decode_kernel(s: MoeDecodeShape, tiles: DecodeTiles) -> tirx.PrimFunc:
+    """:func:`moe_down_decode` with the given ``tiles``."""
     why = s.unsupported()
     if why:
         raise ValueError(f"moe_down_decode: {why}")
     H, NI, IS, E, K, G = s.hidden, s.inter, s.shared_inter, s.experts, s.top_k, s.group
-    NB, THREADS = _blocks(H, tiles), tiles.warps * 32
     fname, src = down_source(s, tiles)
-
-    routing = (
-        [("logits", (TOKENS, E), "float32")]
-        if tiles.early_route
-        else [("wts", (TOKENS, K), "float32"), ("ids", (TOKENS, K), "int32")]
-    )
     return token_grid_call(
         "moe_down",
         fname,
         src,
         [
             ("h", (TOKENS, K * NI + IS), "float16"),
-            *routing,
+            ("wts", (TOKENS, K), "float32"),
+            ("ids", (TOKENS, K), "int32"),
             ("w", (E, H, NI // 8), "uint32"),
             ("sc", (E, H, NI // G), "float16"),
             ("sw", (H, IS // 8), "uint32"),
             ("ss", (H, IS // G), "float16"),
             ("out", (TOKENS, H), "float16"),
         ],
-        NB,
-        THREADS,
+        _blocks(H, tiles),
+        tiles.warps * 32,
         min_blocks=tiles.min_blocks,
     )

@@ -1,22 +1,31 @@
 """DeepSeekMoE decode of a batch on CUDA, expert-major on tensor cores (batches of 16 and more).
 
-:mod:`.moe_expert_major_cuda` reads every expert the batch selects once, but its SIMT dot
-products run ~640 instructions a weight row (schedules/results/moe_decode.md, round 10), so it
-loses to the token-major kernels that re-read the experts. Here the same plan and items (an
-expert's (token, slot) pairs in chunks of at most :data:`MMA_TOKENS`, times blocks of ``rows``
-weight rows) go through ``mma.sync.m16n8k16`` with the weights as A (16 rows) and the chunk's
-tokens as B (N = 8): one MMA is 16 rows x 16 inputs x 8 tokens, and a weight is dequantised once
-for all the chunk's tokens.
+The fused decode kernels of :mod:`.moe_decode_cuda` are token-major: each token's blocks route it
+and read its ``top_k`` routed experts and the shared ones, so a batch of ``n`` reads ``n`` x
+(``top_k`` + shared) experts' weights a layer. The experts a batch selects overlap, and the shared
+experts are every token's: here every expert's rows are read once for all the tokens that chose
+it. Two kernels (after the router's ``moe_route``), each a fixed grid of ``blocks`` blocks of
+``warps`` warps that loops over the tokens in groups of :data:`GROUP_TOKENS`, each block first
+building the group's **plan** in shared memory: from ``ids [n, top_k]`` the (token, slot) pairs of
+every expert in (token, slot) order, the shared experts as expert ``E`` with one pair (token,
+``top_k``) per token; an expert's pairs in *chunks* of at most :data:`MMA_TOKENS`. The work items
+are (chunk, block of ``rows`` weight rows): the routed chunks' first, expert by expert, then the
+shared chunks'. Block ``b`` takes the contiguous run ``[b * items / blocks, (b + 1) * items /
+blocks)``, so consecutive items mostly share their chunk and the blocks' shares differ by one item
+at most. An item goes through ``mma.sync.m16n8k16`` with the weights as A (16 rows) and the
+chunk's tokens as B (N = 8): one MMA is 16 rows x 16 inputs x 8 tokens, and a weight is
+dequantised once for all the chunk's tokens (SIMT dot products, ~640 instructions a weight row,
+lost to the token-major kernels: schedules/results/moe_decode.md).
 
 **In the model:** ``batch_decode_expert_major`` (``GroupQuantExperts.expert_major_decode``: the
 router's ``moe_route``, these two kernels, the float32 weighted sum), which the engine runs for
 decode steps of ``EXPERT_MAJOR_FROM`` (16) sequences and more. On the H200 (V2-Lite, prompt
-1024, greedy steps on CUDA graphs; schedules/results/moe_decode.md, rounds 11-12) it decodes
+1024, greedy steps on CUDA graphs; schedules/results/moe_decode.md) it decodes
 2,218 tok/s at batch 16 against the token-major kernels' 1,763 and 3,003 against 1,854 at batch
 31; at batch 8 it is slower (1,559 against 1,636), at batch 1 much slower (451 against 863).
 
 **The fragments from the INT4 layout as it is.** The weights stay in the layout of
-:mod:`dsv2_mlc.passes.quantize_int4` (``[rows, K/8]`` words, element ``8 j + i`` in nibble ``i``
+:mod:`dsv2_mlc.quant.packing` (``[rows, K/8]`` words, element ``8 j + i`` in nibble ``i``
 of word ``j``), which the token-major kernels read too. An MMA's reduction order over its 16
 inputs does not matter as long as A and B agree, so each lane takes 32 *consecutive* inputs of its
 rows: in a run of 128 inputs, lane ``(g, t)`` (``g = lane / 4``, ``t = lane % 4``) loads the 16
@@ -30,7 +39,7 @@ pairs 2 and 3. The chunk's activations are staged in shared memory in the same p
 hit every bank pair twice (two wavefronts, the minimum for 256 bytes). With runs of 256
 (``MmaTiles.run``) a lane takes 64 consecutive inputs, two ``uint4`` a row, so a row's 4 lanes
 read one whole 128-byte line a run: on the H200 that, not the bytes in flight, is what the
-gate/up kernel wanted (schedules/results/moe_decode.md, round 12).
+gate/up kernel wanted (schedules/results/moe_decode.md).
 
 1. :func:`moe_gate_up_expert_mma`: per item, the chunk's ``x`` rows in shared memory; each warp a
    16-row tile of gate rows and the matching up rows (two MMAs per B fragment), the next run's
@@ -48,70 +57,32 @@ NumPy (``tests/test_moe_expert_mma_emulation.py``; the MMA emulated with warp sh
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from tvm import tirx
 
-from .cuda_call import WAIT_THEN_RELEASE, grid_wait_source, token_grid_call
+from .cuda_call import TOKENS, WAIT_THEN_RELEASE, grid_wait_source, token_grid_call
 from .decode_gemv_cuda import dot32_source
 from .moe_decode_cuda import MoeDecodeShape
-from .moe_expert_major_cuda import (
-    down_params,
-    gate_up_params,
-    items_head,
-    plan_bytes,
-    plan_source,
-)
+from .tiles import MmaTiles, tuned
 
 __all__ = [
-    "MMA_DOWN_TILES",
-    "MMA_GATE_UP_TILES",
+    "GROUP_TOKENS",
     "MMA_TOKENS",
-    "MmaTiles",
+    "down_expert_mma_kernel",
     "expert_mma_unsupported",
+    "gate_up_expert_mma_kernel",
     "moe_down_expert_mma",
     "moe_gate_up_expert_mma",
 ]
 
+GROUP_TOKENS = 32  # tokens planned together (a larger batch runs as several groups)
 MMA_TOKENS = 8  # pairs of a chunk: the MMA's N
 _RUN = 128  # inputs a warp's 4 lanes of a row cover per uint4 a lane (16 bytes)
 _SHARED_LIMIT = 227 * 1024  # an sm_90 block's shared memory (dynamic past 48 KB)
 
 
-@dataclass(frozen=True)
-class MmaTiles:
-    """``blocks`` of ``warps`` warps; an item is ``rows`` weight rows (a multiple of 16) of one
-    expert for a chunk of at most :data:`MMA_TOKENS` pairs. A step of a warp's K loop is a *run*
-    of ``run`` inputs (128 or 256: a lane loads ``run / 128`` consecutive uint4 of each of its
-    rows, the row's 4 lanes ``run / 2`` contiguous bytes; a width of an odd number of 128 ends
-    with a run of 128), and a warp has ``depth`` runs in flight ahead of the one it multiplies (a
-    ring of registers; depth > 1 only without a K split)."""
-
-    warps: int = 4
-    blocks: int = 264
-    rows: int = 64
-    depth: int = 1
-    run: int = _RUN
-
-    @property
-    def name(self) -> str:
-        deep = f"_d{self.depth}" if self.depth != 1 else ""
-        run = f"_k{self.run}" if self.run != _RUN else ""
-        return f"w{self.warps}_b{self.blocks}_r{self.rows}{deep}{run}"
-
-    @property
-    def words(self) -> int:
-        """uint4 a lane loads of each of its rows for a run."""
-        return self.run // _RUN
-
-
-# Items of 64 rows for gate/up, 128 for down, a 16-row tile a warp (no K split). Runs of 256
-# inputs for gate/up (a row's lanes read 128 contiguous bytes; 64 took 24 % longer on the H200)
-# and two runs in flight for down, which also wants more warps an SM (8 a block, 528 blocks): at
-# batch 16 74.9 + 65.2 us a layer against 98.4 + 109.7 (schedules/results/moe_decode.md, round
-# 12). Items of one tile split 4 ways among the warps were slower at every batch (round 11)
-MMA_GATE_UP_TILES = MmaTiles(warps=4, blocks=396, rows=64, run=256)
-MMA_DOWN_TILES = MmaTiles(warps=8, blocks=528, rows=128, depth=2)
+def plan_bytes(s: MoeDecodeShape) -> int:
+    e, k, g = s.experts, s.top_k, GROUP_TOKENS
+    return 4 * (g * k + 3 * (e + 2)) + 4 * g * (k + 1) + 16
 
 
 def _stride(width: int) -> int:
@@ -121,10 +92,10 @@ def _stride(width: int) -> int:
 
 def expert_mma_unsupported(s: MoeDecodeShape, tiles: MmaTiles | None = None) -> str | None:
     """Why these kernels cannot run shape ``s`` with ``tiles`` (None: they can; ``tiles`` None:
-    both kernels with their default tiles)."""
+    both kernels with the tiles of ``schedules/tiles.py``)."""
     if tiles is None:
-        return expert_mma_unsupported(s, MMA_GATE_UP_TILES) or expert_mma_unsupported(
-            s, MMA_DOWN_TILES
+        return expert_mma_unsupported(s, tuned("moe_expert_mma_gate_up")) or (
+            expert_mma_unsupported(s, tuned("moe_expert_mma_down"))
         )
     if tiles.warps < 1 or tiles.blocks < 1 or tiles.rows < 16 or tiles.rows % 16:
         return f"bad tiles {tiles}"
@@ -143,6 +114,95 @@ def expert_mma_unsupported(s: MoeDecodeShape, tiles: MmaTiles | None = None) -> 
     if _smem_bytes(tiles, widest, 2) + plan_bytes(s) + 256 > _SHARED_LIMIT:
         return f"{MMA_TOKENS} staged rows of {widest} fp16 values do not fit in shared memory"
     return None
+
+
+def plan_source(s: MoeDecodeShape, tag: str, threads: int) -> str:
+    """CUDA: the plan (module docstring) and the item lookup, for ``threads`` threads."""
+    E, K, GT = s.experts, s.top_k, GROUP_TOKENS
+    return f"""
+#ifndef DSV2_EM_PLAN_{tag}
+#define DSV2_EM_PLAN_{tag}
+struct dsv2_em_plan_{tag} {{
+  int ids[{GT * K}];
+  int cnt[{E + 1}];   // pairs of expert e (e = {E}: the shared experts, one a token)
+  int off[{E + 2}];   // expert e's first pair in pair[]
+  int coff[{E + 2}];  // expert e's first chunk
+  short pair[{GT * (K + 1)}];  // local token * {K + 1} + slot, expert by expert
+  short expert[{GT * (K + 1)}];  // chunk -> its expert
+}};
+// the plan of tokens [t0, t0 + nt) (every thread of the block; ends with a barrier)
+__device__ __forceinline__ void dsv2_em_plan_build_{tag}(dsv2_em_plan_{tag}& P,
+    const int* __restrict__ ids, long long t0, int nt, int tm, int tid) {{
+  for (int i = tid; i < nt * {K}; i += {threads}) P.ids[i] = ids[t0 * {K} + i];
+  __syncthreads();
+  for (int e = tid; e < {E}; e += {threads}) {{
+    int c = 0;
+    for (int i = 0; i < nt * {K}; ++i) c += P.ids[i] == e;
+    P.cnt[e] = c;
+  }}
+  if (tid == 0) P.cnt[{E}] = nt;
+  __syncthreads();
+  if (tid == 0) {{
+    int o = 0, ch = 0;
+    for (int e = 0; e <= {E}; ++e) {{
+      P.off[e] = o;
+      P.coff[e] = ch;
+      o += P.cnt[e];
+      ch += (P.cnt[e] + tm - 1) / tm;
+    }}
+    P.off[{E + 1}] = o;
+    P.coff[{E + 1}] = ch;
+  }}
+  __syncthreads();
+  for (int e = tid; e < {E}; e += {threads}) {{
+    int k = P.off[e];
+    for (int i = 0; i < nt * {K}; ++i)
+      if (P.ids[i] == e) P.pair[k++] = (short)((i / {K}) * {K + 1} + i % {K});
+  }}
+  for (int t = tid; t < nt; t += {threads}) P.pair[P.off[{E}] + t] = (short)(t * {K + 1} + {K});
+  for (int e = tid; e <= {E}; e += {threads})
+    for (int c = P.coff[e]; c < P.coff[e + 1]; ++c) P.expert[c] = (short)e;
+  __syncthreads();
+}}
+// items: the routed chunks x rbr row blocks, then the shared chunks x rbs
+__device__ __forceinline__ int dsv2_em_items_{tag}(const dsv2_em_plan_{tag}& P, int rbr, int rbs) {{
+  return P.coff[{E}] * rbr + (P.coff[{E + 1}] - P.coff[{E}]) * rbs;
+}}
+// item i -> its expert e, chunk c, row block rb, first pair and pair count
+__device__ __forceinline__ void dsv2_em_item_{tag}(const dsv2_em_plan_{tag}& P, int i, int rbr,
+    int rbs, int tm, int& e, int& c, int& rb, int& first, int& np) {{
+  if (i < P.coff[{E}] * rbr) {{
+    c = i / rbr;
+    rb = i - c * rbr;
+    e = P.expert[c];
+  }} else {{
+    const int j = i - P.coff[{E}] * rbr;
+    c = P.coff[{E}] + j / rbs;
+    rb = j - (j / rbs) * rbs;
+    e = {E};
+  }}
+  first = P.off[e] + (c - P.coff[e]) * tm;
+  np = min(tm, P.off[e] + P.cnt[e] - first);
+}}
+#endif
+"""
+
+
+def items_head(tag: str, tm: int, blocks: int) -> str:
+    """CUDA: the loop heads both kernels share, over the token groups (the plan of each) and the
+    block's items (``e, c, rb, first, np`` of item ``i``; ``rbr`` / ``rbs`` row blocks of a
+    routed / shared chunk declared before)."""
+    return f"""  for (long long t0 = 0; t0 < n; t0 += {GROUP_TOKENS}) {{
+    const int nt = n - t0 < {GROUP_TOKENS} ? (int)(n - t0) : {GROUP_TOKENS};
+    dsv2_em_plan_build_{tag}(P, ids, t0, nt, {tm}, tid);
+    const int items = dsv2_em_items_{tag}(P, rbr, rbs);
+    // an even share of the items: blocks differ by one item at most
+    const int i1 = (int)((long long)(blk + 1) * items / {blocks});
+    int staged = -1;
+    for (int i = (int)((long long)blk * items / {blocks}); i < i1; ++i) {{
+      int e, c, rb, first, np;
+      dsv2_em_item_{tag}(P, i, rbr, rbs, {tm}, e, c, rb, first, np);
+"""
 
 
 def _mma_source() -> str:
@@ -538,15 +598,51 @@ def down_source(s: MoeDecodeShape, tiles: MmaTiles) -> tuple[str, str]:
     return name, head + plan_source(s, tag, T) + src
 
 
+def gate_up_params(s: MoeDecodeShape) -> list:
+    """The gate/up kernel's buffers (``token_grid_call`` parameters)."""
+    H, NI, IS, K, G, E = s.hidden, s.inter, s.shared_inter, s.top_k, s.group, s.experts
+    return [
+        ("x", (TOKENS, H), "float16"),
+        ("ids", (TOKENS, K), "int32"),
+        ("w", (E, 2 * NI, H // 8), "uint32"),
+        ("s", (E, 2 * NI, H // G), "float16"),
+        ("sw", (2 * IS, H // 8), "uint32"),
+        ("ss", (2 * IS, H // G), "float16"),
+        ("hout", (TOKENS, K * NI + IS), "float16"),
+    ]
+
+
+def down_params(s: MoeDecodeShape) -> list:
+    """The down kernel's buffers (``token_grid_call`` parameters)."""
+    H, NI, IS, K, G, E = s.hidden, s.inter, s.shared_inter, s.top_k, s.group, s.experts
+    return [
+        ("h", (TOKENS, K * NI + IS), "float16"),
+        ("ids", (TOKENS, K), "int32"),
+        ("w", (E, H, NI // 8), "uint32"),
+        ("s", (E, H, NI // G), "float16"),
+        ("sw", (H, IS // 8), "uint32"),
+        ("ss", (H, IS // G), "float16"),
+        ("part", (TOKENS, K + 1, H), "float32"),
+    ]
+
+
 def _check(s: MoeDecodeShape, tiles: MmaTiles) -> None:
     why = expert_mma_unsupported(s, tiles)
     if why is not None:
         raise ValueError(f"the expert-major MMA MoE kernels cannot take {s}: {why}")
 
 
-def moe_gate_up_expert_mma(s: MoeDecodeShape, tiles: MmaTiles = MMA_GATE_UP_TILES) -> tirx.PrimFunc:
-    """:func:`~.moe_expert_major_cuda.moe_gate_up_expert_major`'s signature and result (``h``
-    of the routed slots and the shared experts), on tensor cores (module docstring, 1.)."""
+def moe_gate_up_expert_mma(s: MoeDecodeShape) -> tirx.PrimFunc:
+    """``f(x [n, H] fp16, ids [n, K] int32, w [E, 2I, H/8] uint32, s [E, 2I, H/G] fp16,
+    sw [2Is, H/8] uint32, ss [2Is, H/G] fp16, hout [n, K*I + Is] fp16)``: the routed slots'
+    and the shared experts' SwiGLU intermediates (the layout of the token-major kernels), every
+    expert's rows read once for its tokens, on tensor cores (module docstring, 1.), with the
+    tiles of ``schedules/tiles.py``."""
+    return gate_up_expert_mma_kernel(s, tuned("moe_expert_mma_gate_up"))
+
+
+def gate_up_expert_mma_kernel(s: MoeDecodeShape, tiles: MmaTiles) -> tirx.PrimFunc:
+    """:func:`moe_gate_up_expert_mma` with the given ``tiles``."""
     _check(s, tiles)
     name, src = gate_up_source(s, tiles)
     return token_grid_call(
@@ -562,10 +658,17 @@ def moe_gate_up_expert_mma(s: MoeDecodeShape, tiles: MmaTiles = MMA_GATE_UP_TILE
     )
 
 
-def moe_down_expert_mma(s: MoeDecodeShape, tiles: MmaTiles = MMA_DOWN_TILES) -> tirx.PrimFunc:
-    """:func:`~.moe_expert_major_cuda.moe_down_expert_major`'s signature and result (each
-    routed slot's and the shared experts' down projection, unweighted, float32), on tensor cores
-    (module docstring, 2.)."""
+def moe_down_expert_mma(s: MoeDecodeShape) -> tirx.PrimFunc:
+    """``f(h [n, K*I + Is] fp16, ids [n, K] int32, w [E, H, I/8] uint32, s [E, H, I/G] fp16,
+    sw [H, Is/8] uint32, ss [H, Is/G] fp16, part [n, K + 1, H] float32)``: each routed slot's
+    down projection ``part[t, j] = down_{ids[t, j]} . h[t, j]`` and the shared experts'
+    ``part[t, K]``, unweighted, in float32, on tensor cores (module docstring, 2.), with the
+    tiles of ``schedules/tiles.py``."""
+    return down_expert_mma_kernel(s, tuned("moe_expert_mma_down"))
+
+
+def down_expert_mma_kernel(s: MoeDecodeShape, tiles: MmaTiles) -> tirx.PrimFunc:
+    """:func:`moe_down_expert_mma` with the given ``tiles``."""
     _check(s, tiles)
     name, src = down_source(s, tiles)
     return token_grid_call(

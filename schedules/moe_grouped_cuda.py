@@ -9,7 +9,7 @@ padded to a multiple of the tile height ``TM`` (vLLM's ``moe_align_block_size``)
 dequantised weights, as in a dense GEMM. Four kernels per MoE layer (the GEMM builder runs
 twice; :func:`dsv2_mlc.model.moe.grouped_experts` chains them for prefill / extend on CUDA):
 
-1. :func:`moe_align` (one thread block on CUDA, the same phases as serial loops on LLVM):
+1. :func:`moe_align` (one thread block on CUDA; on LLVM, for tests, serial loops):
    from ``idx [n, k]`` the per-expert ``counts [E]``, ``rows [T, TM]`` (the token of every padded
    row, expert-sorted, stable in (token, slot) order; padding rows point at token 0),
    ``tile_expert [T]`` (-1 for the tiles past the last expert's segment) and ``inv [n, k]`` (the
@@ -17,7 +17,7 @@ twice; :func:`dsv2_mlc.model.moe.grouped_experts` chains them for prefill / exte
    of ``E * S`` threads owns one (expert, segment of pairs): it counts its expert's pairs in its
    segment; thread 0 scans the counts (expert-major, so each expert's pairs stay in pair order)
    and pads the segments; every thread then writes its pairs' rows. Deterministic: no atomics.
-   On CUDA the default is :func:`moe_align_warps` (CUDA source, same outputs and order): 32
+   On CUDA :func:`moe_align_warps` (CUDA source, same outputs and order): 32
    warps over contiguous chunks of the pairs, ``__match_any_sync`` per 32 pairs (count, scan per
    expert over the warps, fill with each lane's rank in its match group).
 2. :func:`grouped_gemm_te` + :func:`schedule_grouped_gemm`: ``acc[t, i, c, h] = sum_k
@@ -78,13 +78,13 @@ for float (q0f16) experts, split-K for the few-token skewed case.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 from tvm import s_tir, te, tirx
 from tvm.ir.expr import Expr
 from tvm.script import tirx as T
 
 from .moe_mma_cuda import grouped_gemm_mma, int4_group, kernel_attrs, mma_supported
+from .tiles import GemmTiles
 
 WeightReader = Callable[[list[te.Tensor], Expr, Expr, Expr], Expr]
 
@@ -172,56 +172,21 @@ def _align_phases(num_experts: int, top_k: int, tm: int, segments: int):
     return reset, count, scan, fill
 
 
-def moe_align(
-    num_experts: int, top_k: int, tm: int = TM, gpu: bool = True, warps: bool = True
-) -> tirx.PrimFunc:
+def moe_align(num_experts: int, top_k: int, tm: int = TM, gpu: bool = True) -> tirx.PrimFunc:
     """``f(idx[n, k] i32, rows[T, tm] i32, tile_expert[T] i32, inv[n, k] i32, counts[E] i32)``.
 
     See the module docstring; ``T = num_tiles(n, k, E, tm)``. ``gpu``: one CUDA thread block,
-    with ``warps`` (the default) :func:`moe_align_warps`, else ``E * S`` threads (``S =
-    ALIGN_THREADS // E`` segments) in TIR; otherwise the same phases as serial loops over the
-    virtual threads (LLVM, for tests).
+    :func:`moe_align_warps`; otherwise the phases of ``E * S`` virtual threads (``S =
+    ALIGN_THREADS // E`` segments) as serial loops (LLVM, for tests).
     """
     E, K = num_experts, top_k
-    if gpu and warps:
+    if gpu:
         return moe_align_warps(E, K, tm)
     if not 1 <= E <= ALIGN_THREADS:
         raise ValueError(f"moe_align supports 1..{ALIGN_THREADS} experts, got {E}")
     S = ALIGN_THREADS // E
     NT = E * S
     reset, count, scan, fill = _align_phases(E, K, tm, S)
-
-    if gpu:
-
-        @T.prim_func(private=True, s_tir=True)
-        def moe_align_gpu(
-            var_idx: T.handle, var_tok: T.handle, var_te: T.handle, var_inv: T.handle,
-            var_counts: T.handle,
-        ):  # fmt: skip
-            n = T.int64()
-            idx = T.match_buffer(var_idx, (n, K), "int32")
-            tok = T.match_buffer(var_tok, ((n * K + E * (tm - 1)) // tm, tm), "int32")
-            tile_expert = T.match_buffer(var_te, ((n * K + E * (tm - 1)) // tm,), "int32")
-            inv = T.match_buffer(var_inv, (n, K), "int32")
-            counts = T.match_buffer(var_counts, (E,), "int32")
-            for _bx in T.thread_binding(1, thread="blockIdx.x"):
-                for tx in T.thread_binding(NT, thread="threadIdx.x"):
-                    with T.sblock("moe_align"):
-                        T.reads()
-                        T.writes()
-                        cnt = T.sblock_alloc_buffer((NT,), "int64", scope="shared")
-                        off = T.sblock_alloc_buffer((NT,), "int64", scope="shared")
-                        loc = T.sblock_alloc_buffer((1,), "int64", scope="local")
-                        run = T.sblock_alloc_buffer((2,), "int64", scope="local")
-                        reset(tok, tile_expert, (n * K + E * (tm - 1)) // tm, tx)
-                        count(idx, cnt, loc, n, tx)
-                        T.tvm_storage_sync("shared")
-                        if tx == 0:
-                            scan(cnt, off, counts, tile_expert, run)
-                        T.tvm_storage_sync("shared")
-                        fill(idx, tok, inv, off, loc, n, tx)
-
-        return kernel_attrs(moe_align_gpu)
 
     @T.prim_func(private=True, s_tir=True)
     def moe_align_cpu(
@@ -366,22 +331,6 @@ def moe_align_warps(num_experts: int, top_k: int, tm: int = TM) -> tirx.PrimFunc
 
 
 # -- 2. grouped GEMM ----------------------------------------------------------------------------
-@dataclass(frozen=True)
-class GemmTiles:
-    """The CUDA tiling of :func:`schedule_grouped_gemm` (``TM = TY * VR`` rows per tile)."""
-
-    ty: int = 8  # threads along the tile's rows
-    tx: int = 16  # threads along the output columns
-    vr: int = 8  # rows per thread
-    vc: int = 8  # columns per thread (per half)
-    tk: int = 32  # reduction step staged in shared memory
-    pad: int = 4  # extra floats per shared activation row (bank shift, keeps 16-byte rows)
-
-    @property
-    def tm(self) -> int:
-        return self.ty * self.vr
-
-
 def grouped_gemm_te(
     x: te.Tensor,
     rows: te.Tensor,

@@ -4,10 +4,10 @@ grouped_gemm_cuda` uses wherever :func:`mma_supported` (the tiling, the align an
 in that module's docstring).
 
 Two block shapes over the tiles of ``TM = 64`` expert-sorted rows (``moe_align``), one
-PrimFunc (``rows_per_block=None``, the default: the host picks by the tile count ``nt``):
+PrimFunc (the host picks by the tile count ``nt``):
 
-* from ``PAIR_MIN_TILES`` tiles on (about 2K tokens at top-6 of 64), a block per (pair of tiles
-  ``2p, 2p + 1``, 128 weight rows), 4 x 2 warps of 32 x 64: every weight tile a block
+* from ``GroupedMmaTiles.pair_from`` tiles on (about 2K tokens at top-6 of 64), a block per
+  (pair of tiles ``2p, 2p + 1``, 128 weight rows), 4 x 2 warps of 32 x 64: every weight tile a block
   dequantises feeds 128 rows instead of 64. When the two tiles belong to different experts (a
   segment boundary, or the second tile is past the last segment) the block runs two passes, one
   expert each, with the other tile's warps idle. 64 KB of stages in ``shared.dyn``,
@@ -16,15 +16,13 @@ PrimFunc (``rows_per_block=None``, the default: the host picks by the tile count
   memory: with few rows per expert most pairs would run two passes.
 
 Both run one templated body (``_MMA_TILES``) on the CUDA helpers of ``_MMA_COMMON`` (the swizzled
-weight store, one 64-wide K step of ldmatrix + ``mma.sync.m16n8k16``, the SwiGLU / plain
-epilogue); measured in
-schedules/results/moe_grouped.md (round 4). Where the build has sm_90a features (an ``sm_90``
-target: ``compiler.cuda.cuda_codegen``) the pair kernel and the one-tile kernel of 2 x 2 warps
-run the ``wgmma`` bodies of :mod:`.moe_wgmma_cuda` instead (same tiles and stages, the MMAs
-asynchronous while the next stage is dequantised; the pair kernel's ``shared.dyn`` holds 8 KB
-more for their zero tile and 1 KB of alignment): round 5 of the same file. ``pair_rs=True`` (a
-lab variant, as fast) puts the pair kernel's weights in registers instead
-(:mod:`.moe_wgmma_rs_cuda`).
+weight store, one 64-wide K step of ldmatrix + ``mma.sync.m16n8k16``, the SwiGLU / plain epilogue);
+measured in schedules/results/moe_grouped.md. Where the build has sm_90a features (an ``sm_90``
+target: ``compiler.cuda.cuda_codegen``) the pair kernel and the one-tile kernel of 2 x 2 warps run
+the ``wgmma`` bodies of :mod:`.moe_wgmma_cuda` instead (same tiles and stages, the MMAs asynchronous
+while the next stage is dequantised; the pair kernel's ``shared.dyn`` holds 8 KB more for their zero
+tile and 1 KB of alignment). The block shapes (``warps_n``, from how many tiles the pairs) are the
+``"moe_grouped_mma"`` entry of ``schedules/tiles.py``.
 """
 
 from __future__ import annotations
@@ -35,11 +33,11 @@ from tvm import te, tirx
 from tvm.script import tirx as T
 
 from . import moe_wgmma_cuda as wgmma
-from . import moe_wgmma_rs_cuda as wgmma_rs
+from .tiles import GroupedMmaTiles, tuned
 
 OPAQUE = 8  # relax OpPatternKind.kOpaque: FuseOps never fuses these kernels with neighbours
 
-__all__ = ["grouped_gemm_mma", "int4_group", "kernel_attrs", "mma_supported"]
+__all__ = ["grouped_gemm_mma", "grouped_mma_kernel", "int4_group", "kernel_attrs", "mma_supported"]
 
 
 def kernel_attrs(func: tirx.PrimFunc) -> tirx.PrimFunc:
@@ -50,20 +48,10 @@ def kernel_attrs(func: tirx.PrimFunc) -> tirx.PrimFunc:
 
 
 # -- 2b. grouped GEMM on tensor cores (INT4 experts, fp16 activations) --------------------------
-# default warps along the columns (x 2 along the rows): 2 -> 128 threads, 32 x 64 warp tiles
-# (measured 1.98 ms for n = 4096 on the H200; 4 -> 256 threads, 32 x 32 tiles: 2.22 ms)
-MMA_WARPS_N = 2
-# Pairs of tiles (128 rows a block) from this many tiles on (about 2K tokens at top-6 of 64): at
-# n = 4096 they take 1.80 ms for V2-Lite's routed experts against 1.93 (one-tile blocks), at
-# n = 512 0.44 ms against 0.32 (schedules/results/moe_grouped.md, round 4)
-PAIR_MIN_TILES = 256
 _PAIR_THREADS = 256
 # 2 stages x (activations + weights), 128 x 64 halves each; for wgmma + a 64 x 64 zero tile and
 # 1 KB to align them
 _PAIR_SMEM_HALVES = 2 * 2 * 128 * 64 + 64 * 64 + 512
-# the pair kernel's wgmma body: False the shared-memory operands (moe_wgmma_cuda), True the
-# weights as the register operand (moe_wgmma_rs_cuda)
-PAIR_RS = False
 MMA_BN = 128  # weight rows per block (gate/up: 64 gate + the 64 matching up rows)
 MMA_BK = 64  # reduction step (one shared stage: 8 KB activations + 16 KB weights, fp16)
 
@@ -387,7 +375,7 @@ __device__ __forceinline__ void moe_mma_pair_{tag}(
 def int4_group(weights: Sequence[te.Tensor], red: int) -> int | None:
     """The INT4 group size of ``weights`` (packed ``uint32 [E, out, red / 8]`` + ``float16``
     scales ``[E, out, red / group]``, the layout that
-    :func:`dsv2_mlc.passes.quantize_int4.dequantize_expr` reads), or None for any other format."""
+    :func:`dsv2_mlc.quant.modules.dequantize_expr` reads), or None for any other format."""
     if len(weights) != 2:
         return None
     qw, sc = weights
@@ -427,30 +415,40 @@ def grouped_gemm_mma(
     halves: int,
     gathered: bool,
     name: str,
-    warps_n: int = MMA_WARPS_N,
-    rows_per_block: int | None = None,
-    pair_rs: bool = PAIR_RS,
 ) -> tirx.PrimFunc:
     """The grouped GEMM of :func:`grouped_gemm_te` (INT4 weights) on tensor cores:
     ``f(x, rows, tile_expert, qweight, scales, out)``, ``mma.sync.m16n8k16`` fp16 x fp16 -> fp32
-    (module docstring): ``rows_per_block=128`` a block of 4 x 2 warps per (pair of tiles, 128
-    weight rows), ``64`` a block of ``2 x warps_n`` warps (2 or 4) per (tile, 128 weight rows),
-    ``None`` (the default) the first from ``PAIR_MIN_TILES`` tiles on and the second below
-    (one PrimFunc, the host picks the kernel by the tile count). Tiles with ``tile_expert < 0``
-    are skipped (their output rows are left unwritten: nothing reads them). Only for
-    :func:`mma_supported` shapes."""
+    (module docstring), with the block shapes of ``schedules/tiles.py``. Tiles with
+    ``tile_expert < 0`` are skipped (their output rows are left unwritten: nothing reads them).
+    Only for :func:`mma_supported` shapes."""
+    tiles = tuned("moe_grouped_mma")
+    return grouped_mma_kernel(x, rows, tile_expert, weights, out_dim, halves, gathered, name, tiles)
+
+
+def grouped_mma_kernel(
+    x: te.Tensor,
+    rows: te.Tensor,
+    tile_expert: te.Tensor,
+    weights: Sequence[te.Tensor],
+    out_dim: int,
+    halves: int,
+    gathered: bool,
+    name: str,
+    tiles: GroupedMmaTiles,
+) -> tirx.PrimFunc:
+    """:func:`grouped_gemm_mma` with the given ``tiles``: ``pair_from`` 0 a block of 4 x 2 warps
+    per (pair of tiles, 128 weight rows), None a block of ``2 x warps_n`` warps (2 or 4) per
+    (tile, 128 weight rows), a number the first from that many tiles on and the second below
+    (one PrimFunc, the host picks the kernel by the tile count)."""
     if not mma_supported(x, rows, weights, out_dim, halves):
         raise ValueError(f"grouped_gemm_mma does not take {name}: {x.shape} -> {out_dim}x{halves}")
-    if warps_n not in (2, 4):
-        raise ValueError(f"warps_n must be 2 or 4, got {warps_n}")
-    if rows_per_block not in (None, 64, 128):
-        raise ValueError(f"rows_per_block must be 64, 128 or None, got {rows_per_block}")
+    if tiles.warps_n not in (2, 4):
+        raise ValueError(f"warps_n must be 2 or 4, got {tiles.warps_n}")
     red = int(x.shape[-1])
     group = int4_group(weights, red)
     num_experts = int(weights[0].shape[0])
-    pair_from = {128: 0, 64: None, None: PAIR_MIN_TILES}[rows_per_block]
     return _gemm_prim_func(
-        red, group, num_experts, out_dim, halves, gathered, warps_n, pair_from, pair_rs
+        red, group, num_experts, out_dim, halves, gathered, tiles.warps_n, tiles.pair_from
     )
 
 
@@ -463,7 +461,6 @@ def _gemm_prim_func(
     gathered: bool,
     warps_n: int,
     pair_from: int | None,
-    pair_rs: bool,
 ) -> tirx.PrimFunc:
     """The PrimFunc: pairs of tiles (``pair_from == 0``), one tile a block (``None``), or both
     kernels with the host picking pairs when ``nt >= pair_from``. Pairs: grid ``(ceil(nt / 2),
@@ -481,21 +478,17 @@ def _gemm_prim_func(
         _MMA_COMMON + _MMA_TILES.format(tag=two, **fmt) + wgmma.WGMMA_COMMON
         + wgmma.WGMMA_TILES.format(tag=two, **fmt)
     )  # fmt: skip
-    # the pair kernel's wgmma body: shared-memory operands, or (pair_rs) the weights in registers
-    rs_src = wgmma_rs.WGRS_COMMON + wgmma_rs.WGRS_PAIR.format(tag=two, **fmt) if pair_rs else ""
-    wg_pair = f"moe_wgrs_pair_{two}" if pair_rs else f"moe_wg_tiles_{two}<2>"
-    pair = f"{two}_rs" if pair_rs else two
     src_one = common + _MMA_GEMM.format(tag=one, body=two, WN=warps_n)
-    src_two = common + rs_src + _MMA_PAIR.format(tag=pair, body=two, wg_pair=wg_pair)
-    f_one, f_two = f"moe_mma_gemm_{one}", f"moe_mma_pair_{pair}"
+    src_two = common + _MMA_PAIR.format(tag=two, body=two, wg_pair=f"moe_wg_tiles_{two}<2>")
+    f_one, f_two = f"moe_mma_gemm_{one}", f"moe_mma_pair_{two}"
     K, G, E, TMR, SM = red, group, num_experts, 64, _PAIR_SMEM_HALVES
     NT1, NT2, GATHERED = 64 * warps_n, _PAIR_THREADS, gathered
     MODE, MIN = (0, 0) if pair_from == 0 else (1, 0) if pair_from is None else (2, pair_from)
     # Block order: the down projection's activations (the SwiGLU rows, 69 MB at 4K tokens) do not
     # stay in L2, so its column blocks go first (blockIdx.x): the blocks of one tile run together
     # and read its rows from DRAM once, not once per column block (-15 % at 4K tokens); gate/up
-    # gathers x (16 MB at 4K, L2-resident) and keeps the tiles first (schedules/results/
-    # moe_grouped.md, round 5).
+    # gathers x (16 MB at 4K, L2-resident) and keeps the tiles first
+    # (schedules/results/moe_grouped.md).
     COLS_FIRST = not gathered
 
     @T.macro

@@ -24,36 +24,22 @@ sums of ``run`` products, float32 across chunks), the router's dot products floa
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from tvm import tirx
 
 from .cuda_call import TOKENS, WAIT_THEN_RELEASE, grid_wait_source, token_grid_call
 from .decode_gemv_cuda import dot32_source
+from .tiles import NormGemvTiles, NormRouterTiles, tuned
 
 __all__ = [
-    "NormGemvTiles",
+    "add_norm_gemv_kernel",
     "add_norm_gemv_q4",
     "add_norm_router",
+    "add_norm_router_kernel",
     "add_norm_unsupported",
     "eps_tag",
 ]
 
 _CHUNK = 32  # fp16 values of one lane's chunk (one 16-byte load of INT4 weights)
-
-
-@dataclass(frozen=True)
-class NormGemvTiles:
-    """``blocks`` per token of ``warps`` warps (a warp per output); ``run`` products per fp16
-    partial sum of the INT4 dot product."""
-
-    warps: int = 8
-    blocks: int = 264
-    run: int = 16
-
-    @property
-    def name(self) -> str:
-        return f"w{self.warps}_b{self.blocks}_h{self.run}"
 
 
 def add_norm_unsupported(hidden: int, group: int | None = None) -> str | None:
@@ -251,12 +237,17 @@ __device__ __forceinline__ void dsv2_norm_gemv_{tag}(const half* __restrict__ r,
 """
 
 
-def add_norm_gemv_q4(
-    hidden: int, out_dim: int, group: int, eps: float, tiles: NormGemvTiles = NormGemvTiles()
-) -> tirx.PrimFunc:
+def add_norm_gemv_q4(hidden: int, out_dim: int, group: int, eps: float) -> tirx.PrimFunc:
     """``f(r [n, H] f16, d [n, H] f16, norm_w [H] f16, qw [N, H/8] u32, qs [N, H/g] f16) ->
     (y [n, N] f16, s [n, H] f16)`` with ``s = r + d``, ``y = RMSNorm(s) @ W^T`` (module
-    docstring)."""
+    docstring), with the tiles of ``schedules/tiles.py``."""
+    return add_norm_gemv_kernel(hidden, out_dim, group, eps, tuned("add_norm_gemv"))
+
+
+def add_norm_gemv_kernel(
+    hidden: int, out_dim: int, group: int, eps: float, tiles: NormGemvTiles
+) -> tirx.PrimFunc:
+    """:func:`add_norm_gemv_q4` with the given ``tiles``."""
     why = add_norm_unsupported(hidden, group)
     if why:
         raise ValueError(f"add_norm_gemv_q4: {why}")
@@ -339,14 +330,21 @@ __device__ __forceinline__ void dsv2_norm_router_{tag}(const half* __restrict__ 
 """
 
 
-def add_norm_router(hidden: int, experts: int, eps: float, warps: int = 4) -> tirx.PrimFunc:
+def add_norm_router(hidden: int, experts: int, eps: float) -> tirx.PrimFunc:
     """``f(r [n, H] f16, d [n, H] f16, norm_w [H] f16, gate_w [E, H] f32) -> (logits [n, E]
     f32, xn [n, H] f16, s [n, H] f16)`` with ``s = r + d``, ``xn = RMSNorm(s)``, ``logits = xn
-    @ gate_w^T`` in float32 (module docstring)."""
+    @ gate_w^T`` in float32 (module docstring), with the tiles of ``schedules/tiles.py``."""
+    return add_norm_router_kernel(hidden, experts, eps, tuned("add_norm_router"))
+
+
+def add_norm_router_kernel(
+    hidden: int, experts: int, eps: float, tiles: NormRouterTiles
+) -> tirx.PrimFunc:
+    """:func:`add_norm_router` with the given ``tiles``."""
     why = add_norm_unsupported(hidden)
     if why:
         raise ValueError(f"add_norm_router: {why}")
-    H, E, W = hidden, experts, warps
+    H, E, W = hidden, experts, tiles.warps
     NB, THREADS = -(-E // W), W * 32
     tag = f"h{H}_r{E}_w{W}_{eps_tag(eps)}"
     src = grid_wait_source() + _norm_source(tag, H, eps) + _router_source(tag, H, E, W)

@@ -9,8 +9,9 @@ rows first and only then calls ``griddepcontrol.wait``
 graphs launch a kernel before its predecessor ends, the weight loads overlap the predecessor.
 
 * :func:`gemv_q4_decode`: ``y[t] = W x[t]`` for an INT4 group weight ``W [N, K]`` (``o_proj``,
-  the dense MLP's ``down_proj``, the first layer's ``qkv_a``: :mod:`dsv2_mlc.model.decode_linear`).
-  ``ceil(N / warps)`` blocks (at most ``max_blocks``), a warp per output row (strided over the
+  the dense MLP's ``down_proj``, the first layer's ``qkv_a``: :mod:`dsv2_mlc.quant.decode_linear`).
+  ``ceil(N / warps)`` blocks (at most ``max_blocks``: ``PrefetchGemvTiles`` of
+  ``schedules/tiles.py``), a warp per output row (strided over the
   grid when there are more rows than warps); the block stages ``x[t]`` in shared memory (16-byte
   pieces XOR-swizzled as in :mod:`~dsv2_mlc.schedules.norm_gemv_cuda`) for each token in turn,
   so the weights are read once for all ``n`` tokens. The dot product is
@@ -30,30 +31,29 @@ from __future__ import annotations
 
 from tvm import tirx
 
-from ..quantization import packed_shape
 from .cuda_call import TOKENS, WAIT_THEN_RELEASE, grid_wait_source, token_grid_call
 from .decode_gemv_cuda import dot32_source
+from .tiles import PrefetchGemvTiles, tuned
 
 __all__ = [
     "absorb_v_decode",
+    "absorb_v_kernel",
     "absorb_v_unsupported",
     "gemv_q4_decode",
-    "gemv_q4_load_source",
+    "gemv_q4_kernel",
     "gemv_q4_rows_per_pass",
     "gemv_q4_unsupported",
 ]
 
 _CHUNK = 32  # INT4 values per 16-byte load
 _SHARED_LIMIT = 48 * 1024
-_WARPS = 8
-_MAX_BLOCKS = 1024
-_RUN = 16  # products per fp16 partial sum
 
 
 def gemv_q4_rows_per_pass() -> int:
     """The output rows :func:`gemv_q4_decode` covers in one pass of its grid (a warp a row);
     taller weights take several passes, each waiting for its own loads."""
-    return _WARPS * _MAX_BLOCKS
+    tiles = tuned("prefetch_gemv")
+    return tiles.warps * tiles.max_blocks
 
 
 def gemv_q4_unsupported(out_dim: int, in_dim: int, group: int) -> str | None:
@@ -67,12 +67,12 @@ def gemv_q4_unsupported(out_dim: int, in_dim: int, group: int) -> str | None:
     return None
 
 
-def gemv_q4_load_source(tag: str, N: int, K: int, G: int, groups: int) -> str:
+def _gemv_q4_load_source(tag: str, N: int, K: int, G: int, groups: int, run: int) -> str:
     """CUDA: ``dsv2_pf_gemv_load_<tag>(q, sc, o, lane, qw, qs)``: lane ``lane``'s 16-byte
     pieces (chunks ``lane + 32 j``) of row ``o`` of an INT4 group weight ``[N, K]`` and their
     scales, into registers (``groups`` scales a row); ``dsv2_pf_gemv_dot_<tag>(q, sc, xs,
     lane)``: the lane's share of that row's dot product with ``x`` staged in shared memory (the
-    sum of the warp's lanes is the output; needs ``dot32_source(16)`` and ``dsv2_swz``)."""
+    sum of the warp's lanes is the output; needs ``dot32_source(run)`` and ``dsv2_swz``)."""
     nch = K // _CHUNK
     cpl = -(-nch // 32)  # chunks per lane
     return f"""
@@ -103,7 +103,7 @@ __device__ __forceinline__ float dsv2_pf_gemv_dot_{tag}(const uint4 (&q)[{cpl}],
       uint4 xv[4];
 #pragma unroll
       for (int p = 0; p < 4; ++p) xv[p] = xs[dsv2_swz(c, p)];
-      acc += dsv2_dot32p_int4_h{_RUN}(reinterpret_cast<const unsigned*>(&q[j]), xv, sc[j]);
+      acc += dsv2_dot32p_int4_h{run}(reinterpret_cast<const unsigned*>(&q[j]), xv, sc[j]);
     }}
   }}
   return acc;
@@ -112,12 +112,14 @@ __device__ __forceinline__ float dsv2_pf_gemv_dot_{tag}(const uint4 (&q)[{cpl}],
 """
 
 
-def _gemv_q4_source(tag: str, N: int, K: int, G: int, W: int, NB: int, groups: int) -> str:
+def _gemv_q4_source(
+    tag: str, N: int, K: int, G: int, W: int, NB: int, groups: int, run: int
+) -> str:
     nch = K // _CHUNK
     cpl = -(-nch // 32)  # chunks per lane
     stride = NB * W
     return (
-        gemv_q4_load_source(tag, N, K, G, groups)
+        _gemv_q4_load_source(tag, N, K, G, groups, run)
         + f"""
 #ifndef DSV2_PF_GEMV_{tag}
 #define DSV2_PF_GEMV_{tag}
@@ -157,16 +159,25 @@ __device__ __forceinline__ void dsv2_pf_gemv_{tag}(const half* __restrict__ x,
 
 def gemv_q4_decode(out_dim: int, in_dim: int, group: int) -> tirx.PrimFunc:
     """``f(x [n, K] f16, qw [N, K/8] u32, qs [N, ceil(K/g)] f16) -> y [n, N] f16``, ``y = x
-    @ dequant(W)^T`` (module docstring). Raises ``ValueError`` for shapes it does not take."""
+    @ dequant(W)^T`` (module docstring), with the tiles of ``schedules/tiles.py``. Raises
+    ``ValueError`` for shapes it does not take."""
+    return gemv_q4_kernel(out_dim, in_dim, group, tuned("prefetch_gemv"))
+
+
+def gemv_q4_kernel(
+    out_dim: int, in_dim: int, group: int, tiles: PrefetchGemvTiles
+) -> tirx.PrimFunc:
+    """:func:`gemv_q4_decode` with the given ``tiles``."""
     why = gemv_q4_unsupported(out_dim, in_dim, group)
     if why:
         raise ValueError(f"gemv_q4_decode: {why}")
-    N, K, G, W = out_dim, in_dim, group, _WARPS
-    NB = min(-(-N // W), _MAX_BLOCKS)
+    N, K, G, W = out_dim, in_dim, group, tiles.warps
+    NB = min(-(-N // W), tiles.max_blocks)
     tag = f"n{N}_k{K}_g{G}_w{W}_b{NB}"
-    w_shape, s_shape = packed_shape((N, K), G)  # the last group partial where G does not divide K
-    gemv = _gemv_q4_source(tag, N, K, G, W, NB, s_shape[-1])
-    src = grid_wait_source() + dot32_source(_RUN) + gemv
+    # the INT4 layout: 8 values a word, a scale a group (the last partial where G does not divide K)
+    w_shape, s_shape = (N, -(-K // 8)), (N, -(-K // G))
+    gemv = _gemv_q4_source(tag, N, K, G, W, NB, s_shape[-1], tiles.run)
+    src = grid_wait_source() + dot32_source(tiles.run) + gemv
     params = [
         ("x", (TOKENS, K), "float16"),
         ("qw", w_shape, "uint32"),
@@ -236,13 +247,18 @@ __device__ __forceinline__ void dsv2_pf_absorb_v_{tag}(const half* __restrict__ 
 
 
 def absorb_v_decode(heads: int, v_dim: int, lora: int) -> tirx.PrimFunc:
-    """``f(o [n, H, L] f16, w_uv [H, V, L] f16) -> y [n, H * V] f16`` (module docstring).
-    Raises ``ValueError`` for shapes it does not take."""
+    """``f(o [n, H, L] f16, w_uv [H, V, L] f16) -> y [n, H * V] f16`` (module docstring), with
+    the tiles of ``schedules/tiles.py``. Raises ``ValueError`` for shapes it does not take."""
+    return absorb_v_kernel(heads, v_dim, lora, tuned("prefetch_gemv"))
+
+
+def absorb_v_kernel(heads: int, v_dim: int, lora: int, tiles: PrefetchGemvTiles) -> tirx.PrimFunc:
+    """:func:`absorb_v_decode` with the given ``tiles``."""
     why = absorb_v_unsupported(heads, v_dim, lora)
     if why:
         raise ValueError(f"absorb_v_decode: {why}")
-    H, V, L, W = heads, v_dim, lora, _WARPS
-    NB = min(-(-H * V // W), _MAX_BLOCKS)
+    H, V, L, W = heads, v_dim, lora, tiles.warps
+    NB = min(-(-H * V // W), tiles.max_blocks)
     tag = f"h{H}_v{V}_l{L}_w{W}_b{NB}"
     src = grid_wait_source() + _absorb_v_source(tag, H, V, L, W, NB)
     params = [

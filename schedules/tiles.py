@@ -80,6 +80,161 @@ class PrefillAttentionTiles:
 # -- MoE decode / grouped GEMMs, decode GEMVs, norm + GEMV ------------------------------------
 
 
+@dataclass(frozen=True)
+class GemmTiles:
+    """The SIMT grouped GEMM of the routed experts (``moe_grouped_cuda.schedule_grouped_gemm``,
+    where the tensor-core kernel does not apply; ``TM = ty * vr`` rows per tile)."""
+
+    ty: int = 8  # threads along the tile's rows
+    tx: int = 16  # threads along the output columns
+    vr: int = 8  # rows per thread
+    vc: int = 8  # columns per thread (per half)
+    tk: int = 32  # reduction step staged in shared memory
+    pad: int = 4  # extra floats per shared activation row (bank shift, keeps 16-byte rows)
+
+    @property
+    def tm(self) -> int:
+        return self.ty * self.vr
+
+
+@dataclass(frozen=True)
+class GroupedMmaTiles:
+    """The grouped GEMM of the routed experts on tensor cores (``moe_mma_cuda``): ``warps_n``
+    warps along the columns (x 2 along the rows) of the one-tile blocks; blocks of a pair of
+    tiles from ``pair_from`` tiles on (0: always, None: never)."""
+
+    warps_n: int = 2
+    pair_from: int | None = 256
+
+
+@dataclass(frozen=True)
+class MmaTiles:
+    """The expert-major MoE decode kernels on tensor cores (``moe_expert_mma_cuda``): ``blocks``
+    of ``warps`` warps; an item is ``rows`` weight rows (a multiple of 16) of one expert for a
+    chunk of at most 8 (token, slot) pairs. A step of a warp's K loop is a *run* of ``run``
+    inputs (128 or 256: a lane loads ``run / 128`` consecutive uint4 of each of its rows, the
+    row's 4 lanes ``run / 2`` contiguous bytes; a width of an odd number of 128 ends with a run of
+    128), and a warp has ``depth`` runs in flight ahead of the one it multiplies (a ring of
+    registers; depth > 1 only without a K split)."""
+
+    warps: int = 4
+    blocks: int = 264
+    rows: int = 64
+    depth: int = 1
+    run: int = 128
+
+    @property
+    def name(self) -> str:
+        deep = f"_d{self.depth}" if self.depth != 1 else ""
+        run = f"_k{self.run}" if self.run != 128 else ""
+        return f"w{self.warps}_b{self.blocks}_r{self.rows}{deep}{run}"
+
+    @property
+    def words(self) -> int:
+        """uint4 a lane loads of each of its rows for a run."""
+        return self.run // 128
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """The decode GEMV schedule (``decode_gemv_cuda``; its module docstring says what each field
+    does)."""
+
+    rows: int = 1  # outputs per group of lanes (R)
+    groups: int = 4  # lane groups per thread block (TY)
+    lanes: int | None = None  # lanes per output (TX); None: the legacy SPLITS rule
+    vec: int = 32  # K elements per lane and step (with ``lanes``)
+    unroll: int = 64  # pragma_auto_unroll_max_step of the K-step loop (0: none)
+    unroll_k: bool = False  # unroll the K-step loop fully instead
+    fast_dequant: bool = False  # INT4 -> float32 by the 2^23 bit trick instead of I2F
+    hfma2: int = 0  # products per fp16 partial per half lane (4, 8, 16); 0: scalar fp32 path
+
+    @property
+    def name(self) -> str:
+        """A short tag, e.g. ``r4_g4_l32_v32_u64_fast``."""
+        lanes = "legacy" if self.lanes is None else f"l{self.lanes}_v{self.vec}"
+        fast = "_fast" if self.fast_dequant else ""
+        unroll = "uk" if self.unroll_k else f"u{self.unroll}"
+        h2 = f"_h{self.hfma2}" if self.hfma2 else ""
+        return f"r{self.rows}_g{self.groups}_{lanes}_{unroll}{fast}{h2}"
+
+
+@dataclass(frozen=True)
+class PrefetchGemvTiles:
+    """The decode GEMVs that load their weights before they wait (``prefetch_gemv_cuda``):
+    ``warps`` a block (a warp an output row), at most ``max_blocks`` blocks (taller weights take
+    several passes of the grid); ``run`` products per fp16 partial sum of the INT4 dot
+    product."""
+
+    warps: int = 8
+    max_blocks: int = 1024
+    run: int = 16
+
+
+@dataclass(frozen=True)
+class NormGemvTiles:
+    """The add + RMSNorm + INT4 GEMV kernel (``norm_gemv_cuda.add_norm_gemv_q4``): ``blocks``
+    per token of ``warps`` warps (a warp per output); ``run`` products per fp16 partial sum of
+    the INT4 dot product."""
+
+    warps: int = 8
+    blocks: int = 264
+    run: int = 16
+
+    @property
+    def name(self) -> str:
+        return f"w{self.warps}_b{self.blocks}_h{self.run}"
+
+
+@dataclass(frozen=True)
+class NormRouterTiles:
+    """The add + RMSNorm + router logits kernel (``norm_gemv_cuda.add_norm_router``): ``warps``
+    a block, a warp per expert."""
+
+    warps: int = 4
+
+
+@dataclass(frozen=True)
+class GateUpTiles:
+    """The MoE decode gate/up kernel (``moe_decode_cuda``): ``blocks`` per token of ``warps``
+    warps; each warp takes every ``blocks * warps``-th output (a warp per output, two in
+    flight); ``run`` products per fp16 partial sum."""
+
+    warps: int
+    blocks: int
+    run: int = 16
+    min_blocks: int = 0  # __launch_bounds__ blocks an SM (caps the registers), 0: none
+    l2_rows: bool = False  # L2-prefetch a warp's later rows (moe_decode_cuda's docstring)
+
+    @property
+    def name(self) -> str:
+        bound = f"_m{self.min_blocks}" if self.min_blocks else ""
+        pf = "_pr" if self.l2_rows else ""
+        return f"w{self.warps}_b{self.blocks}_h{self.run}{bound}{pf}"
+
+
+@dataclass(frozen=True)
+class DecodeTiles:
+    """The MoE decode down kernel (``moe_decode_cuda``): ``warps`` per block, ``lanes`` per
+    output (a power of two <= 32), ``rows`` outputs per group of lanes, ``run`` products per
+    fp16 partial sum."""
+
+    warps: int
+    lanes: int
+    rows: int
+    run: int = 16
+    min_blocks: int = 0  # __launch_bounds__ blocks an SM (caps the registers), 0: none
+
+    @property
+    def outputs_per_block(self) -> int:
+        return self.warps * (32 // self.lanes) * self.rows
+
+    @property
+    def name(self) -> str:
+        bound = f"_m{self.min_blocks}" if self.min_blocks else ""
+        return f"w{self.warps}_l{self.lanes}_r{self.rows}_h{self.run}{bound}"
+
+
 # ---------------------------------------------------------------------------------------------
 # The table.
 # ---------------------------------------------------------------------------------------------
@@ -101,6 +256,42 @@ TABLE: dict[str, dict[TileKey, Any]] = {
     "mla_prologue": {TileKey(): MLAPrologueTiles(cols=64, threads=128)},
     "prefill_attention": {TileKey(): PrefillAttentionTiles(block_m=64, block_n=32)},
     # -- MoE decode / grouped GEMMs, decode GEMVs, norm + GEMV --------------------------------
+    # decode_gemv_cuda, by class of shape (decode_gemv_cuda.shape_class; H200 CUPTI kernel
+    # times on V2-Lite's shapes against the best scalar fp32 configuration, in
+    # schedules/results/decode_kernels.md); ANY: the schedule for every other kernel it takes
+    "decode_gemv": {
+        TileKey(): GemvConfig(),
+        # the routed experts (6 x 2816 x 2048, 6 x 2048 x 1408): 10.16 / 6.06 us vs 11.84 / 7.62
+        TileKey(ANY, "routed"): GemvConfig(2, 4, 16, unroll_k=True, fast_dequant=True, hfma2=16),
+        # lm_head (102400 x 2048): 30.0 vs 53.1 us
+        TileKey(ANY, "vocab"): GemvConfig(4, 4, 16, unroll_k=True, fast_dequant=True, hfma2=16),
+        # kv_a (576), the router (64): 64 lanes an output, 2.20 / 2.26 us
+        TileKey(ANY, "skinny"): GemvConfig(1, 2, 64, unroll_k=True, fast_dequant=True),
+        # the shared experts' down (K = 2816): 3.66 vs 4.17 us
+        TileKey(ANY, "long_k"): GemvConfig(2, 4, 32, unroll_k=True, fast_dequant=True, hfma2=8),
+        # q_proj, o_proj, the shared gate_up: 3.36 / 3.13 / 4.11 vs 3.45 / 2.98 / 5.35 us
+        TileKey(ANY, "wide"): GemvConfig(2, 4, 32, unroll_k=True, fast_dequant=True, hfma2=16),
+    },
+    # prefetch_gemv_cuda (schedules/results/prefetch_gemv.md)
+    "prefetch_gemv": {TileKey(): PrefetchGemvTiles(warps=8, max_blocks=1024, run=16)},
+    # norm_gemv_cuda (schedules/results/decode_kernels.md): one wave of 264 blocks for the GEMV
+    "add_norm_gemv": {TileKey(): NormGemvTiles(warps=8, blocks=264, run=16)},
+    "add_norm_router": {TileKey(): NormRouterTiles(warps=4)},
+    # moe_decode_cuda (schedules/results/moe_decode.md): one wave of 264 blocks (2 an SM)
+    "moe_decode_gate_up": {TileKey(): GateUpTiles(warps=8, blocks=264, run=16)},
+    "moe_decode_down": {TileKey(): DecodeTiles(warps=8, lanes=32, rows=2, run=8)},
+    # moe_mma_cuda (schedules/results/moe_grouped.md): 2 warps along the columns, 128 threads of
+    # 32 x 64 warp tiles (1.98 ms for n = 4096 on the H200; 4 warps of 32 x 32 tiles: 2.22 ms);
+    # pairs of tiles from 256 tiles on (about 2K tokens at top-6 of 64): at n = 4096 1.80 ms for
+    # V2-Lite's routed experts against 1.93 (one-tile blocks), at n = 512 0.44 against 0.32
+    "moe_grouped_mma": {TileKey(): GroupedMmaTiles(warps_n=2, pair_from=256)},
+    # moe_expert_mma_cuda (schedules/results/moe_decode.md): items of 64 rows for gate/up, 128
+    # for down, a 16-row tile a warp (no K split); runs of 256 inputs for gate/up (a row's lanes
+    # read 128 contiguous bytes; 64 took 24 % longer on the H200) and two runs in flight for
+    # down, which also wants more warps an SM (8 a block, 528 blocks): at batch 16 74.9 + 65.2 us
+    # a layer against 98.4 + 109.7. Items of one tile split 4 ways among the warps were slower
+    "moe_expert_mma_gate_up": {TileKey(): MmaTiles(warps=4, blocks=396, rows=64, run=256)},
+    "moe_expert_mma_down": {TileKey(): MmaTiles(warps=8, blocks=528, rows=128, depth=2)},
 }
 
 

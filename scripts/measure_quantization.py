@@ -17,7 +17,7 @@ from safetensors.numpy import load_file, save_file
 
 from dsv2_mlc.compiler.compile import compile_model
 from dsv2_mlc.evaluate import heldout_files, perplexity, token_windows, top1_agreement
-from dsv2_mlc.quantization import dequantize_int4, quantize_int4
+from dsv2_mlc.quant import dequantize_int4, quantize_int4
 from dsv2_mlc.runtime.engine import Engine
 from dsv2_mlc.runtime.tokenizer import Tokenizer
 

@@ -648,7 +648,7 @@ def emulate(
 def random_int4(
     rng: np.random.Generator, rows: tuple[int, ...], k: int, group: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A random INT4 group weight ``[*rows, k]`` as ``passes/quantize_int4.py`` stores it:
+    """A random INT4 group weight ``[*rows, k]`` as ``dsv2_mlc/quant/packing.py`` lays it out:
     (packed ``[*rows, k / 8]`` uint32, nibble ``i`` of word ``j`` element ``8 j + i``; fp16
     scales ``[*rows, ceil(k / group)]``, the last group partial where ``group`` does not divide
     ``k``; the float64 values ``(q - 8) * scale[k // group]``). The scales vary by a factor 3

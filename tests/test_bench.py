@@ -15,7 +15,7 @@ from hf_reference import hf_logits
 
 from dsv2_mlc.cli import main
 from dsv2_mlc.layout import BuildError
-from dsv2_mlc.quantization import dequantize_int4
+from dsv2_mlc.quant import dequantize_int4
 from dsv2_mlc.runtime.device import to_numpy
 
 

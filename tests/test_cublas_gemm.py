@@ -25,7 +25,7 @@ from dsv2_mlc.runtime.tvm_runtime import RuntimeLibraryError
     [("cuda", None, "cublas"), ("cpu", None, "tir"), ("cuda", "tir", "tir")],
 )
 def test_gemm_defaults_to_cublas_on_cuda(device, gemm, expected):
-    assert _build_options(device, "sm_90", None, False, gemm).gemm == expected
+    assert _build_options(device, "sm_90", None, gemm).gemm == expected
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""Which decode linear layers ``dsv2_mlc/model/decode_linear.py`` puts on the prefetch INT4 GEMV:
+"""Which decode linear layers ``dsv2_mlc/quant/decode_linear.py`` puts on the prefetch INT4 GEMV:
 CUDA, fp16, INT4 with fp16 scales, a shape the kernel takes and at most one pass of its grid
 (taller weights measured slower than the TIR GEMV). The model's CUDA decode IR shows where it does
 (tests/test_norm_gemv_cuda.py); the kernel's numerics: tests/test_prefetch_gemv_emulation.py."""
@@ -10,9 +10,9 @@ from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import Tensor, spec
 from tvm.target import Target
 
-from dsv2_mlc.model.decode_linear import int4_decode_gemv, int4_group
-from dsv2_mlc.passes.quantize_int4 import GroupQuantLinear
-from dsv2_mlc.quantization import QUANTIZATIONS
+from dsv2_mlc.quant import QUANTIZATIONS
+from dsv2_mlc.quant.decode_linear import int4_decode_gemv, int4_group
+from dsv2_mlc.quant.modules import GroupQuantLinear
 from dsv2_mlc.schedules.prefetch_gemv_cuda import gemv_q4_rows_per_pass
 
 

@@ -1,13 +1,14 @@
 """The decode-kernel hook (passes/schedule_decode_kernels.py): where it fires, and that the
 hand-scheduled kernels compile for sm_90. Needs nvcc for the CUDA builds (no GPU). The scheduled
 GEMVs the model uses run under the CPU emulation in tests/test_decode_gemv_emulation.py; the
-kernel lab's variants (``VARIANTS``) are only compiled here."""
+shipped configs (``SHIPPED``) are only compiled here (lab marker)."""
 
 from __future__ import annotations
 
 import json
 import re
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -22,8 +23,9 @@ from dsv2_mlc.passes.fuse_add_rms_norm import add_rms_norm_te
 from dsv2_mlc.passes.fuse_dequantize_matmul import dequantize_matmul_te
 from dsv2_mlc.passes.pipeline import PipelineOptions, _schedule
 from dsv2_mlc.passes.schedule_decode_kernels import ScheduleDecodeKernels
-from dsv2_mlc.schedules.decode_gemv_cuda import VARIANTS, GemvConfig, schedule_decode_gemv
+from dsv2_mlc.schedules.decode_gemv_cuda import schedule_decode_gemv
 from dsv2_mlc.schedules.rms_norm_cuda import schedule_add_rms_norm
+from dsv2_mlc.schedules.tiles import TABLE, GemvConfig
 
 sys.path.insert(0, str(Path(__file__).parent))
 from cuda_builds import needs_nvcc  # noqa: E402
@@ -166,13 +168,16 @@ def test_tagged_kernels_match_numpy_on_llvm():
     np.testing.assert_allclose(y, y_ref, rtol=1e-2, atol=1e-2)
 
 
-# -- schedule variants (the kernel lab, schedules/lab/kernel_lab_gemv.py)
-# --------------------------------
+# -- the shipped configurations (schedules/tiles.py), each with its scalar fallback -------------
+SHIPPED = list(dict.fromkeys(TABLE["decode_gemv"].values()))
+SHIPPED += [replace(c, hfma2=0) for c in SHIPPED if c.hfma2]
+
+
 def _lab_kernels() -> dict[str, tirx.PrimFunc]:
     """Small kernels of every tagged kind: dense (K=256, and K=1408 whose steps over 32 lanes do
     not divide), the routed-expert gather with its weight epilogue, the fp32 router gate."""
     from dsv2_mlc.model.moe import gather_matmul_te
-    from dsv2_mlc.passes.quantize_int4 import dequantize_expr
+    from dsv2_mlc.quant.modules import dequantize_expr
 
     k = _kernels()
     out = {"dense": k["dequantize_matmul"], "gate": k["gate_logits"]}
@@ -197,9 +202,9 @@ def _lab_kernels() -> dict[str, tirx.PrimFunc]:
 
 @pytest.mark.lab  # (the shipped choices run under the emulation: test_decode_gemv_emulation.py)
 @needs_nvcc
-@pytest.mark.parametrize("config", VARIANTS, ids=[v.name for v in VARIANTS])
-def test_gemv_variants_compile_for_sm90(config: GemvConfig):
-    """Every kernel-lab variant schedules and compiles the small kernels of every tagged kind."""
+@pytest.mark.parametrize("config", SHIPPED, ids=[v.name for v in SHIPPED])
+def test_gemv_configs_compile_for_sm90(config: GemvConfig):
+    """Every shipped config schedules and compiles the small kernels of every tagged kind."""
     target = make_target("cuda", "sm_90")
     funcs = {}
     for name, func in _lab_kernels().items():
@@ -223,7 +228,7 @@ def test_fast_dequant_rewrites_the_nibble_conversion_exactly():
 
 
 # -- the hand half2 dot product (``GemvConfig.hfma2``) --------------------------------------------
-HFMA2 = [v for v in VARIANTS if v.hfma2]
+HFMA2 = [v for v in SHIPPED if v.hfma2]
 
 
 @needs_nvcc

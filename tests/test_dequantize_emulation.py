@@ -13,7 +13,7 @@ import pytest
 import tvm
 from tvm import te, tirx
 
-from dsv2_mlc.passes.quantize_int4 import DEQUANTIZE_ATTR, dequantize_expr
+from dsv2_mlc.quant.modules import DEQUANTIZE_ATTR, dequantize_expr
 from dsv2_mlc.schedules.dequantize_cuda import (
     THREADS,
     dequantize_int4_kernel,

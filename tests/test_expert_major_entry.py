@@ -13,7 +13,7 @@ import pytest
 import tvm
 
 from dsv2_mlc.model.config import DeepseekV2Config
-from dsv2_mlc.quantization import get_quantization
+from dsv2_mlc.quant import get_quantization
 
 sys.path.insert(0, str(Path(__file__).parent))
 from cuda_builds import needs_nvcc  # noqa: E402

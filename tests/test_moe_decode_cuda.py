@@ -16,20 +16,19 @@ import tvm
 
 from dsv2_mlc.compiler.compile import make_target
 from dsv2_mlc.compiler.cuda import cuda_codegen
-from dsv2_mlc.schedules import oproj_router_cuda
 from dsv2_mlc.schedules.moe_decode_cuda import (
-    DecodeTiles,
-    GateUpTiles,
     MoeDecodeShape,
+    down_decode_kernel,
     down_source,
+    gate_up_decode_kernel,
     gate_up_source,
     moe_down_decode,
     moe_gate_up_decode,
 )
-from dsv2_mlc.schedules.oproj_router_cuda import oproj_router_decode
+from dsv2_mlc.schedules.tiles import DecodeTiles, GateUpTiles
 
 sys.path.insert(0, str(Path(__file__).parent))
-from cuda_builds import build_random_model, entry_ir, needs_nvcc  # noqa: E402
+from cuda_builds import entry_ir, needs_nvcc  # noqa: E402
 from hf_reference import CONFIG_A, CONFIG_B  # noqa: E402
 
 LITE = MoeDecodeShape(2048, 1408, 2816, 64, 6, 128)
@@ -81,24 +80,22 @@ def test_kernels_compile_for_sm90(shape: MoeDecodeShape):
     target = make_target("cuda", "sm_90")
     gate_up = [GateUpTiles(8, 264), GateUpTiles(4, 132, 8), GateUpTiles(16, 7), GateUpTiles(8, 9)]
     down = [DecodeTiles(4, 16, 2), DecodeTiles(4, 32, 1), DecodeTiles(8, 32, 2, 8),
-            DecodeTiles(8, 32, 2, 8, early_route=True)]  # fmt: skip
+            DecodeTiles(8, 32, 1, 8, 2)]  # fmt: skip
     tilings = list(zip(gate_up, down, strict=True))
     funcs = {}
     for i, (gu, dn) in enumerate(tilings):
-        funcs[f"gu{i}"] = moe_gate_up_decode(shape, gu).with_attr("global_symbol", f"gu{i}")
-        funcs[f"dn{i}"] = moe_down_decode(shape, dn).with_attr("global_symbol", f"dn{i}")
-    # lab variants: the gate/up kernel that reads its ids, and the o_proj kernel that routes
-    routed = moe_gate_up_decode(shape, gate_up[0], routed=True)
-    funcs["gur"] = routed.with_attr("global_symbol", "gur")
-    oproj = oproj_router_decode(shape.hidden, shape.hidden, shape.group, shape.router, 1e-6)
-    funcs["opr"] = oproj.with_attr("global_symbol", "opr")
+        funcs[f"gu{i}"] = gate_up_decode_kernel(shape, gu).with_attr("global_symbol", f"gu{i}")
+        funcs[f"dn{i}"] = down_decode_kernel(shape, dn).with_attr("global_symbol", f"dn{i}")
+    # the shipped tiles (schedules/tiles.py)
+    funcs["gu"] = moe_gate_up_decode(shape).with_attr("global_symbol", "gu")
+    funcs["dn"] = moe_down_decode(shape).with_attr("global_symbol", "dn")
     with target, cuda_codegen():
         lib = tvm.compile(tvm.IRModule(funcs), target=target)
     cuda = [m for m in lib.mod.imports_ if m.kind == "cuda"]
     assert cuda
     src = cuda[0].inspect_source()
-    for name in [f"{k}{i}" for i in range(len(tilings)) for k in ("gu", "dn")] + ["gur", "opr"]:
-        assert re.search(rf"__global__ void __launch_bounds__\(\d+\) {name}_kernel", src)
+    for name in [f"{k}{i}" for i in range(len(tilings)) for k in ("gu", "dn")] + ["gu", "dn"]:
+        assert re.search(rf"__global__ void __launch_bounds__\(\d+(, \d+)?\) {name}_kernel", src)
 
 
 @needs_nvcc
@@ -112,23 +109,6 @@ def test_int4_cuda_decode_uses_the_fused_kernels_and_prefill_does_not(tmp_path: 
     assert "moe_gate_up_q4" not in decode and "moe_route" not in decode
     # the router logits come with the post-attention norm (norm_gemv_cuda)
     assert decode.count("cls.add_norm_router,") == moe_layers
-    assert "oproj_router" not in decode  # the lab variant below is off
-
-
-@pytest.mark.lab
-@needs_nvcc
-def test_the_routing_in_o_proj_lab_switch_wires_its_kernels(tmp_path: Path, monkeypatch):
-    # oproj_router_cuda.ROUTE_IN_OPROJ (off: measured slower): o_proj, the add + norm and the
-    # routing in one kernel, the gate/up kernel reading its ids, no router kernel. A build of
-    # its own: the switch changes what the compiler emits, so not the session's shared build.
-    monkeypatch.setattr(oproj_router_cuda, "ROUTE_IN_OPROJ", True)
-    (decode,) = build_random_model(tmp_path, CONFIG_B, "q4f16_g32", "cuda").entries(
-        ("batch_decode",)
-    )
-    moe_layers = CONFIG_B["num_hidden_layers"] - CONFIG_B["first_k_dense_replace"]
-    for fused in ("oproj_router", "moe_decode_gate_up_routed", "moe_decode_down"):
-        assert decode.count(f"cls.{fused},") == moe_layers, fused
-    assert "add_norm_router" not in decode and "cls.moe_decode_gate_up," not in decode
 
 
 @pytest.mark.parametrize("quantization, device", [("q4f16_g32", "cpu"), ("q0f16", "cuda")])

@@ -20,14 +20,12 @@ import numpy as np
 import pytest
 
 from dsv2_mlc.schedules.moe_decode_cuda import (
-    DecodeTiles,
-    GateUpTiles,
     MoeDecodeShape,
-    moe_down_decode,
-    moe_gate_up_decode,
+    down_decode_kernel,
+    gate_up_decode_kernel,
 )
-from dsv2_mlc.schedules.moe_gate_up_bulk_cuda import BulkTiles, bulk_unsupported, moe_gate_up_bulk
 from dsv2_mlc.schedules.moe_routing import GPU_WARPS_PER_BLOCK, moe_route_gpu
+from dsv2_mlc.schedules.tiles import DecodeTiles, GateUpTiles
 
 sys.path.insert(0, str(Path(__file__).parent))
 from cuda_emulation import emulate, random_int4, rel_l2  # noqa: E402
@@ -130,10 +128,11 @@ def _check_gate_up(
 
 def _gate_up_prefetch_bytes(s: MoeDecodeShape, gu: GateUpTiles, n: int) -> int:
     """Bytes the gate/up kernel asks L2 for (``schedules/moe_decode_cuda.py``): each warp's
-    later shared rows (before the wait), its routed rows from the first one it has not loaded
-    yet (looked for at every other step of its loop: lane ``m`` takes the ``m``-th), and each
-    block's slice of the selected experts' down rows (together: each expert's whole rows once)."""
-    H, NI, IS, K, G = s.hidden, s.inter, s.shared_inter, s.top_k, s.group
+    later shared rows (before the wait) and its routed rows from the first one it has not loaded
+    yet (looked for at every other step of its loop: lane ``m`` takes the ``m``-th), with
+    ``GateUpTiles.l2_rows``."""
+    H, G = s.hidden, s.group
+    IS = s.shared_inter
     items, stride = s.total, gu.blocks * gu.warps
     rows = 0
     for i0 in range(stride) if gu.l2_rows else ():
@@ -145,9 +144,8 @@ def _gate_up_prefetch_bytes(s: MoeDecodeShape, gu: GateUpTiles, n: int) -> int:
                 rows += sum(1 for m in range(32) if i1 + m * stride < items)
                 break
             i = i1 + stride
-    down = K * (H * NI // 2 + H * (NI // G) * 2) if gu.l2_down else 0
     row = H // 2 + (H // G * 2 if H // G * 2 % 16 == 0 else 0)  # scales: whole 16-byte pieces
-    return n * (rows * 2 * row + down)
+    return n * rows * 2 * row
 
 
 @pytest.mark.parametrize(
@@ -155,37 +153,17 @@ def _gate_up_prefetch_bytes(s: MoeDecodeShape, gu: GateUpTiles, n: int) -> int:
     [
         (GREEDY, GateUpTiles(2, 3, 16), DecodeTiles(2, 8, 2, 8), 3, False),
         # 80 warps for 128 rows: warps 64-79 start on a routed row, so they wait for routing
-        # (with the lab's L2 prefetches: checked for alignment and bounds, and counted)
-        (
-            LIMITED,
-            GateUpTiles(4, 20, 8, l2_rows=True, l2_down=True),
-            DecodeTiles(4, 32, 3, 16),
-            3,
-            True,
-        ),
+        # (with the L2 prefetches of l2_rows: checked for alignment and bounds, and counted)
+        (LIMITED, GateUpTiles(4, 20, 8, l2_rows=True), DecodeTiles(4, 32, 3, 16), 3, True),
+        (LIMITED, GateUpTiles(4, 20, 8), DecodeTiles(4, 32, 3, 16), 3, True),
         (RENORM, GateUpTiles(1, 5, 4), DecodeTiles(1, 2, 1, 4), 3, False),
         (MEDIUM, GateUpTiles(8, 4, 16), DecodeTiles(8, 32, 2, 8), 2, False),
-        (MEDIUM, GateUpTiles(4, 7, 8, l2_down=True), DecodeTiles(4, 16, 3, 16), 1, False),
+        (MEDIUM, GateUpTiles(4, 7, 8), DecodeTiles(4, 16, 3, 16), 1, False),
+        # 40 chunks: the second of a lane only on lanes 0-7
         (LONG, GateUpTiles(4, 3, 16, l2_rows=True), DecodeTiles(2, 4, 4, 8), 2, False),
-        # x in shared memory, a copy a warp (40 chunks: the second of a lane only on lanes 0-7)
-        (LONG, GateUpTiles(4, 3, 16, x_shared=True), DecodeTiles(2, 4, 4, 8), 2, False),
-        (LIMITED, GateUpTiles(4, 20, 8, x_shared=True), DecodeTiles(4, 32, 3, 16), 3, True),
-        # the down kernel's early_route variant routes from the logits itself
-        (LIMITED, GateUpTiles(2, 3, 16), DecodeTiles(4, 32, 3, 16, early_route=True), 2, False),
-        (RENORM, GateUpTiles(1, 5, 4), DecodeTiles(2, 8, 2, 8, early_route=True), 3, False),
+        (LONG, GateUpTiles(4, 3, 16), DecodeTiles(2, 4, 4, 8), 2, False),
     ],
-    ids=[
-        "greedy",
-        "limited",
-        "renorm",
-        "medium",
-        "medium-b",
-        "long",
-        "long-xs",
-        "limited-xs",
-        "limited-er",
-        "renorm-er",
-    ],  # fmt: skip
+    ids=["greedy", "limited-pr", "limited", "renorm", "medium", "medium-b", "long-pr", "long"],
 )
 def test_moe_decode_kernels_match_numpy(
     tmp_path: Path, shape: MoeDecodeShape, gu: GateUpTiles, dn: DecodeTiles, n: int, waits: bool
@@ -200,8 +178,8 @@ def test_moe_decode_kernels_match_numpy(
     h = np.full((n, s.total), np.nan, np.float16)
     weights = np.full((n, K), np.nan, np.float32)
     ids = np.full((n, K), -1, np.int32)
-    arrays = {"x": x, "logits": logits, "w": w, "sc": sc, "sw": sw, "ss": ss, "dw": dw, "ds": ds}
-    run = emulate(moe_gate_up_decode(s, gu), tmp_path, "gate_up")
+    arrays = {"x": x, "logits": logits, "w": w, "sc": sc, "sw": sw, "ss": ss}
+    run = emulate(gate_up_decode_kernel(s, gu), tmp_path, "gate_up")
     stats = run(n * gu.blocks, {**arrays, "hout": h, "wout": weights, "iout": ids}, n, slow_warp=0)
     if waits:
         assert stats["nanosleep"] > 0, "no warp waited for the routing flag"
@@ -211,8 +189,8 @@ def test_moe_decode_kernels_match_numpy(
     # kernel 2: down projections + weighted sum, on kernel 1's h and routing
     out = np.full((n, H), np.nan, np.float16)
     arrays = {"h": h, "w": dw, "sc": ds, "sw": sdw, "ss": sds, "out": out}
-    routing = {"logits": logits} if dn.early_route else {"wts": weights, "ids": ids}
-    emulate(moe_down_decode(s, dn), tmp_path, "down")(
+    routing = {"wts": weights, "ids": ids}
+    emulate(down_decode_kernel(s, dn), tmp_path, "down")(
         n * -(-H // dn.outputs_per_block), {**arrays, **routing}, n
     )
     hf = h.astype(np.float64)
@@ -273,61 +251,20 @@ def test_gpu_router_gives_valid_experts_for_nan_scores(tmp_path: Path) -> None:
     np.testing.assert_array_equal(ids[2:], ref_ids)  # rows without NaN: unchanged
 
 
-# the bulk-copy kernel needs whole 16-byte pieces of scales per row (H / group a multiple of 8)
-BULK = MoeDecodeShape(256, 32, 64, 8, 2, 32)
-BULK_LIMITED = MoeDecodeShape(256, 32, 64, 8, 2, 32, 4, 2, False, 16.0)
-
-
-@pytest.mark.parametrize(
-    ("shape", "tiles", "n"),
-    [
-        # 26 rows a block: blocks start and end inside stages and cross expert boundaries
-        (BULK, BulkTiles(warps=2, blocks=5, stage_rows=8), 3),
-        (BULK_LIMITED, BulkTiles(warps=3, blocks=7, stage_rows=4), 3),
-        (MEDIUM, BulkTiles(warps=4, blocks=3, stage_rows=16), 2),  # 256 rows (139 KB) a block
-    ],
-    ids=["bulk", "bulk-limited", "bulk-medium"],
-)
-def test_gate_up_bulk_matches_numpy(
-    tmp_path: Path, shape: MoeDecodeShape, tiles: BulkTiles, n: int
-) -> None:
-    s = shape
-    rng = np.random.default_rng(5)
-    x = rng.standard_normal((n, s.hidden)).astype(np.float16)
-    logits = _logits(rng, n, s.experts)
-    w, sc, wv = random_int4(rng, (s.experts, 2 * s.inter), s.hidden, s.group)
-    sw, ss, swv = random_int4(rng, (2 * s.shared_inter,), s.hidden, s.group)
-    h = np.full((n, s.total), np.nan, np.float16)
-    weights = np.full((n, s.top_k), np.nan, np.float32)
-    ids = np.full((n, s.top_k), -1, np.int32)
-    arrays = {"x": x, "logits": logits, "w": w, "sc": sc, "sw": sw, "ss": ss}
-    run = emulate(moe_gate_up_bulk(s, tiles), tmp_path, "gate_up_bulk")
-    run(n * tiles.blocks, {**arrays, "hout": h, "wout": weights, "iout": ids}, n, slow_warp=0)
-    _check_gate_up(s, x, logits, wv, swv, h, weights, ids)
-
-
-def test_gate_up_bulk_names_what_it_cannot_take() -> None:
-    assert "16-byte" in bulk_unsupported(GREEDY, BulkTiles(stage_rows=8))
-    assert "divide" in bulk_unsupported(BULK, BulkTiles(stage_rows=3))
-    lite = MoeDecodeShape(2048, 1408, 2816, 64, 6, 128)
-    assert bulk_unsupported(lite) is None
-    v2 = MoeDecodeShape(5120, 1536, 3072, 160, 6, 128, 8, 3, False, 16.0)
-    assert "more blocks" in bulk_unsupported(v2)
-    with pytest.raises(ValueError, match="moe_gate_up_bulk"):
-        moe_gate_up_bulk(GREEDY)
-
-
 def test_dynamic_shared_memory_keeps_its_size_through_compaction() -> None:
-    """TVM compacts a block's buffer to the region its TIR touches; the kernel reaches its
+    """TVM compacts a block's buffer to the region its TIR touches; a hand kernel reaches its
     dynamic shared memory only through pointers, so the shell passes both ends (else the GPU
-    launch gets 4 bytes and the bulk copies write out of bounds; the emulation cannot see it)."""
+    launch gets 4 bytes and the kernel writes out of bounds; the emulation cannot see it)."""
     import re
 
     import tvm
 
-    lite = MoeDecodeShape(2048, 1408, 2816, 64, 6, 128)
-    func = moe_gate_up_bulk(lite, BulkTiles(8, 264, 8))
+    from dsv2_mlc.schedules.moe_expert_mma_cuda import moe_gate_up_expert_mma
+
+    # V2's rows of 5120 inputs: the chunk's staged x rows (82 KB) need dynamic shared memory
+    v2 = MoeDecodeShape(5120, 1536, 3072, 160, 6, 128, 8, 3, False, 16.0)
+    func = moe_gate_up_expert_mma(v2)
     out = tvm.s_tir.transform.CompactBufferAllocation()(tvm.IRModule({"p": func}))
-    (words,) = re.findall(r'T\.sblock_alloc_buffer\(\((\d+),\), "uint32", scope="shared\.dyn"\)',
-                          out["p"].script())  # fmt: skip
-    assert int(words) * 4 >= 43 * (2 * 1024 + 2 * 32)  # 43 rows of gate + up + scales a block
+    (halves,) = re.findall(r'T\.sblock_alloc_buffer\(\((\d+),\), "float16", scope="shared\.dyn"\)',
+                           out["p"].script())  # fmt: skip
+    assert int(halves) * 2 >= 4 * 8 * 2562  # 8 staged rows of 2562 words

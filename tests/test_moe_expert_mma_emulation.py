@@ -16,20 +16,23 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from dsv2_mlc.schedules.moe_decode_cuda import MoeDecodeShape
-from dsv2_mlc.schedules.moe_expert_major_cuda import GROUP_TOKENS
 from dsv2_mlc.schedules.moe_expert_mma_cuda import (
-    MmaTiles,
+    GROUP_TOKENS,
+    down_expert_mma_kernel,
     expert_mma_unsupported,
+    gate_up_expert_mma_kernel,
     moe_down_expert_mma,
     moe_gate_up_expert_mma,
 )
+from dsv2_mlc.schedules.tiles import MmaTiles
 
 sys.path.insert(0, str(Path(__file__).parent))
-from cuda_emulation import needs_toolchain  # noqa: E402
-from test_moe_expert_major_emulation import check_expert_kernels  # noqa: E402
+from cuda_emulation import emulate, needs_toolchain, rel_l2  # noqa: E402
+from test_moe_decode_emulation import TOL, moe_inputs, route_numpy  # noqa: E402
 
 pytestmark = needs_toolchain
 
@@ -84,8 +87,52 @@ def test_expert_mma_kernels_match_numpy(
     tmp_path: Path, shape: MoeDecodeShape, tiles: MmaTiles, n: int
 ) -> None:
     assert expert_mma_unsupported(shape, tiles) is None
-    gate_up, down = moe_gate_up_expert_mma(shape, tiles), moe_down_expert_mma(shape, tiles)
+    gate_up = gate_up_expert_mma_kernel(shape, tiles)
+    down = down_expert_mma_kernel(shape, tiles)
     check_expert_kernels(tmp_path, shape, n, gate_up, down, tiles.blocks, seed=5)
+
+
+def _silu(v: np.ndarray) -> np.ndarray:
+    return v / (1 + np.exp(-v))
+
+
+def check_expert_kernels(
+    tmp_path: Path, s: MoeDecodeShape, n: int, gate_up, down, blocks: int, seed: int
+) -> None:
+    """Run an expert-major gate/up and down kernel pair (``blocks`` blocks each) on ``n`` random
+    tokens routed by the float64 router; assert ``h`` and the unweighted ``part`` against
+    float64 NumPy (every output element starts NaN)."""
+    H, NI, K = s.hidden, s.inter, s.top_k
+    x, logits, (w, sc, wv), (sw, ss, swv), (dw, ds, dwv), (sdw, sds, sdwv) = moe_inputs(
+        np.random.default_rng(seed), s, n
+    )
+    args = (s.top_k, s.n_group, s.topk_group, s.norm_topk_prob, s.routed_scaling_factor)
+    _, ids = route_numpy(logits.astype(np.float64), *args)
+    ids = ids.astype(np.int32)
+
+    h = np.full((n, s.total), np.nan, np.float16)
+    arrays = {"x": x, "ids": ids, "w": w, "s": sc, "sw": sw, "ss": ss, "hout": h}
+    emulate(gate_up, tmp_path, "gate_up")(blocks, arrays, n)
+    xf = x.astype(np.float64)
+    ref_h = np.empty((n, s.total))
+    for t in range(n):
+        for j, e in enumerate(ids[t]):
+            gate_up_v = wv[e] @ xf[t]
+            ref_h[t, j * NI : (j + 1) * NI] = _silu(gate_up_v[:NI]) * gate_up_v[NI:]
+        gate_up_v = swv @ xf[t]
+        ref_h[t, K * NI :] = _silu(gate_up_v[: s.shared_inter]) * gate_up_v[s.shared_inter :]
+    assert rel_l2(h, ref_h) < TOL, f"h: rel L2 {rel_l2(h, ref_h):.2e}"
+
+    part = np.full((n, K + 1, H), np.nan, np.float32)
+    arrays = {"h": h, "ids": ids, "w": dw, "s": ds, "sw": sdw, "ss": sds, "part": part}
+    emulate(down, tmp_path, "down")(blocks, arrays, n)
+    hf = h.astype(np.float64)
+    ref = np.empty((n, K + 1, H))
+    for t in range(n):
+        for j, e in enumerate(ids[t]):
+            ref[t, j] = dwv[e] @ hf[t, j * NI : (j + 1) * NI]
+        ref[t, K] = sdwv @ hf[t, K * NI :]
+    assert rel_l2(part, ref) < TOL, f"part: rel L2 {rel_l2(part, ref):.2e}"
 
 
 def test_expert_mma_refuses_shapes_it_cannot_tile() -> None:
@@ -93,6 +140,8 @@ def test_expert_mma_refuses_shapes_it_cannot_tile() -> None:
     assert "multiple of 128" in expert_mma_unsupported(narrow)
     with pytest.raises(ValueError, match="cannot take"):
         moe_gate_up_expert_mma(narrow)
+    with pytest.raises(ValueError, match="cannot take"):
+        moe_down_expert_mma(narrow)
     wide = MoeDecodeShape(256, 128, 32768, 8, 2, 32)
     assert "shared memory" in expert_mma_unsupported(wide)
     assert "bad tiles" in expert_mma_unsupported(SMALL, MmaTiles(rows=24))
@@ -104,4 +153,5 @@ def test_expert_mma_refuses_shapes_it_cannot_tile() -> None:
     # a K split cannot share among its warps
     lite = MoeDecodeShape(2048, 1408, 2816, 64, 6, 128)
     with pytest.raises(ValueError, match="inter 1408 leaves a tail"):
-        moe_down_expert_mma(lite, MmaTiles(rows=16, run=256))
+        down_expert_mma_kernel(lite, MmaTiles(rows=16, run=256))
+    assert expert_mma_unsupported(lite) is None  # the shipped tiles (schedules/tiles.py) take it

@@ -16,9 +16,11 @@ import tvm
 from tvm import te, tirx
 
 from dsv2_mlc.model.config import DeepseekV2Config
-from dsv2_mlc.passes.quantize_int4 import dequantize_expr
-from dsv2_mlc.quantization import get_quantization, quantize_int4
+from dsv2_mlc.quant import get_quantization, quantize_int4
+from dsv2_mlc.quant.modules import dequantize_expr
 from dsv2_mlc.schedules import moe_grouped_cuda as grouped
+from dsv2_mlc.schedules.moe_mma_cuda import grouped_mma_kernel
+from dsv2_mlc.schedules.tiles import GroupedMmaTiles
 
 sys.path.insert(0, str(Path(__file__).parent))
 from cuda_builds import needs_nvcc  # noqa: E402
@@ -263,16 +265,16 @@ def test_mma_kernels_compile_for_sm90(group: int, arch_specific: bool):
         return dequantize_expr(ws[0], ws[1], (e, o), r, group)
 
     kernels = {"align": grouped.moe_align(64, 6)}
-    for warps_n, rows, rs in ((2, 64, 0), (4, 64, 0), (2, 128, 0), (2, None, 0), (2, 128, 1)):
-        tag = f"w{warps_n}_r{rows}_rs{rs}"
-        kernels[f"gate_up_{tag}"] = grouped.grouped_gemm_mma(
-            p["x"], p["rows"], p["tile_expert"], p["gate_up"], 1408, 2, True, "gu", warps_n, rows,
-            bool(rs),
-        )  # fmt: skip
-        kernels[f"down_{tag}"] = grouped.grouped_gemm_mma(
-            p["hid"], p["rows"], p["tile_expert"], p["down"], 2048, 1, False, "dn", warps_n, rows,
-            bool(rs),
-        )  # fmt: skip
+    # one-tile blocks of 2 x 2 and 2 x 4 warps, pairs always, and pairs from 256 tiles on
+    for warps_n, pair_from in ((2, None), (4, None), (2, 0), (2, 256)):
+        tiles = GroupedMmaTiles(warps_n, pair_from)
+        tag = f"w{warps_n}_p{pair_from}"
+        kernels[f"gate_up_{tag}"] = grouped_mma_kernel(
+            p["x"], p["rows"], p["tile_expert"], p["gate_up"], 1408, 2, True, "gu", tiles
+        )
+        kernels[f"down_{tag}"] = grouped_mma_kernel(
+            p["hid"], p["rows"], p["tile_expert"], p["down"], 2048, 1, False, "dn", tiles
+        )
     # the default dispatch (what grouped_experts builds): both mma kernels, picked on the host
     # by the tile count, the pair kernel with 64 KB of dynamic shared memory + the wgmma zero
     # tile (8 KB) + 1 KB to align them, 2 blocks an SM
@@ -290,7 +292,6 @@ def test_mma_kernels_compile_for_sm90(group: int, arch_specific: bool):
         lib = tvm.compile(mod, target=target)
     (src,) = cuda_sources(lib.mod)
     needles = ("__match_any_sync", "wgmma.mma_async.sync.aligned.m64n128k16", "fence.proxy.async")
-    needles += ("wgmma.mma_async.sync.aligned.m64n64k16", "moe_wgrs_pair_")
     for needle in needles:
         assert needle in src, needle
 

@@ -16,11 +16,13 @@ import tvm
 from dsv2_mlc.compiler.compile import make_target
 from dsv2_mlc.compiler.cuda import cuda_codegen
 from dsv2_mlc.schedules.norm_gemv_cuda import (
-    NormGemvTiles,
+    add_norm_gemv_kernel,
     add_norm_gemv_q4,
     add_norm_router,
+    add_norm_router_kernel,
     add_norm_unsupported,
 )
+from dsv2_mlc.schedules.tiles import NormGemvTiles, NormRouterTiles
 
 sys.path.insert(0, str(Path(__file__).parent))
 from cuda_builds import entry_ir, needs_nvcc  # noqa: E402
@@ -43,10 +45,10 @@ def test_kernels_compile_for_sm90():
     target = make_target("cuda", "sm_90")
     funcs = {
         "g_lite": add_norm_gemv_q4(2048, 3648, 128, 1e-6),
-        "g_v2": add_norm_gemv_q4(5120, 2112, 128, 1e-6, NormGemvTiles(4, 132, 8)),
-        "g_tiny": add_norm_gemv_q4(64, 152, 32, 1e-5, NormGemvTiles(2, 3)),
+        "g_v2": add_norm_gemv_kernel(5120, 2112, 128, 1e-6, NormGemvTiles(4, 132, 8)),
+        "g_tiny": add_norm_gemv_kernel(64, 152, 32, 1e-5, NormGemvTiles(2, 3)),
         "r_lite": add_norm_router(2048, 64, 1e-6),
-        "r_v2": add_norm_router(5120, 160, 1e-6, warps=8),
+        "r_v2": add_norm_router_kernel(5120, 160, 1e-6, NormRouterTiles(warps=8)),
         "r_tiny": add_norm_router(64, 8, 1e-5),
     }
     mod = tvm.IRModule({k: f.with_attr("global_symbol", k) for k, f in funcs.items()})
@@ -59,7 +61,7 @@ def test_kernels_compile_for_sm90():
     assert "1e-05f" in src and "1e-06f" in src
 
 
-# the model's calls of the prefetch INT4 GEMV (dsv2_mlc/model/decode_linear.py), by kernel name
+# the model's calls of the prefetch INT4 GEMV (dsv2_mlc/quant/decode_linear.py), by kernel name
 PREFETCH_GEMVS = ("qkv_a_decode", "o_proj_decode", "mlp_down_decode")
 
 

@@ -18,7 +18,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dsv2_mlc.schedules.norm_gemv_cuda import NormGemvTiles, add_norm_gemv_q4, add_norm_router
+from dsv2_mlc.schedules.norm_gemv_cuda import add_norm_gemv_kernel, add_norm_router_kernel
+from dsv2_mlc.schedules.tiles import NormGemvTiles, NormRouterTiles
 
 sys.path.insert(0, str(Path(__file__).parent))
 from cuda_emulation import emulate, random_int4, rel_l2  # noqa: E402
@@ -73,7 +74,7 @@ def test_add_norm_gemv_q4_matches_numpy(
     qw, qs, wv = random_int4(rng, (out_dim,), hidden, group)
     y = np.full((n, out_dim), np.nan, np.float16)
     s = np.full((n, hidden), np.nan, np.float16)
-    run = emulate(add_norm_gemv_q4(hidden, out_dim, group, eps, tiles), tmp_path)
+    run = emulate(add_norm_gemv_kernel(hidden, out_dim, group, eps, tiles), tmp_path)
     run(n * tiles.blocks, {"r": r, "d": d, "nw": w, "qw": qw, "qs": qs, "y": y, "s": s}, n)
     ref_s, ref_xn = _norm_numpy(r, d, w, eps)
     np.testing.assert_array_equal(s, ref_s)
@@ -99,7 +100,7 @@ def test_add_norm_router_matches_numpy(
     logits = np.full((n, experts), np.nan, np.float32)
     xn = np.full((n, hidden), np.nan, np.float16)
     s = np.full((n, hidden), np.nan, np.float16)
-    run = emulate(add_norm_router(hidden, experts, eps, warps), tmp_path)
+    run = emulate(add_norm_router_kernel(hidden, experts, eps, NormRouterTiles(warps)), tmp_path)
     arrays = {"r": r, "d": d, "nw": w, "gw": gate, "logits": logits, "xn": xn, "s": s}
     run(n * -(-experts // warps), arrays, n)
     _check_norm(s, xn, *_norm_numpy(r, d, w, eps))

@@ -19,7 +19,6 @@ from dsv2_mlc.compiler.compile import CompileError, compile_random_model, make_t
 from dsv2_mlc.compiler.cuda import check_fatbin, cuda_codegen, cuda_sources
 from dsv2_mlc.layout import BUILD_CONFIG, BuildConfig
 from dsv2_mlc.passes.grid_dependency_control import (
-    LAUNCH_DEPENDENTS,
     WAIT,
     InsertGridDependencyControl,
     _waiting_device_functions,
@@ -27,6 +26,7 @@ from dsv2_mlc.passes.grid_dependency_control import (
     kernels_without_wait,
 )
 from dsv2_mlc.passes.pipeline import tir_pipeline
+from dsv2_mlc.schedules.cuda_call import LAUNCH_DEPENDENTS
 
 sys.path.insert(0, str(Path(__file__).parent))
 from cuda_builds import needs_nvcc  # noqa: E402
@@ -65,9 +65,8 @@ def _body_starts(source: str, kernel: str) -> list[str]:
 
 
 @needs_nvcc
-@pytest.mark.parametrize("launch", [False, True], ids=["wait", "wait+launch_dependents"])
-def test_every_kernel_starts_with_the_wait_and_compiles_for_sm90(tmp_path: Path, launch: bool):
-    lib = _build(tir_pipeline(pdl=True, launch_dependents=launch))
+def test_every_kernel_starts_with_the_wait_and_compiles_for_sm90(tmp_path: Path):
+    lib = _build(tir_pipeline(pdl=True))
     (source,) = cuda_sources(lib.mod)
     kernels, missing = kernels_without_wait(source)
     assert sorted(kernels) == ["row_sum_kernel", "scale_kernel"] and missing == []
@@ -76,8 +75,8 @@ def test_every_kernel_starts_with_the_wait_and_compiles_for_sm90(tmp_path: Path,
     for kernel in kernels:
         first = _body_starts(source, kernel)
         assert first[0] == f"{WAIT}();"
-        assert (first[1] == f"{LAUNCH_DEPENDENTS}();") is launch
-    assert (f"{LAUNCH_DEPENDENTS}();" in source) is launch  # (the helper is always defined)
+    # TVM's kernels release their dependents at their exit (the helper is defined, not called)
+    assert f"{LAUNCH_DEPENDENTS}();" not in source
     lib.export_library(str(tmp_path / "lib.so"))
     check_fatbin(tmp_path / "lib.so", "sm_90")  # nvcc compiled the PTX for sm_90
 
@@ -145,11 +144,11 @@ def test_hand_kernels_that_wait_themselves_are_left_alone():
         return shell.with_attr({"calling_conv": 2, "target": cuda})
 
     mod = tvm.IRModule({"hand": kernel("hand_fn", f"{WAIT}();"), "plain": kernel("plain_fn", "")})
-    for launch in (False, True):  # nor a release: the hand kernel places its own
-        out = InsertGridDependencyControl(launch_dependents=launch)(mod)
-        assert out["hand"].same_as(mod["hand"])  # its own wait, after the weight load
-        assert not out["plain"].same_as(mod["plain"])
-        assert (f'"{LAUNCH_DEPENDENTS}"' in out["plain"].script()) is launch  # a call of it
+    out = InsertGridDependencyControl()(mod)
+    assert out["hand"].same_as(mod["hand"])  # its own wait, after the weight load
+    assert not out["plain"].same_as(mod["plain"])
+    assert f'"{WAIT}"' in out["plain"].script()  # a call of it
+    assert f'"{LAUNCH_DEPENDENTS}"' not in out["plain"].script()  # released at its exit
     src = (
         grid_wait_source()
         + fn.format(name="hand_fn", body=body.format(wait=f"{WAIT}();"))
@@ -163,11 +162,10 @@ def test_hand_kernels_that_wait_themselves_are_left_alone():
 @needs_nvcc
 def test_pdl_build_waits_in_tvm_kernels_too_and_records_the_option(model_builds):
     """A whole model: our kernels and TVM's (KV cache append, attention merge, page copies) all
-    wait, each releases its dependents once, right after its wait (the hand kernels themselves,
-    TVM's with ``launch_dependents``); the build config says ``pdl`` so the runtime may use
-    programmatic graph edges. (The build itself runs ``check_pdl_kernels``: it fails if any
-    kernel lacks the wait.)"""
-    build = model_builds.get(CONFIG_A, "q4f16_g32", "cuda", pdl=True, pdl_launch_dependents=True)
+    wait; the hand kernels release their dependents once, right after their own wait, TVM's at
+    their exit; the build config says ``pdl`` so the runtime may use programmatic graph edges.
+    (The build itself runs ``check_pdl_kernels``: it fails if any kernel lacks the wait.)"""
+    build = model_builds.get(CONFIG_A, "q4f16_g32", "cuda", pdl=True)
     sources = list(build.cuda_sources)
     assert sources
     seen = [kernels_without_wait(s)[0] for s in sources]
@@ -179,8 +177,8 @@ def test_pdl_build_waits_in_tvm_kernels_too_and_records_the_option(model_builds)
         "compact_kv_copy_kernel",
     }
     assert tvm_kernels <= kernels and len(kernels) > 40
-    # the hand kernels release their dependents right after their own wait, once; the pass adds
-    # the release (launch_dependents) right after the wait it puts first in TVM's kernels
+    # the hand kernels release their dependents right after their own wait, once; the wait the
+    # pass puts first in TVM's kernels is not followed by a release
     hand = sorted({f for src in sources for f in _waiting_device_functions(src)})
     kinds = ("dsv2_moe_gu_", "dsv2_moe_dn_", "dsv2_norm_gemv_", "dsv2_norm_router_",
              "dsv2_pf_gemv_", "dsv2_pf_absorb_v_", "mla_prologue_", "dsv2_mla_append_")  # fmt: skip
@@ -197,11 +195,10 @@ def test_pdl_build_waits_in_tvm_kernels_too_and_records_the_option(model_builds)
         for kernel in kernels_without_wait(src)[0]:
             first = _body_starts(src, kernel)
             if first[0] == f"{WAIT}();":
-                assert first[1] == f"{LAUNCH_DEPENDENTS}();", kernel
+                assert first[1] != f"{LAUNCH_DEPENDENTS}();", kernel
     raw = json.loads((build.out_dir / BUILD_CONFIG).read_text())
-    assert raw["pdl"] is True and raw["pdl_launch_dependents"] is True
-    config = BuildConfig.read(build.out_dir)
-    assert config.pdl and config.pdl_launch_dependents
+    assert raw["pdl"] is True
+    assert BuildConfig.read(build.out_dir).pdl
     check_fatbin(build.out_dir / "model.so", "sm_90")
 
 
@@ -217,8 +214,6 @@ def test_old_build_configs_read_as_no_pdl(tmp_path: Path):
     [
         (dict(device="cpu", pdl=True), "cuda only"),
         (dict(device="cuda", arch="sm_80", pdl=True), "sm_90 or newer"),
-        (dict(device="cuda", pdl=False, pdl_launch_dependents=True), "needs PDL"),
-        (dict(device="cuda", arch="sm_80", pdl_launch_dependents=True), "needs PDL"),
     ],
 )
 def test_pdl_options_are_checked_before_building(tmp_path: Path, kwargs, message):
@@ -241,10 +236,9 @@ def test_cli_passes_pdl_flags(tmp_path: Path, monkeypatch):
 
     monkeypatch.setattr(compile_mod, "compile_random_model", fake)
     base = ["compile", str(tmp_path), "-o", str(tmp_path / "o"), "--random-weights"]
-    for extra in ([], ["--pdl"], ["--no-pdl"], ["--pdl", "--pdl-launch-dependents"]):
+    for extra in ([], ["--pdl"], ["--no-pdl"]):
         main([*base, "--device", "cuda", *extra])
-    flags = [(c["pdl"], c["pdl_launch_dependents"]) for c in calls]
-    assert flags == [(None, False), (True, False), (False, False), (True, True)]
+    assert [c["pdl"] for c in calls] == [None, True, False]
 
 
 @pytest.mark.parametrize(
@@ -260,4 +254,4 @@ def test_cli_passes_pdl_flags(tmp_path: Path, monkeypatch):
 def test_pdl_is_on_by_default_where_the_gpu_has_it(device, arch, pdl, expected):
     from dsv2_mlc.compiler.compile import _build_options
 
-    assert _build_options(device, arch, pdl, False).pdl is expected
+    assert _build_options(device, arch, pdl).pdl is expected

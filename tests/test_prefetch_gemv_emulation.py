@@ -16,20 +16,22 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import dsv2_mlc.schedules.prefetch_gemv_cuda as pg
 from dsv2_mlc.schedules.prefetch_gemv_cuda import (
     absorb_v_decode,
+    absorb_v_kernel,
     absorb_v_unsupported,
     gemv_q4_decode,
+    gemv_q4_kernel,
     gemv_q4_unsupported,
 )
+from dsv2_mlc.schedules.tiles import PrefetchGemvTiles
 
 sys.path.insert(0, str(Path(__file__).parent))
 from cuda_emulation import emulate, needs_toolchain, random_int4, rel_l2  # noqa: E402
 
 
-def _blocks(rows: int) -> int:
-    return min(-(-rows // pg._WARPS), pg._MAX_BLOCKS)
+def _blocks(rows: int, tiles: PrefetchGemvTiles) -> int:
+    return min(-(-rows // tiles.warps), tiles.max_blocks)
 
 
 @needs_toolchain
@@ -45,15 +47,15 @@ def _blocks(rows: int) -> int:
     ],
 )
 def test_gemv_q4_decode_matches_numpy(
-    tmp_path: Path, monkeypatch, out_dim: int, in_dim: int, group: int, n: int, max_blocks: int
+    tmp_path: Path, out_dim: int, in_dim: int, group: int, n: int, max_blocks: int
 ) -> None:
-    monkeypatch.setattr(pg, "_MAX_BLOCKS", max_blocks)
+    tiles = PrefetchGemvTiles(max_blocks=max_blocks)
     rng = np.random.default_rng(7)
     x = rng.standard_normal((n, in_dim)).astype(np.float16)
     qw, qs, wv = random_int4(rng, (out_dim,), in_dim, group)
     y = np.full((n, out_dim), np.nan, np.float16)
-    run = emulate(gemv_q4_decode(out_dim, in_dim, group), tmp_path)
-    run(_blocks(out_dim), {"x": x, "qw": qw, "qs": qs, "y": y}, n)
+    run = emulate(gemv_q4_kernel(out_dim, in_dim, group, tiles), tmp_path)
+    run(_blocks(out_dim, tiles), {"x": x, "qw": qw, "qs": qs, "y": y}, n)
     ref = x.astype(np.float64) @ wv.T
     assert rel_l2(y, ref) < 2e-3, f"y: rel L2 {rel_l2(y, ref):.2e}"
 
@@ -68,15 +70,15 @@ def test_gemv_q4_decode_matches_numpy(
     ],
 )
 def test_absorb_v_decode_matches_numpy(
-    tmp_path: Path, monkeypatch, heads: int, v_dim: int, lora: int, n: int, max_blocks: int
+    tmp_path: Path, heads: int, v_dim: int, lora: int, n: int, max_blocks: int
 ) -> None:
-    monkeypatch.setattr(pg, "_MAX_BLOCKS", max_blocks)
+    tiles = PrefetchGemvTiles(max_blocks=max_blocks)
     rng = np.random.default_rng(8)
     o = rng.standard_normal((n, heads, lora)).astype(np.float16)
     w = (rng.standard_normal((heads, v_dim, lora)) / np.sqrt(lora)).astype(np.float16)
     y = np.full((n, heads * v_dim), np.nan, np.float16)
-    run = emulate(absorb_v_decode(heads, v_dim, lora), tmp_path)
-    run(_blocks(heads * v_dim), {"o": o, "w": w, "y": y}, n)
+    run = emulate(absorb_v_kernel(heads, v_dim, lora, tiles), tmp_path)
+    run(_blocks(heads * v_dim, tiles), {"o": o, "w": w, "y": y}, n)
     ref = np.einsum("thc,hvc->thv", o.astype(np.float64), w.astype(np.float64)).reshape(n, -1)
     ulp = np.spacing(np.abs(ref).astype(np.float16)).astype(np.float64)
     assert (np.abs(y - ref) <= ulp).all(), "beyond one fp16 rounding of float32 sums"
@@ -90,3 +92,5 @@ def test_unsupported_shapes_are_named() -> None:
     assert "multiple of 8" in absorb_v_unsupported(16, 128, 500)
     with pytest.raises(ValueError, match="gemv_q4_decode"):
         gemv_q4_decode(16, 100, 32)
+    with pytest.raises(ValueError, match="absorb_v_decode"):
+        absorb_v_decode(16, 128, 500)

@@ -14,7 +14,7 @@ import torch
 from conftest import CONFIGS, PROMPT
 from hf_reference import hf_greedy, hf_logits
 
-from dsv2_mlc.quantization import dequantize_int4, quantize_int4
+from dsv2_mlc.quant import dequantize_int4, quantize_int4
 
 KERNEL_TOL = 1e-3
 

@@ -8,8 +8,9 @@ from tvm.relax.frontend import nn
 
 from dsv2_mlc.model.config import DeepseekV2Config
 from dsv2_mlc.model.deepseek_v2 import DeepseekV2ForCausalLM
-from dsv2_mlc.passes.quantize_int4 import DEQUANTIZE_ATTR, QuantizedParam, quantize_model
-from dsv2_mlc.quantization import get_quantization
+from dsv2_mlc.quant import QuantizedParam, get_quantization
+from dsv2_mlc.quant.mutator import quantize_model
+from dsv2_mlc.schedules.dequantize_cuda import DEQUANTIZE_ATTR
 
 
 class Proj(nn.Module):
@@ -75,3 +76,30 @@ def test_model_keeps_gate_norms_and_absorbed_mla_in_float():
     assert dtypes["model.layers.1.mlp.experts.gate_up_q_weight"] == "uint32"
     assert "model.layers.1.mlp.experts.gate_up_proj" in plan
     assert all(not name.endswith(("norm.weight", "gate.weight", "w_uk", "w_uv")) for name in plan)
+
+
+class _Packed(nn.Module):
+    def __init__(self):
+        self.w_q_weight = nn.Parameter((4, 1), "uint32")
+
+
+class _OwnForm(nn.Module):
+    """A module with its own INT4 form (the protocol of ``dsv2_mlc.quant.mutator``)."""
+
+    def __init__(self):
+        self.w = nn.Parameter((4, 8), "float32")
+
+    def int4_form(self, q) -> tuple[nn.Module, dict[str, str]]:
+        return _Packed(), {"w": "w_"}
+
+
+class _Holder(nn.Module):
+    def __init__(self):
+        self.inner = _OwnForm()
+
+
+def test_a_module_with_its_own_int4_form_is_swapped_and_recorded():
+    model = _Holder()
+    plan = quantize_model(model, get_quantization("q4f32_g32"))
+    assert isinstance(model.inner, _Packed)
+    assert plan == {"inner.w": QuantizedParam("inner.w_q_weight", "inner.w_q_scale", 32, "float32")}

@@ -36,7 +36,7 @@ from ..layout import (
 from ..model.checkpoint import SafetensorsCheckpoint
 from ..model.config import DeepseekV2Config
 from ..model.weights import check_checkpoint, convert, weight_map
-from ..quantization import Quantization, get_quantization
+from ..quant import Quantization, get_quantization
 from .cuda import DEFAULT_ARCH, check_fatbin, cuda_codegen, cuda_sources, make_cuda_target
 
 DTYPES = ("float32", "float16")
@@ -72,7 +72,6 @@ class BuildOptions:
     """Code-generation options recorded in the build (``BuildConfig``) for the runtime."""
 
     pdl: bool = False
-    pdl_launch_dependents: bool = False
     gemm: str = "tir"  # prefill / extend GEMMs: "tir" or "cublas" (passes/pipeline.py)
 
 
@@ -80,7 +79,7 @@ PDL_MIN_SM = 90  # griddepcontrol.* (PTX ISA 7.8) needs sm_90
 
 
 def _build_options(
-    device: str, arch: str, pdl: bool | None, pdl_launch_dependents: bool, gemm: str | None = None
+    device: str, arch: str, pdl: bool | None, gemm: str | None = None
 ) -> BuildOptions:
     """``pdl=None`` (the default): on for CUDA at sm_90 or newer, off otherwise; ``gemm=None``:
     ``"cublas"`` for CUDA, ``"tir"`` otherwise."""
@@ -96,15 +95,13 @@ def _build_options(
     pdl_arch = sm.isdigit() and int(sm) >= PDL_MIN_SM
     if pdl is None:
         pdl = device == "cuda" and pdl_arch
-    if pdl_launch_dependents and not pdl:
-        raise CompileError("--pdl-launch-dependents needs PDL (--pdl, CUDA sm_90 or newer)")
     if pdl and device != "cuda":
         raise CompileError(f"--pdl is for --device cuda only, not {device!r}")
     if pdl and not pdl_arch:
         raise CompileError(
             f"--pdl needs sm_{PDL_MIN_SM} or newer (griddepcontrol); --arch is {arch}"
         )
-    return BuildOptions(pdl=pdl, pdl_launch_dependents=pdl_launch_dependents, gemm=gemm)
+    return BuildOptions(pdl=pdl, gemm=gemm)
 
 
 def _resolve_quantization(
@@ -141,12 +138,11 @@ def compile_model(
     progress: bool = True,
     arch: str = DEFAULT_ARCH,
     pdl: bool | None = None,
-    pdl_launch_dependents: bool = False,
     gemm: str | None = None,
 ) -> CompileResult:
     """Compile the HF checkpoint in ``model_dir`` for ``device`` into ``out_dir``.
 
-    ``quantization`` names a scheme of :mod:`dsv2_mlc.quantization` (default: ``q0f32``, or
+    ``quantization`` names a scheme of :mod:`dsv2_mlc.quant` (default: ``q0f32``, or
     ``q0f16`` with ``dtype="float16"``); ``dtype``, when also given, must agree with it.
 
     ``arch`` is the CUDA architecture for ``device="cuda"`` (kernels are precompiled for it with
@@ -158,8 +154,7 @@ def compile_model(
     the build says so (``BuildConfig.pdl``) so the runtime links the kernels of its decode graphs
     with programmatic edges (a decode step replays ~2.5 % faster on the H200,
     docs/benchmarks.md). The hand kernels release their successor's launch right after their
-    wait (``griddepcontrol.launch_dependents``); ``pdl_launch_dependents`` (needs PDL) makes
-    TVM's kernels do the same (slower on the H200: docs/benchmarks.md).
+    wait (``griddepcontrol.launch_dependents``); TVM's kernels release it at their exit.
 
     ``gemm`` (default: ``"cublas"`` for CUDA, ``"tir"`` otherwise) picks who runs the prefill /
     extend GEMMs: cuBLAS (the library then needs libcublas at run time,
@@ -167,7 +162,7 @@ def compile_model(
     """
     start = time.perf_counter()
     quant = _resolve_quantization(dtype, quantization, quantize_embedding, quantize_lm_head)
-    options = _build_options(device, arch, pdl, pdl_launch_dependents, gemm)
+    options = _build_options(device, arch, pdl, gemm)
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise CompileError(f"{model_dir}: model folder not found")
@@ -206,7 +201,7 @@ def _build(
 ) -> BuildConfig:
     from tvm.contrib import tvmjs
 
-    from ..passes.quantize_int4 import quantize_params
+    from ..quant import quantize_params
 
     mod, named_params, plan = _export(cfg, target, quant)
     param_dtypes = {name: str(p.dtype) for name, p in named_params}
@@ -243,7 +238,7 @@ def _build(
 def _export(cfg: DeepseekV2Config, target, quant: Quantization) -> tuple:
     """The traced (and for INT4, rewritten) model: (IRModule, named params, quantization plan)."""
     from ..model.deepseek_v2 import DeepseekV2ForCausalLM
-    from ..passes.quantize_int4 import quantize_model
+    from ..quant.mutator import quantize_model
 
     model = DeepseekV2ForCausalLM(cfg, quant.dtype, target)
     plan = quantize_model(model, quant)
@@ -272,7 +267,7 @@ def _compile_library(
                 mod,
                 target=target,
                 relax_pipeline=build_pipeline(target, dump_ir, PipelineOptions(options.gemm)),
-                tir_pipeline=tir_pipeline(options.pdl, options.pdl_launch_dependents),
+                tir_pipeline=tir_pipeline(options.pdl),
             )
         if options.pdl:
             check_pdl_kernels(executable.mod)
@@ -321,7 +316,6 @@ def _write_build_config(
         tvm_version=tvm.__version__,
         tvm_ffi_version=tvm_ffi.__version__,
         pdl=options.pdl,
-        pdl_launch_dependents=options.pdl_launch_dependents,
         gemm=options.gemm,
         files=file_records(tmp),  # what the runtime checks before loading (runtime/integrity.py)
     )
@@ -341,7 +335,6 @@ def compile_random_model(
     dump_ir: str | Path | None = None,
     arch: str = DEFAULT_ARCH,
     pdl: bool | None = None,
-    pdl_launch_dependents: bool = False,
     gemm: str | None = None,
 ) -> CompileResult:
     """Compile from a ``config.json`` alone (a file or the folder holding it), for benchmarks.
@@ -356,7 +349,7 @@ def compile_random_model(
 
     start = time.perf_counter()
     quant = _resolve_quantization(dtype, quantization, quantize_embedding, quantize_lm_head)
-    options = _build_options(device, arch, pdl, pdl_launch_dependents, gemm)
+    options = _build_options(device, arch, pdl, gemm)
     out_dir = Path(out_dir).resolve()
     _check_out_dir(out_dir, (Path(config),), dump_ir)
     cfg = DeepseekV2Config.from_file(config)

@@ -11,7 +11,7 @@ element): no state, any launch order, the same on every device.
   ``u = (h >> 8) / 2**24`` in [0, 1): uniform on [center - half, center + half)
   (``half = 0`` gives a constant, e.g. norms = 1).
 * ``dsv2_fill_int4_uint32(out, key)``: eight 4-bit codes per word, code ``c`` of element
-  ``8 * i + c`` in bits ``4c..4c+3`` (the layout of :mod:`dsv2_mlc.quantization`), each uniform on
+  ``8 * i + c`` in bits ``4c..4c+3`` (the layout of :mod:`dsv2_mlc.quant.packing`), each uniform on
   1..15, i.e. dequantised ``nibble - 8`` uniform on -7..7 (mean 0, variance 56/3).
 
 The Python mirror :func:`dsv2_mlc.runtime.random_params.reference_fill` computes the same values

@@ -35,13 +35,13 @@ from tvm.relax.frontend.nn import Tensor, op
 from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache
 from tvm.target import Target
 
+from ..quant.decode_linear import int4_decode_gemv, int4_group
 from ..rope import rope_table
 from ..schedules.argmax import greedy_argmax
 from ..schedules.norm_gemv_cuda import add_norm_gemv_q4, add_norm_router, add_norm_unsupported
 from ..schedules.rms_norm_cuda import RMS_NORM_ATTR  # the RMSNorm kernels' tag (epsilon)
 from .attrs import ENTRY_KIND_ATTR
 from .config import DeepseekV2Config
-from .decode_linear import int4_decode_gemv, int4_group
 from .kv_cache import MLAPagedKVCache
 from .mla_ops import (
     absorb_query,
@@ -138,13 +138,10 @@ class DeepseekV2Attention(nn.Module):
         cache: PagedKVCache,
         mode: Mode,
         qkv: Tensor | None = None,
-        project: bool = True,
     ) -> tuple[Tensor, PagedKVCache]:
         """x: [n, hidden] (all tokens of the batch), rope: [n, R] float32 (the tokens'
         ``rope_table``) -> ([n, hidden], cache). ``qkv``: ``qkv_a_proj(x)`` when the caller
-        computed it (with the norm folded in: ``DeepseekV2DecoderLayer.forward_decode``);
-        ``project`` False: the heads' output ``[n, heads * v_head_dim]`` before ``o_proj``
-        (which the caller's kernel applies)."""
+        computed it (with the norm folded in: ``DeepseekV2DecoderLayer.forward_decode``)."""
         cfg = self.cfg
         n = x.shape[0]
         heads = cfg.num_attention_heads
@@ -195,8 +192,6 @@ class DeepseekV2Attention(nn.Module):
             else:
                 out, _ = cache.merge_attn_output_inplace(out, lse, o_cross, lse_lat)
         out = op.reshape(out, (n, heads * v_dim))
-        if not project:
-            return out, cache
         proj = int4_decode_gemv(self.o_proj, out, "o_proj_decode") if mode == "decode" else None
         return (self.o_proj(out) if proj is None else proj), cache
 
@@ -235,8 +230,7 @@ class DeepseekV2DecoderLayer(nn.Module):
     ) -> tuple[Tensor, Tensor, PagedKVCache]:
         """Decode on CUDA (fp16) with each residual add + RMSNorm folded into the kernel that
         reads the norm (:mod:`dsv2_mlc.schedules.norm_gemv_cuda`): the INT4 ``qkv_a_proj`` and
-        the MoE router (or, with the lab switch of :meth:`DeepseekV2MoE.oproj_router`, off,
-        ``o_proj``'s kernel). The hidden state is ``r + d`` (``d``: the previous
+        the MoE router. The hidden state is ``r + d`` (``d``: the previous
         layer's output, None before the first layer); returns ``(r', d', cache)``, the next
         layer's. ``expert_major``: the experts read once for the batch
         (``batch_decode_expert_major``)."""
@@ -261,14 +255,7 @@ class DeepseekV2DecoderLayer(nn.Module):
             qkv = int4_decode_gemv(proj, xn, "qkv_a_decode")
             qkv = proj(xn) if qkv is None else qkv
         mlp, post = self.mlp, self.post_attention_layernorm
-        o_proj = self.self_attn.o_proj
-        # o_proj, the add + RMSNorm and the routing in one kernel, where it applies
-        moe = isinstance(mlp, DeepseekV2MoE)
-        routed = mlp.oproj_router(o_proj, s, post.eps) if moe and not expert_major else None
-        attn, cache = self.self_attn(s, rope, cache, "decode", qkv=qkv, project=routed is None)
-        if routed is not None:
-            s, out = mlp.forward_after_attention(routed, attn, o_proj, s, post.weight)
-            return s, out, cache
+        attn, cache = self.self_attn(s, rope, cache, "decode", qkv=qkv)
         if not isinstance(mlp, DeepseekV2MoE):
             s = s + attn
             return s, mlp(post(s), "decode"), cache

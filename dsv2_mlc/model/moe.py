@@ -6,6 +6,10 @@ so the expert kernels read weights by indirection (expert id -> weights), never 
 parameters. Routing (one kernel: softmax, group limit, top-k, renormalise or scale) follows the
 original DeepSeek-V2 code, including ``norm_topk_prob`` (renormalise, and then *no*
 ``routed_scaling_factor``), which Hugging Face ignores.
+
+The experts' INT4 form (:class:`GroupQuantExperts`: packed weights read inside the gather, grouped
+and fused decode kernels) lives here with them: :class:`DeepseekV2Experts` hands it to the
+quantizer through ``int4_form`` (:mod:`dsv2_mlc.quant.mutator`), which knows no model class.
 """
 
 from __future__ import annotations
@@ -18,13 +22,20 @@ from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import Tensor, op
 from tvm.target import Target
 
+from ..quant.decode_linear import int4_decode_gemv
+from ..quant.modules import GroupQuantLinear, dequantize_expr
+from ..quant.packing import packed_shape
+from ..quant.spec import Quantization
 from ..schedules import moe_grouped_cuda as grouped
-from ..schedules import oproj_router_cuda as oproj_router
 from ..schedules.decode_gemv_cuda import DECODE_GEMV
-from ..schedules.moe_decode_cuda import MoeDecodeShape
+from ..schedules.moe_decode_cuda import MoeDecodeShape, moe_down_decode, moe_gate_up_decode
+from ..schedules.moe_expert_mma_cuda import (
+    expert_mma_unsupported,
+    moe_down_expert_mma,
+    moe_gate_up_expert_mma,
+)
 from ..schedules.moe_routing import moe_route
 from .config import DeepseekV2Config
-from .decode_linear import int4_decode_gemv, int4_group
 
 WeightReader = Callable[[list[te.Tensor], Expr, Expr, Expr], Expr]
 
@@ -195,9 +206,10 @@ class DeepseekV2MLP(nn.Module):
     def forward(self, x: Tensor, mode: str | None = None) -> Tensor:
         """``mode``: the entry point's (see ``DeepseekV2MoE``). A CUDA decode step runs the INT4
         ``down_proj`` as the GEMV that loads its weights before it waits
-        (:mod:`.decode_linear`: V2-Lite's 2048 x 10944, 7.2 us a step against the TIR GEMV's
-        10.2 on the H200); ``gate_up_proj`` (21888 x 2048) stays on the TIR GEMV, which was the
-        faster of the two there (10.3 against 10.9 us; schedules/results/decode_kernels.md)."""
+        (:mod:`dsv2_mlc.quant.decode_linear`: V2-Lite's 2048 x 10944, 7.2 us a step against the
+        TIR GEMV's 10.2 on the H200); ``gate_up_proj`` (21888 x 2048) stays on the TIR GEMV,
+        which was the faster of the two there (10.3 against 10.9 us;
+        schedules/results/decode_kernels.md)."""
         gate, up = op.split(self.gate_up_proj(x), 2, axis=-1)
         hidden = op.silu(gate) * up
         gemv = mode == "decode"
@@ -261,6 +273,12 @@ class DeepseekV2Experts(nn.Module):
         self.gate_up_proj = nn.Parameter((e, 2 * i, h), dtype)
         self.down_proj = nn.Parameter((e, h, i), dtype)
 
+    def int4_form(self, q: Quantization) -> tuple[nn.Module, dict[str, str]]:
+        """These experts as INT4 groups for ``q`` (:class:`GroupQuantExperts`) and, per float
+        parameter, the prefix of its packed weights and scales (the protocol of
+        :class:`dsv2_mlc.quant.mutator.QuantizeInt4`)."""
+        return GroupQuantExperts(self, q), {"gate_up_proj": "gate_up_", "down_proj": "down_"}
+
     def decode_shape(
         self, x: Tensor, gate: DeepseekV2Gate, shared: DeepseekV2MLP
     ) -> MoeDecodeShape | None:
@@ -283,14 +301,6 @@ class DeepseekV2Experts(nn.Module):
         None here (float weights)."""
         return None
 
-    def fused_decode_routed(
-        self, x: Tensor, routing: tuple[Tensor, Tensor, Tensor], shape: MoeDecodeShape,
-        shared: DeepseekV2MLP,
-    ) -> Tensor:  # fmt: skip
-        """The fused decode kernels given the routing ``(weights, ids, logits)``; only for a
-        layout with a :meth:`decode_shape`."""
-        raise NotImplementedError(f"{type(self).__name__} has no fused decode kernels")
-
     def forward(self, x: Tensor, weights: Tensor, idx: Tensor, mode: str | None = None) -> Tensor:
         """x [n, H], weights [n, k] fp32, idx [n, k] -> sum_j weights[:, j] * expert_j(x).
 
@@ -305,6 +315,156 @@ class DeepseekV2Experts(nn.Module):
         gate, up = op.split(gate_up, 2, axis=-1)
         hidden = op.silu(gate) * up
         down = gather_matmul(hidden, [self.down_proj], idx, h, "moe_down")  # [n, k, H]
+        weighted = down.astype("float32") * op.unsqueeze(weights, -1)
+        return op.sum(weighted, axis=1).astype(x.dtype)
+
+
+def expert_major_combine_te(part: te.Tensor, weights: te.Tensor, dtype: str) -> te.Tensor:
+    """``out[t, o] = sum_j weights[t, j] * part[t, j, o] + part[t, K, o]`` in float32, the
+    slots in order then the shared experts (one elementwise kernel, a fixed order: replays give
+    the eager step's bits), cast to ``dtype``."""
+    n, k1, h = part.shape
+    k = int(k1) - 1
+
+    def out(t: Expr, o: Expr) -> Expr:
+        acc = weights[t, 0] * part[t, 0, o]
+        for j in range(1, k):
+            acc = acc + weights[t, j] * part[t, j, o]
+        return (acc + part[t, k, o]).astype(dtype)
+
+    return te.compute((n, h), out, name="moe_expert_major_combine")
+
+
+class GroupQuantExperts(nn.Module):
+    """Stacked routed experts with INT4-group weights, dequantised inside the gather kernels."""
+
+    def __init__(self, experts: DeepseekV2Experts, q: Quantization):
+        e, i2, h = experts.gate_up_proj.shape
+        self.num_experts, self.intermediate, self.hidden = int(e), experts.intermediate, int(h)
+        self.group_size = q.group_size
+        gu_w, gu_s = packed_shape((e, i2, h), q.group_size)
+        dn_w, dn_s = packed_shape((e, h, experts.intermediate), q.group_size)
+        self.gate_up_q_weight = nn.Parameter(gu_w, "uint32")
+        self.gate_up_q_scale = nn.Parameter(gu_s, q.scale_dtype)
+        self.down_q_weight = nn.Parameter(dn_w, "uint32")
+        self.down_q_scale = nn.Parameter(dn_s, q.scale_dtype)
+
+    def decode_shape(
+        self, x: Tensor, gate: DeepseekV2Gate, shared: DeepseekV2MLP
+    ) -> MoeDecodeShape | None:
+        """The shape of the fused decode kernels for this layer, or None where they do not
+        apply: not a CUDA target, not fp16, shared experts not INT4 with this group, or a shape
+        the kernels do not take (``MoeDecodeShape.unsupported``)."""
+        target = Target.current(allow_none=True)
+        if target is None or target.kind.name != "cuda" or x.dtype != "float16":
+            return None
+        lin = (shared.gate_up_proj, shared.down_proj)
+        if not all(isinstance(m, GroupQuantLinear) for m in lin):
+            return None
+        if any(m.group_size != self.group_size or m.q_scale.dtype != "float16" for m in lin):
+            return None
+        if self.gate_up_q_scale.dtype != "float16":
+            return None
+        cfg = gate.cfg
+        limited = cfg.topk_method == "group_limited_greedy"
+        shape = MoeDecodeShape(
+            hidden=self.hidden,
+            inter=self.intermediate,
+            shared_inter=shared.down_proj.in_features,
+            experts=self.num_experts,
+            top_k=cfg.num_experts_per_tok,
+            group=self.group_size,
+            n_group=cfg.n_group if limited else 1,
+            topk_group=cfg.topk_group,
+            norm_topk_prob=cfg.norm_topk_prob,
+            routed_scaling_factor=cfg.routed_scaling_factor,
+        )
+        return None if shape.unsupported() else shape
+
+    def fused_decode(
+        self, x: Tensor, logits: Tensor, gate: DeepseekV2Gate, shared: DeepseekV2MLP
+    ) -> Tensor | None:
+        """Decode on CUDA: routing + routed and shared gate/up + SwiGLU in one kernel, the
+        down projections + weighted sum in another (:mod:`dsv2_mlc.schedules.moe_decode_cuda`);
+        None where :meth:`decode_shape` says they do not apply."""
+        shape = self.decode_shape(x, gate, shared)
+        if shape is None:
+            return None
+        n, k = x.shape[0], shape.top_k
+        su = shared.gate_up_proj
+        hidden, weights, idx = op.tensor_ir_op(
+            moe_gate_up_decode(shape),
+            "moe_decode_gate_up",
+            args=[x, logits, self.gate_up_q_weight, self.gate_up_q_scale, su.q_weight, su.q_scale],
+            out=[
+                Tensor.placeholder((n, shape.total), x.dtype),
+                Tensor.placeholder((n, k), "float32"),
+                Tensor.placeholder((n, k), "int32"),
+            ],
+        )
+        sd = shared.down_proj
+        return op.tensor_ir_op(
+            moe_down_decode(shape),
+            "moe_decode_down",
+            args=[hidden, weights, idx, self.down_q_weight, self.down_q_scale, sd.q_weight,
+                  sd.q_scale],
+            out=Tensor.placeholder((n, shape.hidden), x.dtype),
+        )  # fmt: skip
+
+    def expert_major_decode(
+        self, x: Tensor, logits: Tensor, gate: DeepseekV2Gate, shared: DeepseekV2MLP
+    ) -> Tensor | None:
+        """Decode of a batch on CUDA: routing (``moe_route``), then every expert the batch
+        selects read once for its tokens (:mod:`dsv2_mlc.schedules.moe_expert_mma_cuda`: the
+        routed and shared gate/up + SwiGLU, then their down projections, unweighted), then the
+        weighted sum in float32; None where :meth:`decode_shape` or the kernels do not apply."""
+        shape = self.decode_shape(x, gate, shared)
+        if shape is None or expert_mma_unsupported(shape) is not None:
+            return None
+        n, k, h = x.shape[0], shape.top_k, shape.hidden
+        weights, idx = gate.route(logits)
+        su, sd = shared.gate_up_proj, shared.down_proj
+        hidden = op.tensor_ir_op(
+            moe_gate_up_expert_mma(shape),
+            "moe_expert_major_gate_up",
+            args=[x, idx, self.gate_up_q_weight, self.gate_up_q_scale, su.q_weight, su.q_scale],
+            out=Tensor.placeholder((n, shape.total), x.dtype),
+        )
+        part = op.tensor_ir_op(
+            moe_down_expert_mma(shape),
+            "moe_expert_major_down",
+            args=[hidden, idx, self.down_q_weight, self.down_q_scale, sd.q_weight, sd.q_scale],
+            out=Tensor.placeholder((n, k + 1, h), "float32"),
+        )
+        return nn.tensor_expr_op(
+            lambda p, w: expert_major_combine_te(p, w, x.dtype),
+            "moe_expert_major_combine",
+            [part, weights],
+        )
+
+    def forward(self, x: Tensor, weights: Tensor, idx: Tensor, mode: str | None = None) -> Tensor:
+        """As ``DeepseekV2Experts.forward``: grouped GEMMs for prefill / extend on CUDA."""
+        group = self.group_size
+
+        def read(ws: list[te.Tensor], e: Expr, o: Expr, r: Expr) -> Expr:
+            return dequantize_expr(ws[0], ws[1], (e, o), r, group)
+
+        if use_grouped_experts(mode):
+            return grouped_experts(
+                x, weights, idx, [self.gate_up_q_weight, self.gate_up_q_scale],
+                [self.down_q_weight, self.down_q_scale], self.num_experts, self.intermediate,
+                "moe_grouped_q4", read,
+            )  # fmt: skip
+
+        gate_up = gather_matmul(
+            x, [self.gate_up_q_weight, self.gate_up_q_scale], idx, 2 * self.intermediate,
+            "moe_gate_up_q4", read,
+        )  # fmt: skip
+        gate, up = op.split(gate_up, 2, axis=-1)
+        down = gather_matmul(
+            op.silu(gate) * up, [self.down_q_weight, self.down_q_scale], idx, self.hidden,
+            "moe_down_q4", read,
+        )  # fmt: skip
         weighted = down.astype("float32") * op.unsqueeze(weights, -1)
         return op.sum(weighted, axis=1).astype(x.dtype)
 
@@ -331,58 +491,6 @@ class DeepseekV2MoE(nn.Module):
         ``batch_decode_expert_major``): the experts' expert-major kernels where they have them
         (``expert_major_decode``: each expert the batch selects read once)."""
         return self.forward_with_logits(x, self.gate.logits(x), mode, expert_major)
-
-    def oproj_router(
-        self, o_proj: nn.Module, x: Tensor, eps: float
-    ) -> tuple[tirx.PrimFunc, MoeDecodeShape] | None:
-        """Decode on CUDA: the kernel that computes the attention's ``o_proj``, the residual
-        add, the RMSNorm (``eps``) before this block and the routing in one launch
-        (:mod:`dsv2_mlc.schedules.oproj_router_cuda`), with the shape of this layer's fused
-        decode kernels, where the experts have them and ``o_proj`` is an INT4 layer of a shape
-        it takes; else None. ``x``: the residual stream (its dtype and the target decide). Off
-        unless the lab switch ``oproj_router_cuda.ROUTE_IN_OPROJ`` is on (measured slower on the
-        H200)."""
-        if not oproj_router.ROUTE_IN_OPROJ or self.shared_experts is None:
-            return None
-        shape = self.experts.decode_shape(x, self.gate, self.shared_experts)
-        group = int4_group(o_proj)
-        if shape is None or group is None:
-            return None
-        n_out, k_in = o_proj.out_features, o_proj.in_features
-        if oproj_router.oproj_router_unsupported(n_out, k_in, group, shape.experts):
-            return None
-        return oproj_router.oproj_router_decode(n_out, k_in, group, shape.router, eps), shape
-
-    def forward_after_attention(
-        self,
-        routed: tuple[tirx.PrimFunc, MoeDecodeShape],
-        attn: Tensor,
-        o_proj: nn.Module,
-        r: Tensor,
-        norm_w: Tensor,
-    ) -> tuple[Tensor, Tensor]:
-        """Decode with :meth:`oproj_router`'s ``(kernel, shape)``: ``attn [n, heads * v]`` (before
-        ``o_proj``), the residual ``r [n, H]`` and the norm's weight -> ``(s, out)``: the new
-        residual ``s = r + o_proj(attn)`` and this block's output for ``RMSNorm(s)``."""
-        kernel, shape = routed
-        n, h = r.shape
-        e, k = self.gate.weight.shape[0], self.gate.cfg.num_experts_per_tok
-        _, s, xn, logits, weights, ids = op.tensor_ir_op(
-            kernel,
-            "oproj_router",
-            args=[attn, o_proj.q_weight, o_proj.q_scale, r, norm_w, self.gate.weight],
-            out=[
-                Tensor.placeholder((n, e + 1, h // 8), "float32"),  # the partial sums
-                Tensor.placeholder((n, h), r.dtype),
-                Tensor.placeholder((n, h), r.dtype),
-                Tensor.placeholder((n, e), "float32"),
-                Tensor.placeholder((n, k), "float32"),
-                Tensor.placeholder((n, k), "int32"),
-            ],
-        )
-        shared = self.shared_experts
-        out = self.experts.fused_decode_routed(xn, (weights, ids, logits), shape, shared)
-        return s, out
 
     def forward_with_logits(
         self, x: Tensor, logits: Tensor, mode: str | None = None, expert_major: bool = False

@@ -10,7 +10,7 @@ fires from is its upstream port:
 
 * ``PORT_PROGRAMMATIC`` (``cudaGraphKernelNodePortProgrammatic``): when every block of N has
   exited or executed ``griddepcontrol.launch_dependents`` (the hand kernels do, right after
-  their wait; with ``--pdl-launch-dependents`` TVM's kernels too). Without that, N+1's launch
+  their wait; TVM's kernels at their exit). Without that, N+1's launch
   overlaps N's drain and memory flush only.
 * ``PORT_LAUNCH_COMPLETION`` (``cudaGraphKernelNodePortLaunchCompletion``): when every block of
   N has started. N+1's blocks may then occupy SM slots while they wait, and so on down the chain.

@@ -4,10 +4,10 @@
 decode
 GEMV kernels at V2-Lite shapes from the model's own TE builders (``dequantize_matmul_te`` with the
 epilogues FuseOps gives them, ``gather_matmul_te`` with the INT4 reader of ``GroupQuantExperts``,
-``gate_logits_te``), batch symbolic as in the model, schedules each with every
-``decode_gemv_cuda.VARIANTS`` entry and with dlight's default rules (baseline ``dlight``), and
-exports one TIR-only sm_90 library per (kernel, variant) into ``build/lab_gemv/`` plus
-``manifest.json``.
+``gate_logits_te``), batch symbolic as in the model, schedules each with every configuration
+of ``_variants()`` (``schedule_decode_gemv(func, config)``) and with dlight's default rules
+(baseline ``dlight``), and exports one TIR-only sm_90 library per (kernel, variant) into
+``build/lab_gemv/`` plus ``manifest.json``.
 
 
 ``python3 schedules/lab/kernel_lab_gemv.py run --lib-dir .devcarry/tvm-lib --out $OUT`` (GPU box:
@@ -35,6 +35,38 @@ ROOT = Path(__file__).resolve().parent.parent
 LAB_DIR = ROOT / "build" / "lab_gemv"
 GROUP = 128
 H, EXPERTS, TOPK = 2048, 64, 6
+
+
+def _variants() -> tuple:
+    """The decode GEMV configurations the lab builds and times (the first is the schedule of the
+    ``ANY`` entry of ``schedules/tiles.py``)."""
+    from dsv2_mlc.schedules.tiles import GemvConfig as C
+
+    return (
+        C(),
+        C(fast_dequant=True),
+        C(rows=1, groups=4, lanes=32, unroll_k=True, fast_dequant=True),
+        C(rows=2, groups=4, lanes=32, unroll_k=True, fast_dequant=True),
+        C(rows=4, groups=4, lanes=32, unroll_k=True, fast_dequant=True),
+        C(rows=4, groups=4, lanes=32, fast_dequant=True),
+        C(rows=4, groups=4, lanes=32, unroll_k=True),
+        C(rows=4, groups=2, lanes=32, unroll_k=True, fast_dequant=True),
+        # (rows=8 does not build: TVM's CUDA codegen fails on a vector store, PrintVecElemStore)
+        C(rows=2, groups=4, lanes=16, unroll_k=True, fast_dequant=True),
+        C(rows=4, groups=8, lanes=8, unroll_k=True, fast_dequant=True),
+        C(rows=1, groups=2, lanes=64, unroll_k=True, fast_dequant=True),
+        C(rows=2, groups=1, lanes=128, unroll_k=True, fast_dequant=True),
+        # the hand half2 dot product (``hfma2``) on the shapes of the per-class winners
+        C(rows=2, groups=4, lanes=16, unroll_k=True, fast_dequant=True, hfma2=16),
+        C(rows=2, groups=4, lanes=16, unroll_k=True, fast_dequant=True, hfma2=4),
+        C(rows=4, groups=4, lanes=16, unroll_k=True, fast_dequant=True, hfma2=16),
+        C(rows=1, groups=2, lanes=64, unroll_k=True, fast_dequant=True, hfma2=16),
+        C(rows=1, groups=4, lanes=32, unroll_k=True, fast_dequant=True, hfma2=16),
+        C(rows=2, groups=4, lanes=32, unroll_k=True, fast_dequant=True, hfma2=16),
+        C(rows=2, groups=4, lanes=32, unroll_k=True, fast_dequant=True, hfma2=8),
+        C(rows=4, groups=4, lanes=32, unroll_k=True, fast_dequant=True, hfma2=16),
+    )
+
 
 # name -> (kind, N outputs, K, extra); kinds: dense (epilogue), gather (x shared / per slot), gate.
 KERNELS: dict[str, tuple[str, int, int]] = {
@@ -66,7 +98,7 @@ def build_kernel(name: str):  # -> tvm.tirx.PrimFunc
 
     from dsv2_mlc.model.moe import gate_logits_te, gather_matmul_te
     from dsv2_mlc.passes.fuse_dequantize_matmul import dequantize_matmul_te
-    from dsv2_mlc.passes.quantize_int4 import dequantize_expr
+    from dsv2_mlc.quant.modules import dequantize_expr
 
     kind, n_out, k = KERNELS[name]
     b = tirx.Var("n", "int64")
@@ -126,10 +158,10 @@ def prepare(args: argparse.Namespace) -> int:
     from dsv2_mlc.compiler.cuda import make_cuda_target
 
     target = make_cuda_target(args.arch)
-    from dsv2_mlc.schedules.decode_gemv_cuda import VARIANTS, schedule_decode_gemv
+    from dsv2_mlc.schedules.decode_gemv_cuda import schedule_decode_gemv
 
     lab_common.fresh_lab_dir(LAB_DIR, "*.so")
-    variants = {"dlight": None} | {v.name: v for v in VARIANTS}
+    variants = {"dlight": None} | {v.name: v for v in _variants()}
     if args.only:
         variants = {k: v for k, v in variants.items() if k in args.only.split(",")}
     built: dict[str, dict[str, str]] = {}

@@ -10,15 +10,13 @@ TIR-only library for CUDA sm_90 (precompiled fatbin, :mod:`dsv2_mlc.compiler.cud
   (gather GEMM ``[n, 6, 2816]``), ``old_silu_mul``, ``old_down`` (``[n, 6, 2048]``) and
   ``old_combine`` (``sum_j w * down`` in float32);
 * ``new_*`` (:mod:`dsv2_mlc.schedules.moe_grouped_cuda`): ``new_align`` (expert-sorted padded
-  rows, the warp version) and ``new_align_tir`` (the first, one thread per (expert, segment)),
+  rows),
   ``new_gate_up_<variant>`` (grouped GEMM + SwiGLU), ``new_down_<variant>`` and ``new_combine``,
-  for the tensor-core variants of ``MMA_VARIANTS`` (``mma128``: pairs of tiles, 4 x 2 warps;
-  ``mma128rs``: the same with the weights as wgmma's register operand; ``mma`` / ``mma_w4``: one
-  tile, 2 / 4 warps along the columns; the model picks ``mma128`` from 256 tiles on and ``mma``
-  below; ``prepare --no-arch-specific`` builds them with ``mma.sync`` instead of ``wgmma``) and
-  each SIMT tiling of
-  ``--tilings`` (``TILINGS``; default ``t8x16``, the SIMT default). The SIMT paths run with
-  ``new_align_tir`` (as first measured), the mma path with ``new_align``.
+  for the tensor-core variants of ``MMA_VARIANTS`` (``mma128``: pairs of tiles, 4 x 2 warps; ``mma``
+  / ``mma_w4``: one tile, 2 / 4 warps along the columns; the model picks ``mma128`` from 256 tiles
+  on and ``mma`` below; ``prepare --no-arch-specific`` builds them with ``mma.sync`` instead of
+  ``wgmma``) and each SIMT tiling of ``--tilings`` (``TILINGS``; default ``t8x16``, the SIMT
+  default), all with ``new_align``.
 
 ``python3 schedules/lab/kernel_lab_moe.py run --lib-dir .devcarry/tvm-lib --out DIR`` (GPU machine;
 torch + ``tvm_ffi`` + TVM's runtime libraries, never imports tvm): random INT4 experts, random
@@ -58,15 +56,14 @@ TILINGS = {
 }
 NS = (512, 4096)
 DEFAULT_TILINGS = ("t8x16",)
-# tensor-core variants: name -> (warps along the columns, rows per block, pair_rs) of
-# moe_mma_cuda.grouped_gemm_mma; "mma128" is the default of grouped_gemm_cuda (MMA_ROWS = 128:
-# pairs of tiles, 4 x 2 warps), "mma128rs" the pairs with the weights as wgmma's register operand,
-# "mma" / "mma_w4" the one-tile blocks of 2 x 2 / 2 x 4 warps
+# tensor-core variants: name -> GroupedMmaTiles (warps along the columns, pairs of tiles from
+# how many tiles: 0 always, None never) of moe_mma_cuda.grouped_mma_kernel; "mma128": pairs of
+# tiles, 4 x 2 warps; "mma" / "mma_w4" the one-tile blocks of 2 x 2 / 2 x 4 warps (the model
+# runs the pairs from 256 tiles on and "mma" below: schedules/tiles.py)
 MMA_VARIANTS = {
-    "mma128": (2, 128, False),
-    "mma128rs": (2, 128, True),
-    "mma": (2, 64, False),
-    "mma_w4": (4, 64, False),
+    "mma128": (2, 0),
+    "mma": (2, None),
+    "mma_w4": (4, None),
 }
 
 
@@ -77,8 +74,10 @@ def _kernels(group: int, tilings: tuple[str, ...] = DEFAULT_TILINGS) -> dict:
 
     from dsv2_mlc.model.moe import gather_matmul_te
     from dsv2_mlc.passes.fuse_gate_up_silu_mul import silu_mul_te
-    from dsv2_mlc.passes.quantize_int4 import dequantize_expr
+    from dsv2_mlc.quant.modules import dequantize_expr
     from dsv2_mlc.schedules import moe_grouped_cuda as grouped
+    from dsv2_mlc.schedules.moe_mma_cuda import grouped_mma_kernel
+    from dsv2_mlc.schedules.tiles import GroupedMmaTiles
 
     assert grouped.TM == TM, (grouped.TM, TM)
     H, E, K = HIDDEN, EXPERTS, TOP_K
@@ -121,16 +120,14 @@ def _kernels(group: int, tilings: tuple[str, ...] = DEFAULT_TILINGS) -> dict:
     down_rows = te.placeholder((nt, TM, H), "float16", name="down_rows")
     inv = te.placeholder((n, K), "int32", name="inv")
     funcs["new_align"] = grouped.moe_align(E, K, TM)
-    funcs["new_align_tir"] = grouped.moe_align(E, K, TM, warps=False)
-    for name, (warps_n, rows_per_block, rs) in MMA_VARIANTS.items():
-        funcs[f"new_gate_up_{name}"] = grouped.grouped_gemm_mma(
-            x, rows, tile_expert, [qgu, sgu], INTER, 2, True, "gate_up", warps_n, rows_per_block,
-            rs,
-        )  # fmt: skip
-        funcs[f"new_down_{name}"] = grouped.grouped_gemm_mma(
-            hid_rows, rows, tile_expert, [qdn, sdn], H, 1, False, "down", warps_n, rows_per_block,
-            rs,
-        )  # fmt: skip
+    for name, tiles in MMA_VARIANTS.items():
+        tiles = GroupedMmaTiles(*tiles)
+        funcs[f"new_gate_up_{name}"] = grouped_mma_kernel(
+            x, rows, tile_expert, [qgu, sgu], INTER, 2, True, "gate_up", tiles
+        )
+        funcs[f"new_down_{name}"] = grouped_mma_kernel(
+            hid_rows, rows, tile_expert, [qdn, sdn], H, 1, False, "down", tiles
+        )
     for name in tilings:
         ty, tx, vr, vc_gu, vc_dn, tk = TILINGS[name]
         tiles_gu = grouped.GemmTiles(ty=ty, tx=tx, vr=vr, vc=vc_gu, tk=tk)
@@ -282,7 +279,7 @@ def _new_path(torch, k: dict, c: dict, wts: dict, variant: str) -> tuple[list, o
     down = torch.full((n_tiles, TM, HIDDEN), float("nan"), dtype=f16, device="cuda")
     out = torch.full((n, HIDDEN), 7.0, dtype=f16, device="cuda")
     b = book
-    align = "new_align" if variant.startswith("mma") else "new_align_tir"
+    align = "new_align"
     calls = [
         (align, _ffi(c["idx"], b["rows"], b["tile_expert"], b["inv"], b["counts"])),
         (

@@ -4,12 +4,11 @@
 one
 library per kernel into ``build/lab_moe_decode/``: for V2-Lite's MoE shape (hidden 2048, expert
 intermediate 1408, 2 shared experts, 64 experts, top-6 greedy, INT4 group 128) every tiling of
-:data:`GATE_UP_VARIANTS` / :data:`BULK_VARIANTS` (the bulk-copy gate/up kernel) /
-:data:`DOWN_VARIANTS` (``gu_lite_<tiles>``, ``gub_lite_<tiles>``, ``dn_lite_<tiles>``), and the
-defaults for the full V2's shape (hidden 5120, intermediate 1536, 160 experts, top-6 of group-
-limited routing over 8 groups / 3 kept, scale 16: ``gu_v2``, ``dn_v2``), the one-kernel variants
-of :mod:`dsv2_mlc.schedules.moe_fused_decode_cuda` (:data:`FUSED_VARIANTS`: ``mf_lite_<tiles>``),
-plus ``manifest.json``. ``--only`` (comma-separated keys) builds those alone.
+:data:`GATE_UP_VARIANTS` / :data:`DOWN_VARIANTS` (``gu_lite_<tiles>``, ``dn_lite_<tiles>``,
+through the builders' tile-taking functions ``gate_up_decode_kernel`` / ``down_decode_kernel``),
+and the shipped kernels for the full V2's shape (hidden 5120, intermediate 1536, 160 experts,
+top-6 of group-limited routing over 8 groups / 3 kept, scale 16: ``gu_v2``, ``dn_v2``), plus
+``manifest.json``. ``--only`` (comma-separated keys) builds those alone.
 
 ``python3 schedules/lab/kernel_lab_moe_decode.py run --lib-dir .devcarry/tvm-lib --out DIR`` (GPU
 machine; torch + ``tvm_ffi`` + TVM's runtime libraries, never imports tvm): random INT4 experts,
@@ -17,11 +16,8 @@ activations and router logits for n tokens (1 and 4); a float32 torch reference 
 greedy or group-limited top-k, the dequantised experts, SwiGLU, the weighted sum); every
 gate/up kernel is checked (ids exact, weights, ``h`` relative L2) and every down kernel is run on
 the reference's ``h`` / routing and checked (``out`` relative L2); each is timed with CUDA events
-(median of loops of back-to-back calls) and shown with the GB/s of the weights it reads. A fused
-kernel is checked on a zeroed float32 ``out`` and timed alone (``out`` then accumulates: the
-timing does not read it); the ``chain`` rows compare the MoE block's whole time, the default
-gate/up + down pair against each fused kernel, back to back (events), replayed from a CUDA graph
-and as summed kernel durations (CUPTI). Results go to ``DIR/moe_decode_lab.json``.
+(median of loops of back-to-back calls) and shown with the GB/s of the weights it reads. Results
+go to ``DIR/moe_decode_lab.json``.
 """
 
 from __future__ import annotations
@@ -53,13 +49,12 @@ SHAPES: dict[str, dict] = {
         routed_scaling_factor=16.0,
     ),
 }
-# (warps, blocks, run[, min_blocks, l2_rows, l2_down, x_shared]) of GateUpTiles and (warps,
-# lanes, rows, run[, min_blocks]) of DecodeTiles (min_blocks: __launch_bounds__ blocks an SM;
-# l2_*: the L2 prefetches of the gate/up kernel); the first of each is the default
+# (warps, blocks, run[, min_blocks, l2_rows]) of GateUpTiles and (warps, lanes, rows, run[,
+# min_blocks]) of DecodeTiles (min_blocks: __launch_bounds__ blocks an SM; l2_rows: the L2
+# prefetches of the gate/up kernel); the first of each is the shipped one (schedules/tiles.py)
 GATE_UP_VARIANTS = (
     (8, 264, 16),
-    (8, 264, 16, 0, True, False),  # w8_b264_h16_pr: L2 prefetch of the rows
-    (8, 264, 16, 0, False, True),  # w8_b264_h16_pd: of the down rows, for the next kernel
+    (8, 264, 16, 0, True),  # w8_b264_h16_pr: L2 prefetch of the rows
     (8, 132, 16),
     (4, 264, 16),
     (8, 396, 16),
@@ -67,15 +62,7 @@ GATE_UP_VARIANTS = (
     (8, 264, 8),
     (8, 396, 16, 3),
     (4, 792, 16, 6),
-    # x_shared: each warp's copy of x in shared memory (32 registers fewer)
-    (8, 264, 16, 0, False, False, True),
-    (8, 396, 16, 3, False, False, True),
-    (4, 792, 16, 6, False, False, True),
-    (8, 528, 16, 4, False, False, True),
-    (4, 528, 16, 4, False, False, True),
 )
-# (warps, blocks, stage_rows) of the bulk-copy gate/up kernel (moe_gate_up_bulk_cuda)
-BULK_VARIANTS = ((16, 132, 8), (8, 132, 8), (16, 132, 16), (16, 132, 4), (16, 264, 8), (8, 264, 8))
 DOWN_VARIANTS = (
     (8, 32, 2, 8),
     (4, 32, 2, 8),
@@ -85,20 +72,7 @@ DOWN_VARIANTS = (
     (8, 32, 1, 8, 2),
     (4, 32, 2, 8, 4),
     (4, 32, 1, 8, 4),
-    (8, 32, 2, 8, 0, True),  # early_route: routes from the logits, every row before the wait
 )
-# (rows, warps, run, down_run, min_blocks[, x_shared]) of FusedTiles; the first is the module's
-# default
-FUSED_VARIANTS = (
-    (64, 8, 16, 8, 2),
-    (32, 4, 16, 8, 3),
-    (32, 8, 16, 8, 3, True),
-    (32, 4, 16, 8, 6, True),
-    (32, 8, 16, 8, 2, True),
-    (64, 8, 16, 8, 2, True),
-    (64, 16, 16, 8, 1, True),
-)
-_DEFAULTS = {"gate_up": GATE_UP_VARIANTS[0], "down": DOWN_VARIANTS[0]}  # the model's tiles
 BAD_REL = 5e-3  # relative L2 above this is flagged "!"
 NS = (1, 4)
 
@@ -107,32 +81,20 @@ NS = (1, 4)
 def _kernels() -> tuple[dict, dict]:
     """(symbol key -> PrimFunc, key -> description) of every kernel the lab builds."""
     from dsv2_mlc.schedules import moe_decode_cuda as m
+    from dsv2_mlc.schedules.tiles import DecodeTiles, GateUpTiles, tuned
 
-    assert m.GATE_UP_TILES == m.GateUpTiles(*GATE_UP_VARIANTS[0]), m.GATE_UP_TILES
-    assert m.DOWN_TILES == m.DecodeTiles(*DOWN_VARIANTS[0]), m.DOWN_TILES
+    assert tuned("moe_decode_gate_up") == GateUpTiles(*GATE_UP_VARIANTS[0])
+    assert tuned("moe_decode_down") == DecodeTiles(*DOWN_VARIANTS[0])
     funcs, info = {}, {}
     lite = m.MoeDecodeShape(**SHAPES["lite"])
     for v in GATE_UP_VARIANTS:
-        tiles = m.GateUpTiles(*v)
-        funcs[f"gu_lite_{tiles.name}"] = m.moe_gate_up_decode(lite, tiles)
+        tiles = GateUpTiles(*v)
+        funcs[f"gu_lite_{tiles.name}"] = m.gate_up_decode_kernel(lite, tiles)
         info[f"gu_lite_{tiles.name}"] = {"shape": "lite", "kind": "gate_up", "tiles": v}
-    from dsv2_mlc.schedules import moe_gate_up_bulk_cuda as b
-
-    for v in BULK_VARIANTS:
-        tiles = b.BulkTiles(*v)
-        funcs[f"gub_lite_{tiles.name}"] = b.moe_gate_up_bulk(lite, tiles)
-        info[f"gub_lite_{tiles.name}"] = {"shape": "lite", "kind": "gate_up", "tiles": v}
     for v in DOWN_VARIANTS:
-        tiles = m.DecodeTiles(*v)
-        funcs[f"dn_lite_{tiles.name}"] = m.moe_down_decode(lite, tiles)
+        tiles = DecodeTiles(*v)
+        funcs[f"dn_lite_{tiles.name}"] = m.down_decode_kernel(lite, tiles)
         info[f"dn_lite_{tiles.name}"] = {"shape": "lite", "kind": "down", "tiles": v}
-    from dsv2_mlc.schedules import moe_fused_decode_cuda as f
-
-    assert f.FUSED_TILES == f.FusedTiles(*FUSED_VARIANTS[0]), f.FUSED_TILES
-    for v in FUSED_VARIANTS:
-        tiles = f.FusedTiles(*v)
-        funcs[f"mf_lite_{tiles.name}"] = f.moe_fused_decode(lite, tiles)
-        info[f"mf_lite_{tiles.name}"] = {"shape": "lite", "kind": "fused", "tiles": v}
     v2 = m.MoeDecodeShape(**SHAPES["v2"])
     funcs["gu_v2"], funcs["dn_v2"] = m.moe_gate_up_decode(v2), m.moe_down_decode(v2)
     info["gu_v2"] = {"shape": "v2", "kind": "gate_up", "tiles": GATE_UP_VARIANTS[0]}
@@ -246,7 +208,7 @@ def _weight_bytes(shape: dict, n: int) -> dict:
     per_routed = 2 * NI * H // 2 + 2 * NI * H // G * 2, H * NI // 2 + H * NI // G * 2
     shared = 2 * IS * H // 2 + 2 * IS * H // G * 2, H * IS // 2 + H * IS // G * 2
     gate_up, down = n * K * per_routed[0] + shared[0], n * K * per_routed[1] + shared[1]
-    return {"gate_up": gate_up, "down": down, "fused": gate_up + down}
+    return {"gate_up": gate_up, "down": down}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -258,7 +220,7 @@ def run(args: argparse.Namespace) -> int:
     kernels = lab_common.load_kernels(args.lib_dir, lab_dir, args.only)
     ffi = lab_common.ffi_tensors
     u32 = torch.uint32
-    rows, chains, pairs = [], [], {}
+    rows = []
     for shape_name, shape in manifest["shapes"].items():
         for n in NS:
             d = _data(torch, shape, n, seed=n)
@@ -273,11 +235,8 @@ def run(args: argparse.Namespace) -> int:
                     h = torch.empty(n, total, dtype=torch.float16, device="cuda")
                     w = torch.empty(n, shape["top_k"], device="cuda")
                     ids = torch.empty(n, shape["top_k"], dtype=torch.int32, device="cuda")
-                    down = len(k["tiles"]) > 5 and k["tiles"][5]  # l2_down: the down rows too
                     call = ffi(d["x"], d["logits"], d["gu_w"].view(u32), d["gu_s"],
-                               d["sgu_w"].view(u32), d["sgu_s"],
-                               *((d["dn_w"].view(u32), d["dn_s"]) if down else ()),
-                               h, w, ids)  # fmt: skip
+                               d["sgu_w"].view(u32), d["sgu_s"], h, w, ids)  # fmt: skip
                     fn(*call)
                     torch.cuda.synchronize()
                     errs = {
@@ -286,20 +245,9 @@ def run(args: argparse.Namespace) -> int:
                         "rel_l2": _rel(torch, h, ref["h"]),
                     }
                     ok = errs["ids_equal"] and errs["rel_l2"] < BAD_REL
-                elif k["kind"] == "fused":
-                    out = torch.zeros(n, shape["hidden"], device="cuda")
-                    call = ffi(d["x"], d["logits"], d["gu_w"].view(u32), d["gu_s"],
-                               d["sgu_w"].view(u32), d["sgu_s"], d["dn_w"].view(u32), d["dn_s"],
-                               d["sdn_w"].view(u32), d["sdn_s"], out)  # fmt: skip
-                    fn(*call)
-                    torch.cuda.synchronize()
-                    errs = {"rel_l2": _rel(torch, out, ref["out"])}
-                    ok = errs["rel_l2"] < BAD_REL
-                    chains.append((shape_name, n, key, fn, call))
                 else:
                     out = torch.empty(n, shape["hidden"], dtype=torch.float16, device="cuda")
-                    early = len(k["tiles"]) > 5 and k["tiles"][5]  # routes from the logits
-                    routing = (d["logits"],) if early else (ref["weights"].contiguous(), ref["ids"])
+                    routing = (ref["weights"].contiguous(), ref["ids"])
                     call = ffi(ref["h"].half(), *routing,
                                d["dn_w"].view(u32), d["dn_s"], d["sdn_w"].view(u32), d["sdn_s"],
                                out)  # fmt: skip
@@ -307,8 +255,6 @@ def run(args: argparse.Namespace) -> int:
                     torch.cuda.synchronize()
                     errs = {"rel_l2": _rel(torch, out, ref["out"])}
                     ok = errs["rel_l2"] < BAD_REL
-                if k["tiles"] == list(_DEFAULTS.get(k["kind"], ())):  # the model's kernel
-                    pairs[(shape_name, n, k["kind"])] = (fn, call)
                 sec = lab_common.time_call(torch, fn, call, args.budget_per_case_s)
                 gbs = nbytes[k["kind"]] / sec / 1e9
                 rows.append({"shape": shape_name, "n": n, "kernel": key, "us": sec * 1e6,
@@ -316,7 +262,6 @@ def run(args: argparse.Namespace) -> int:
                 flag = "" if ok else "  !"
                 print(f"{shape_name:5} n={n} {key:28} {sec * 1e6:8.2f} us {gbs:7.0f} GB/s "
                       f"rel {errs['rel_l2']:.2e}{flag}", flush=True)  # fmt: skip
-    rows += _chain_rows(torch, chains, pairs)
     result = {"manifest": manifest, "device": torch.cuda.get_device_name(), "rows": rows,
               "finished": time.strftime("%Y-%m-%d %H:%M:%S %Z")}  # fmt: skip
     if args.out:
@@ -325,41 +270,6 @@ def run(args: argparse.Namespace) -> int:
     bad = [r["kernel"] for r in rows if not r["ok"]]
     print("all correct" if not bad else f"WRONG: {sorted(set(bad))}")
     return 1 if bad else 0
-
-
-def _chain_rows(torch, chains: list, pairs: dict) -> list[dict]:
-    """The MoE block's whole time: the default gate/up + down pair against each fused kernel
-    (module docstring), us: back to back (events), from a CUDA graph, summed kernel durations."""
-    import tvm_ffi
-
-    out = []
-    for shape_name, n, key, fn, call in chains:
-        gu, dn = (pairs.get((shape_name, n, kind)) for kind in ("gate_up", "down"))
-        if gu is None or dn is None:
-            continue
-        cases = {
-            "pair": [lambda gu=gu: gu[0](*gu[1]), lambda dn=dn: dn[0](*dn[1])],
-            key: [lambda fn=fn, call=call: fn(*call)],
-        }
-        for name, calls in cases.items():
-
-            def seq(calls=calls) -> None:
-                for c in calls:
-                    c()
-
-            row = {"shape": shape_name, "n": n, "kernel": f"chain:{name}", "vs": key, "ok": True,
-                   "us": lab_common.time_call(torch, seq, [], 0.3) * 1e6}  # fmt: skip
-            g = lab_common.graph_seconds(torch, tvm_ffi, [seq])
-            c = lab_common.cupti_seconds(torch, [seq])
-            row["graph_us"] = g * 1e6 if g else None
-            row["cupti_us"] = c * 1e6 if c else None
-            out.append(row)
-            print(
-                f"{shape_name:5} n={n} chain {name:28} events {row['us']:8.2f} us  graph "
-                f"{row['graph_us'] or 0:8.2f}  kernels {row['cupti_us'] or 0:8.2f}",
-                flush=True,
-            )
-    return out
 
 
 def main() -> int:

@@ -23,6 +23,7 @@ from ..schedules.prefetch_gemv_cuda import (
     gemv_q4_rows_per_pass,
     gemv_q4_unsupported,
 )
+from .modules import GroupQuantLinear
 
 __all__ = ["int4_decode_gemv", "int4_group"]
 
@@ -30,8 +31,6 @@ __all__ = ["int4_decode_gemv", "int4_group"]
 def int4_group(linear: nn.Module) -> int | None:
     """The group size of ``linear`` if it is an INT4 group-quantised linear layer with fp16
     scales, the layout of the hand decode kernels (else None)."""
-    from ..passes.quantize_int4 import GroupQuantLinear  # (the passes import the model)
-
     if not isinstance(linear, GroupQuantLinear) or linear.q_scale.dtype != "float16":
         return None
     return linear.group_size
