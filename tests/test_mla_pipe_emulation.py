@@ -1,9 +1,10 @@
 """The pipelined MLA split block (``mla_cuda_helpers.pipe_source``) run on the CPU, no GPU.
 
-The device function is compiled as C++20 with g++ (``half`` = ``_Float16``, the types of
-``tests/cuda_emulation.py``), one ``std::thread`` per CUDA thread, with CPU emulations of its
-seven PTX primitives swapped in: ``mma.sync.m16n8k16`` (the PTX fragment layouts), ``ldmatrix``
-(x4, x4.trans, x2.trans), ``cp.async`` (16-byte copies, zero-fill) with commit/wait groups, plus
+The device function is compiled as C++20 with g++ under AddressSanitizer (``half`` =
+``_Float16``, the types of ``tests/cuda_emulation.py``; a read past the page pool or the page
+ids aborts), one ``std::thread`` per CUDA thread, with CPU emulations of its seven PTX
+primitives swapped in: ``mma.sync.m16n8k16`` (the PTX fragment layouts), ``ldmatrix`` (x4,
+x4.trans, x2.trans), ``cp.async`` (16-byte copies, zero-fill) with commit/wait groups, plus
 ``__syncthreads`` and ``__shfl_xor_sync`` as barriers. ``cp.async`` copies land either at issue
 ("early") or only at the ``wait_group`` that must cover them ("late"), the two ends of what the
 hardware may do, so a wrong ring-buffer index or wait count shows up as a wrong result. Every
@@ -230,6 +231,8 @@ int main(int argc, char** argv) {
   save((dir + "/lse").c_str(), lse);
   save((dir + "/ws_o").c_str(), ws_o);
   save((dir + "/ws_lse").c_str(), ws_lse);
+  free(smem);
+  free(pages);
   return 0;
 }
 """
@@ -254,7 +257,7 @@ def _build(tmp: Path, d: int, dl: int, stages: int) -> Path:
             scale=f"{SCALE}f",
         )
     )
-    return compile_cpp(src, tmp / "emu")
+    return compile_cpp(src, tmp / "emu", sanitize=True)
 
 
 def _blocks(n_vis: list[int], pps: int, new: list[int], extra_early: int = 0) -> list[list[int]]:
