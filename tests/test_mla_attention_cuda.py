@@ -10,12 +10,14 @@ model carries it. The pipelined block's numerics: test_mla_pipe_emulation.py.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import tvm
 from cuda_builds import needs_nvcc  # noqa: E402
+from cuda_source import function_body, statements
 from mla_cache_module import create_script
 
 from dsv2_mlc.schedules.mla_attention_cuda import (
@@ -65,29 +67,112 @@ def _pdl_source() -> str:
     return src
 
 
-@needs_nvcc
-def test_split_kernel_copies_old_pages_then_waits_in_its_block() -> None:
-    """The split kernel reads its page tables, asks L2 for its pages (the prefetch helper does
-    not wait); the pipelined block issues the copies of its old pages, then waits and releases,
-    then issues the rest and reads Q; ``ws_n`` is written after the block (its wait); idle
-    blocks wait too; the pass adds no wait of its own to the split kernel and puts its wait
-    first in the merge kernel."""
-    from dsv2_mlc.passes.grid_dependency_control import WAIT, kernels_without_wait
+_PIPE = "mla_split_pipe_16_512_576_s3_e"  # the V2-Lite block (3 stages, early copies)
+_PREFETCH = "mla_prefetch_16_512_576"
 
-    src = _pdl_source()
+
+@pytest.fixture(scope="module")
+def pdl_source() -> str:
+    return _pdl_source()
+
+
+def _pdl_problems(src: str) -> list[str]:
+    """What the CPU emulation cannot see of the PDL wait (it does not time copies or L2
+    prefetches, nor model the merge kernel's wait), read from the statements of a ``--pdl``
+    build: the names of the properties ``src`` breaks."""
+    from dsv2_mlc.passes.grid_dependency_control import (
+        WAIT,
+        _waiting_device_functions,
+        kernels_without_wait,
+    )
+
     kernels, missing = kernels_without_wait(src)
-    assert len(kernels) == 2 and missing == []
-    pipe = src.split("void mla_split_pipe_16_512_576_s3_e(")[1].split("\n}\n")[0]
-    early, rest = pipe.split(f"{WAIT}();", 1)
-    assert "s0 < n_early" in early and "mlap_page_" in early  # old pages before the wait
-    assert "q + g * 576" in rest  # Q after it
-    prefetch = src.split("void mla_prefetch_16_512_576(")[1].split("\n}\n")[0]
-    assert "cp.async.bulk.prefetch" in src and WAIT not in prefetch
-    split, merge = (src.split(f" {k}(")[-1].split("{", 1)[1] for k in sorted(kernels))
-    assert split.index("page_indptr_ptr[") < split.index("mla_prefetch_16_512_576(")
-    assert split.index("mla_split_pipe_16_512_576_s3_e(") < split.index("ws_n_ptr[")
-    assert "mla_wait_release();" in split  # the idle blocks'
-    assert "mla_wait_release" not in merge and merge.lstrip().startswith(f"{WAIT}();")
+    waiting = re.compile(
+        r"\b(" + "|".join([WAIT, *sorted(_waiting_device_functions(src))]) + r")\("
+    )
+    problems = [] if len(kernels) == 2 and missing == [] else ["a kernel without its wait"]
+    pipe = statements(function_body(src, _PIPE))
+    waits = [i for i, stmt in enumerate(pipe) if waiting.search(stmt)]
+    early = [s for s in pipe[: waits[0] if waits else 0] if "mlap_page_" in s]
+    if len(waits) != 1 or pipe[waits[0]] != f"{WAIT}();":
+        problems.append("the block does not wait once, as a statement of its own")
+    elif not (len(early) == 1 and re.match(r"for \([^)]*\bn_early\b", early[0])):
+        problems.append("the block's old pages are not issued before its wait")
+    if any(waiting.search(stmt) for stmt in statements(function_body(src, _PREFETCH))):
+        problems.append("the L2 prefetch waits")
+    split_name, merge_name = sorted(kernels)  # (the merge kernel's name has a suffix)
+    split = statements(function_body(src, split_name))
+    if any(f"{WAIT}(" in stmt for stmt in split):
+        problems.append("the pass added a wait to the split kernel")
+    asks = [i for i, stmt in enumerate(split) if stmt.startswith(f"{_PREFETCH}(")]
+    waits = [i for i, stmt in enumerate(split) if waiting.search(stmt)]
+    if len(asks) != 1 or not waits or asks[0] > waits[0]:
+        problems.append("the split kernel does not ask L2 for its pages before it waits")
+    merge = statements(function_body(src, merge_name))
+    if merge[0] != f"{WAIT}();" or any(waiting.search(stmt) for stmt in merge[1:]):
+        problems.append("the merge kernel does not wait first, once")
+    return problems
+
+
+@needs_nvcc
+def test_split_kernel_copies_old_pages_then_waits_in_its_block(pdl_source: str) -> None:
+    """The pipelined block issues the copies of its old pages, then waits (one statement, once);
+    the split kernel asks L2 for its pages before any of its statements waits, and the prefetch
+    helper does not wait; the pass adds no wait of its own to the split kernel (it waits in its
+    device functions only) and puts its wait first in the merge kernel. (That Q and the step's
+    new rows are read, and out, lse and the workspace written, only after the wait, and that
+    every split block waits once, idle ones too: tests/test_mla_attention_emulation.py.)"""
+    assert _pdl_problems(pdl_source) == []
+    assert "cp.async.bulk.prefetch" in pdl_source
+
+
+def _edit_body(src: str, name: str, edit: Callable[[str], str]) -> str:
+    """``src`` with the body of function ``name`` replaced by ``edit`` of it."""
+    body = function_body(src, name)
+    at = re.search(rf"\b{name}\([^;{{]*\)\s*\{{", src).end()
+    return src[:at] + edit(body) + src[at + len(body) :]
+
+
+_WAIT_RELEASE = "  dsv2_griddepcontrol_wait();\n  dsv2_griddepcontrol_launch_dependents();"
+
+
+@needs_nvcc
+@pytest.mark.parametrize(
+    ("name", "edit", "problem"),
+    [
+        (
+            _PIPE,
+            lambda b: b.replace(_WAIT_RELEASE, "", 1).replace(
+                "  int s0 = 0;\n", f"  int s0 = 0;\n{_WAIT_RELEASE}\n", 1
+            ),
+            "the block's old pages are not issued before its wait",
+        ),
+        (
+            "m_kernel",
+            lambda b: b.replace(f"  {_PREFETCH}((", f"  mla_wait_release();\n  {_PREFETCH}((", 1),
+            "the split kernel does not ask L2 for its pages before it waits",
+        ),
+        (
+            "m_kernel",
+            lambda b: "\n  dsv2_griddepcontrol_wait();" + b,
+            "the pass added a wait to the split kernel",
+        ),
+        (
+            "m_kernel_1",
+            lambda b: (
+                b.replace("\n  dsv2_griddepcontrol_wait();", "", 1)
+                + "  dsv2_griddepcontrol_wait();\n"
+            ),
+            "the merge kernel does not wait first, once",
+        ),
+    ],
+    ids=["block_waits_first", "wait_before_prefetch", "pass_wait_in_split", "merge_waits_last"],
+)
+def test_split_kernel_wait_order_controls(pdl_source: str, name: str, edit, problem: str) -> None:
+    """The controls: each broken source shows its problem."""
+    broken = _edit_body(pdl_source, name, edit)
+    assert broken != pdl_source
+    assert problem in _pdl_problems(broken)
 
 
 # Names of the PrimFunc's shape variables and buffers besides ``total_len`` (the query rows).

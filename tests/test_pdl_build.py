@@ -30,6 +30,7 @@ from dsv2_mlc.schedules.cuda_call import LAUNCH_DEPENDENTS
 
 sys.path.insert(0, str(Path(__file__).parent))
 from cuda_builds import needs_nvcc  # noqa: E402
+from cuda_source import function_body  # noqa: E402
 from hf_reference import CONFIG_A  # noqa: E402
 
 
@@ -188,8 +189,7 @@ def test_pdl_build_waits_in_tvm_kernels_too_and_records_the_option(model_builds)
     released_first = re.compile(rf"{LAUNCH_DEPENDENTS}\(\);\s*{WAIT}\(\);")
     for src in sources:
         for name in _waiting_device_functions(src):
-            body = src[src.index(f" {name}(") :]
-            body = body[: body.index("\n}\n")]
+            body = function_body(src, name)
             pattern = released_first if name.startswith("dsv2_mla_append_") else released
             assert len(pattern.findall(body)) == body.count(f"{WAIT}();") == 1, name
         for kernel in kernels_without_wait(src)[0]:
