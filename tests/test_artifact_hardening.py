@@ -37,6 +37,7 @@ from dsv2_mlc.artifacts import target as target_mod
 from dsv2_mlc.artifacts.index import is_name, write_index
 from dsv2_mlc.artifacts.manifest import MANIFEST, FileEntry, Manifest, Target
 from dsv2_mlc.cli import main
+from dsv2_mlc.errors import Dsv2Error
 from dsv2_mlc.layout import BUILD_CONFIG, FORMAT_VERSION, BuildConfig
 from dsv2_mlc.resolve import ModelNotFoundError, resolve_model
 
@@ -666,7 +667,7 @@ def test_ctrl_c_keeps_a_download_of_known_size_and_the_same_command_resumes(
         ),
         (None, b"[1]", r"tensor-cache\.json: no list of weight shards"),
         (None, b'{"records": [{"dataPath": "../../x"}]}', "unsafe file path 'params/../../x'"),
-        (b'{"format_version": 1}', b"{}", r"dsv2-mlc\.json: not a valid build config"),
+        (b'{"format_version": 1}', b"{}", r"dsv2-mlc\.json: not a build config of this dsv2"),
         (b"[1]", b"{}", r"dsv2-mlc\.json: not a valid build config"),
     ],
 )
@@ -682,7 +683,7 @@ def test_package_of_a_malformed_compiled_folder_is_refused(
     for rel, blob in files.items():
         (compiled / rel).parent.mkdir(parents=True, exist_ok=True)
         (compiled / rel).write_bytes(blob)
-    with pytest.raises(ArtifactError, match=message):
+    with pytest.raises(Dsv2Error, match=message):  # ArtifactError, or BuildError from layout
         package_artifact(compiled, tmp_path / "out.tar")
     assert main(["package", str(compiled), "-o", str(tmp_path / "out.tar")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
