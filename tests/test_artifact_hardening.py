@@ -14,13 +14,13 @@ import io
 import json
 import os
 import tarfile
-import threading
 import urllib.request
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+from http_server import serving, url
 
 from dsv2_mlc.artifacts import (
     ArtifactError,
@@ -487,8 +487,7 @@ def test_read_only_cache_pull_rm_list(published, tmp_path, monkeypatch, capsys, 
 SERVER_BUDGET = 256 << 20  # the most any test server sends on one request, whatever the client
 
 
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
+class _Server(ThreadingHTTPServer):  # (the attributes serving() sets)
     files: dict[str, bytes]
     requests: list[tuple[str, str | None]]
     sent: list[int]
@@ -536,25 +535,8 @@ class _Handler(BaseHTTPRequestHandler):
 @pytest.fixture
 def http() -> Iterator[_Server]:
     """A local HTTP server on a free loopback port, shut down after the test (or 60 s)."""
-    srv = _Server(("127.0.0.1", 0), _Handler)
-    srv.files, srv.requests, srv.sent = {}, [], []
-    thread = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05})
-    thread.daemon = True
-    thread.start()
-    stop = threading.Timer(60, srv.shutdown)
-    stop.daemon = True
-    stop.start()
-    try:
+    with serving(_Handler, 60, files={}, requests=[], sent=[]) as srv:
         yield srv
-    finally:
-        stop.cancel()
-        srv.shutdown()
-        srv.server_close()
-        thread.join(5)
-
-
-def url(srv: _Server, path: str) -> str:
-    return f"http://127.0.0.1:{srv.server_address[1]}{path}"
 
 
 def test_endless_download_without_a_size_stops_at_the_cap(http, tmp_path, monkeypatch):

@@ -13,7 +13,6 @@ import shutil
 import subprocess
 import sys
 import tarfile
-import threading
 from collections.abc import Iterator
 from dataclasses import replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -21,6 +20,7 @@ from pathlib import Path
 
 import pytest
 from chat_fixtures import copy_model, deepseek_chat_template, write_tokenizer
+from http_server import serving, url
 
 import dsv2_mlc
 from dsv2_mlc.artifacts import (
@@ -102,7 +102,7 @@ def edit_manifest(folder: Path, **changes) -> Manifest:
     return m
 
 
-class _Server(ThreadingHTTPServer):
+class _Server(ThreadingHTTPServer):  # (the attributes serving() sets)
     files: dict[str, bytes]
     cut: dict[str, int]  # path -> bytes to send before hanging up (once)
     requests: list[tuple[str, str | None]]
@@ -143,25 +143,9 @@ class _Handler(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def http() -> Iterator[_Server]:
-    srv = _Server(("127.0.0.1", 0), _Handler)
-    srv.files, srv.cut, srv.requests = {}, {}, []
-    thread = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05})
-    thread.daemon = True
-    thread.start()
-    stop = threading.Timer(120, srv.shutdown)  # bounded even if a test hangs
-    stop.daemon = True
-    stop.start()
-    try:
+    """A local HTTP server on a free loopback port, shut down after the test (or 120 s)."""
+    with serving(_Handler, 120, files={}, cut={}, requests=[]) as srv:
         yield srv
-    finally:
-        stop.cancel()
-        srv.shutdown()
-        srv.server_close()
-        thread.join(5)
-
-
-def url(srv: _Server, path: str) -> str:
-    return f"http://127.0.0.1:{srv.server_address[1]}{path}"
 
 
 # -- the artifact ----------------------------------------------------------------------------
