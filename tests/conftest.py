@@ -16,16 +16,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 from cuda_builds import ModelBuilds, use_session_builds  # noqa: E402
-from hf_reference import CONFIG_A, CONFIG_B, load_hf, make_checkpoint  # noqa: E402
-
-CONFIGS = {
-    "A": CONFIG_A,
-    "B": CONFIG_B,
-    # C: V2-like routing with norm_topk_prob=True (HF ignores it; checked against NumPy).
-    "C": {**CONFIG_B, "norm_topk_prob": True},
-}
-
-PROMPT = [0, 17, 301, 44, 9, 250, 111, 7, 480, 66, 23, 5]
+from hf_reference import CONFIGS, load_hf, make_checkpoint  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -64,6 +64,12 @@ CONFIG_B = {
     "routed_scaling_factor": 16.0,
 }
 
+# The session's tiny checkpoints (tests/conftest.py); C: V2-like routing with norm_topk_prob=True
+# (HF ignores it; checked against NumPy).
+CONFIGS = {"A": CONFIG_A, "B": CONFIG_B, "C": {**CONFIG_B, "norm_topk_prob": True}}
+
+PROMPT = [0, 17, 301, 44, 9, 250, 111, 7, 480, 66, 23, 5]
+
 
 def init_weights(model: torch.nn.Module, seed: int) -> None:
     """Re-initialise for O(1) activations: norms 1+0.2N, embeddings N, linears N/sqrt(fan_in)."""

@@ -10,8 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import CONFIGS, PROMPT
-from hf_reference import hf_logits
+from hf_reference import CONFIGS, PROMPT, hf_logits
 
 from dsv2_mlc.cli import main
 from dsv2_mlc.layout import BuildError

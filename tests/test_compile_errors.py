@@ -10,8 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import PROMPT
-from hf_reference import CONFIG_A, hf_greedy, hf_logits, load_hf, make_checkpoint
+from hf_reference import CONFIG_A, PROMPT, hf_greedy, hf_logits, load_hf, make_checkpoint
 from safetensors.numpy import load_file, save_file
 
 from dsv2_mlc.compiler.compile import CompileError, compile_model

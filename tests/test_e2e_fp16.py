@@ -28,8 +28,15 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import PROMPT
-from hf_reference import CONFIG_A, hf_greedy, hf_logits, load_hf, make_checkpoint, routing_margin
+from hf_reference import (
+    CONFIG_A,
+    PROMPT,
+    hf_greedy,
+    hf_logits,
+    load_hf,
+    make_checkpoint,
+    routing_margin,
+)
 
 U = 2.0**-11  # float16 unit roundoff
 ROUNDINGS = 40  # float16 stores along the path to the logits (module docstring)

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import CONFIGS, PROMPT
-from hf_reference import hf_greedy, hf_logits
+from hf_reference import CONFIGS, PROMPT, hf_greedy, hf_logits
 from numpy_reference import forward as numpy_forward
 
 TOL = 1e-4

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import PROMPT
+from hf_reference import PROMPT
 
 from dsv2_mlc.runtime.device import to_numpy
 from dsv2_mlc.runtime.sampling import SamplingParams

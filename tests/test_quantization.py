@@ -11,8 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import CONFIGS, PROMPT
-from hf_reference import hf_greedy, hf_logits
+from hf_reference import CONFIGS, PROMPT, hf_greedy, hf_logits
 
 from dsv2_mlc.quant import dequantize_int4, quantize_int4
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import PROMPT
+from hf_reference import PROMPT
 
 TOL = 1e-4
 

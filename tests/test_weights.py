@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import CONFIGS
+from hf_reference import CONFIGS
 from safetensors.numpy import load_file
 
 from dsv2_mlc.hf_export import _FloatParams, _hub_tensors, _Ops
