@@ -8,6 +8,8 @@ import numbers
 from collections.abc import Collection, Sequence
 from typing import Any
 
+import numpy as np
+
 from ..errors import Dsv2Error
 
 MAX_BATCH_SIZE = 1024
@@ -41,13 +43,19 @@ def token_ids(tokens: Any, vocab: int, what: str = "token ids") -> list[int]:
             f"{what} must be a sequence of integers, got {type(tokens).__name__}; "
             "give text as str to the methods that tokenize, or a list of token ids"
         )
-    ids = list(tokens)
-    for t in ids:
-        if not _is_int(t):
-            raise TokenIdError(f"{what} must be integers; got {t!r} ({type(t).__name__})")
-        if not 0 <= t < vocab:
-            raise TokenIdError(f"token id {int(t)} is outside the vocabulary [0, {vocab})")
-    return [int(t) for t in ids]
+    if isinstance(tokens, np.ndarray) and tokens.dtype.kind in "iu" and tokens.ndim == 1:
+        ids = tokens.tolist()  # Python ints; the range check below is the same
+    else:
+        ids = list(tokens)
+    if not all(type(t) is int for t in ids):  # (fast path: plain ints, a prompt's thousands)
+        for t in ids:
+            if not _is_int(t):
+                raise TokenIdError(f"{what} must be integers; got {t!r} ({type(t).__name__})")
+        ids = [int(t) for t in ids]
+    if ids and not (0 <= min(ids) and max(ids) < vocab):
+        bad = next(t for t in ids if not 0 <= t < vocab)
+        raise TokenIdError(f"token id {bad} is outside the vocabulary [0, {vocab})")
+    return ids
 
 
 def live_sequence(seq: Any, live: Collection[int]) -> int:
