@@ -1,5 +1,5 @@
 """DispatchCublasGemm: prefill / extend ``x @ w.T`` (fp16/bf16) -> cuBLAS, whose GEMMs run ~3x
-faster than dlight's WMMA schedules on sm_90 (docs/benchmarks.md).
+faster than dlight's WMMA schedules on sm_90 (schedules/results/prefill_gemm.md).
 
 In the entry functions annotated ``prefill`` or ``extend`` (``ENTRY_KIND_ATTR``), a
 ``matmul(x, permute_dims(w))`` of a 2-D activation ``x [n, k]`` and a 2-D weight ``w [o, k]`` of

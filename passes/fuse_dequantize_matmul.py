@@ -9,8 +9,8 @@ bandwidth-bound: reading INT4 is the point) and for weights whose float copy wou
 ``MAX_MATERIALISED_BYTES`` (the vocab-sized lm_head, which prefill applies to one row per
 sequence). Prefill / extend GEMMs on GPU are compute-bound: there the weight is dequantised to a
 float buffer per call (a few MB, memory-bound, microseconds) and the float matmul gets dlight's
-tensor-core schedule, which a fused INT4 reduction does not (measured 2.7 TFLOP/s fused on the
-H200, docs/benchmarks.md).
+tensor-core schedule, which a fused INT4 reduction does not (a fused INT4 reduction runs at a
+small fraction of the tensor cores' rate).
 """
 
 from __future__ import annotations

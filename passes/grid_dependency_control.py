@@ -45,8 +45,8 @@ def InsertGridDependencyControl() -> tvm.transform.Pass:
     precedes every read of a predecessor's output, so a programmatic graph edge into the kernel
     is safe whatever the kernel does. TVM's kernels release their dependents at their exit; the
     hand kernels that wait themselves release them right after their wait
-    (:data:`~dsv2_mlc.schedules.cuda_call.WAIT_THEN_RELEASE`). Releasing TVM's kernels' dependents
-    after the inserted wait too made a decode graph's replay no faster on the H200
+    (:data:`~dsv2_mlc.schedules.cuda_call.WAIT_THEN_RELEASE`). TVM's kernels do not release after
+    the inserted wait: that makes a decode graph's replay no faster
     (schedules/results/decode_kernels.md)."""
 
     @tirx.transform.prim_func_pass(opt_level=0, name="InsertGridDependencyControl")

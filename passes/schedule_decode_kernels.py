@@ -1,13 +1,13 @@
 """ScheduleDecodeKernels: hand CUDA schedules for the tagged kernels (decode GEMVs, row norms).
 
-Every entry point gets the row-per-block schedules (``ROW_SCHEDULES``, copies named ``*_rows``):
-dlight's add+RMSNorm took 1.08 ms per call at 4096 rows on the H200 (CUPTI), 57 ms of a 4K
-prefill; the INT4 dequantization of prefill's weights becomes a thread per packed word
-(``schedules/dequantize_cuda.py``), prefill's query and key rows one vectorised kernel each
-(``schedules/prefill_qk_cuda.py``), the SwiGLU of the MLPs one too
-(``schedules/silu_mul_cuda.py``). The decode entry point also gets the batch-1 GEMV
-schedules (``DECODE_SCHEDULES``, copies named ``*_decode``); prefill and extend keep dlight's
-tiled schedules for their matmuls, which are right for hundreds of rows.
+Every entry point gets the row-per-block schedules (``ROW_SCHEDULES``, copies named ``*_rows``), as
+dlight's add+RMSNorm schedule is far slower at thousands of rows
+(schedules/results/prefill_small_kernels.md); the INT4 dequantization of prefill's weights becomes a
+thread per packed word (``schedules/dequantize_cuda.py``), prefill's query and key rows one
+vectorised kernel each (``schedules/prefill_qk_cuda.py``), the SwiGLU of the MLPs one too
+(``schedules/silu_mul_cuda.py``). The decode entry point also gets the batch-1 GEMV schedules
+(``DECODE_SCHEDULES``, copies named ``*_decode``); prefill and extend keep dlight's tiled schedules
+for their matmuls, which are right for hundreds of rows.
 """
 
 from __future__ import annotations

@@ -19,8 +19,8 @@ one element; any vocabulary size is fine.
   module is loaded; the ticket pattern of CUDA's ``threadFenceReduction`` sample). Rows past
   ``MAX_ROWS`` (64; decode steps have at most 31) are scanned by one block each instead.
 
-  The first version was one block of 1,024 threads per row: 13.3 us for V2's 102,400 logits on
-  the H200 (CUPTI, a replayed greedy decode graph), ~1 % of a decode step; this one 50 blocks.
+  Many blocks per row rather than one block of 1,024 threads: one block scanning V2's 102,400
+  logits alone takes ~1 % of a decode step (schedules/results/decode_kernels.md).
 
 :func:`greedy_argmax` picks by target. The logits are ``[rows, 1, vocab]`` float32 (the
 ``batch_decode`` output as it is); the result is ``[rows]`` int32.

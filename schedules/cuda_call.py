@@ -59,9 +59,9 @@ def grid_wait_source() -> str:
     of this one has called it or exited, instead of once all have exited. The model's hand
     kernels call it right after their wait (:data:`WAIT_THEN_RELEASE`; the lab-only variants
     do not), so the next kernel's blocks take the SM room this kernel's blocks leave and issue
-    their own weight loads while it runs: on the H200 a V2-Lite decode graph's replay went
-    1,271 -> 1,233 us (docs/benchmarks.md; releasing TVM's kernels too, or the MoE kernels only
-    after their last loads, gained less). Since a kernel releases only after its wait, a
+    their own weight loads while it runs, which shortens a decode graph's replay
+    (schedules/results/decode_kernels.md; releasing TVM's kernels too, or the MoE kernels only
+    after their last loads, gains less). Since a kernel releases only after its wait, a
     kernel's pre-wait code runs only once the kernel two launches back has completed.
 
     A kernel may also release *before* its wait (:data:`RELEASE_THEN_WAIT`, the KV append of

@@ -58,7 +58,7 @@ DECODE_GEMV = ("dsv2_mlc.decode_schedule", "gemv")
 # (lanes reducing over K, consecutive K elements per lane and step), the first that divides K:
 # 32 INT4 values = one 16-byte load of packed weights per lane and step.
 SPLITS = ((32, 32), (32, 16), (32, 8), (16, 8))
-# Fewer lanes only for a short K (a long K over 8 lanes measured slower than dlight on the H200).
+# Fewer lanes only for a short K (a long K over 8 lanes is slower than dlight's GEMV).
 SHORT_K, SHORT_K_SPLITS = 512, ((8, 8), (4, 8))
 VEC_BYTES = 16  # widest load per lane
 
@@ -415,7 +415,7 @@ def config_for(n_out: int, k_dim: int, routed: bool) -> GemvConfig:
 
 
 def _has_prologue(block: tirx.SBlock, k_dim: int) -> bool:
-    """Whether the reduction's inputs are not those of a plain GEMV the lab measured:
+    """Whether the reduction's inputs are not those of a plain GEMV (the shapes tiles.py tunes):
 
     * a ``[..., 2K]`` input (a SwiGLU ``silu(g) * u`` of a fused gate/up output, read as it goes);
     * a float ``[..., K]`` operand of rank >= 3 indexed by the output axis (the absorbed
@@ -439,8 +439,8 @@ def _has_prologue(block: tirx.SBlock, k_dim: int) -> bool:
 
 def _shape_of(func: tirx.PrimFunc, name: str) -> tuple[int, int, bool] | None:
     """(outputs per row, K, routed) of the tagged block, if static and without an input
-    prologue: the lab measured plain GEMVs only, and the configurations made a SwiGLU-prologue
-    kernel (silu(g) * u read from a [.., 2K] input) 40x slower on the H200; those keep
+    prologue: the configurations are tuned for plain GEMVs only and make a SwiGLU-prologue
+    kernel (silu(g) * u read from a [.., 2K] input) many times slower; those keep
     the ``ANY`` configuration of ``schedules/tiles.py``."""
     sch = s_tir.Schedule(func)
     block = sch.get(sch.get_sblock(name))
@@ -466,9 +466,9 @@ def schedule_decode_gemv(
         shape = _shape_of(func, names[0])
         configs = [config_for(*shape)] if shape is not None else []
         if configs and configs[0].lanes and shape[1] < configs[0].lanes * configs[0].vec:
-            # Fewer K chunks than lanes (the tiny test models, K = 64): the lab measured
-            # full-width reductions only, and on the H200 these decoded garbage; the legacy
-            # split rule has short-K splits for them.
+            # Fewer K chunks than lanes (the tiny test models, K = 64): the configurations
+            # assume full-width reductions and give wrong results here; the legacy split rule
+            # has short-K splits for them.
             configs = []
         if configs and configs[0].hfma2:  # (the scalar path of the same config next)
             configs.append(replace(configs[0], hfma2=0))
@@ -509,7 +509,7 @@ def _gemv(func: tirx.PrimFunc, name: str, config: GemvConfig) -> tirx.PrimFunc |
     if not isinstance(k_dim, tirx.IntImm):
         return None
     split = _k_split(int(k_dim), config)
-    if split is None:  # (dense layer-0 down, K=10944: dlight's kernel measured faster)
+    if split is None:  # (dense layer-0 down, K=10944: dlight's kernel is faster there)
         return None
     tx_n, vec = split
     # the hand dot product where the update is a plain INT4 dot (else the scalar path below)

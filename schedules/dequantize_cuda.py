@@ -4,9 +4,8 @@ Prefill and extend dequantize each INT4 weight of a dense matmul to fp16 (``[row
 tensor-core matmul that follows (decode folds the dequantization into its GEMVs instead). The TE
 (``dsv2_mlc/quant/modules.py``: ``(nibble - 8) * scale`` in float32, rounded to fp16 once) got
 dlight's ``Fallback``: a thread per value, each loading its packed word and scale again, 2-byte
-stores. On the H200 that took 37.8 / 25.6 / 21.5 / 14.6 us per layer for the shared experts'
-gate/up and down, ``qkv_a`` and ``o_proj`` weights (2.6 ms of a 4K prefill, paid again by every
-prefill call whatever its length).
+stores, several times slower than the stores need (schedules/results/prefill_small_kernels.md),
+a cost paid again by every prefill call whatever its length.
 
 Here thread ``i`` of the flattened ``rows * k / 8`` words reads word ``i`` and its group's scale,
 and writes values ``8 i .. 8 i + 7`` (nibble ``j`` is value ``8 i + j``) with the same float32

@@ -1,16 +1,16 @@
 """DeepSeekMoE for decode on CUDA in two kernels: routing + every expert's gate/up + SwiGLU, then
 every expert's down projection + the weighted sum.
 
-At batch 1 the MoE block of a layer was nine launches (router gate, route, shared gate/up,
-SwiGLU, shared down, routed gate/up, SwiGLU, routed down, weighted sum): ~35 us on the H200 for
-~35 MB of INT4 weights (7 us at HBM speed), most of it launch latency and partly-occupied GEMVs.
-Here, after the router's logits GEMV:
+At batch 1 the MoE block of a layer as separate kernels is nine launches (router gate, route,
+shared gate/up, SwiGLU, shared down, routed gate/up, SwiGLU, routed down, weighted sum) for ~35
+MB of INT4 weights, several times their HBM time, most of it launch latency and partly-occupied
+GEMVs (schedules/results/moe_decode.md). Here, after the router's logits GEMV:
 
 1. :func:`moe_gate_up_decode` — ``blocks`` blocks per token (one wave on the GPU: 264 = 2 per
    SM of an H100/H200), each warp a strided share of the ``top_k * I + Is`` outputs
    ``h[o] = silu(gate_o . x) * (up_o . x)``, one output per warp step with the next step's
    weight loads issued before this step's dot products (two in flight per lane; deeper register
-   rings measured slower: schedules/results/moe_decode.md). The shared experts' rows
+   rings are slower: schedules/results/moe_decode.md). The shared experts' rows
    (``Is = n_shared * I``, the fused ``gate_up_proj`` of the shared MLP) come first: they need
    no routing, so they load (before the PDL wait: overlapping the previous kernel in a ``--pdl``
    build) while warp 0 of each block routes the token (the

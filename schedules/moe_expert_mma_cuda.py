@@ -19,10 +19,9 @@ lost to the token-major kernels: schedules/results/moe_decode.md).
 
 **In the model:** ``batch_decode_expert_major`` (``GroupQuantExperts.expert_major_decode``: the
 router's ``moe_route``, these two kernels, the float32 weighted sum), which the engine runs for
-decode steps of ``EXPERT_MAJOR_FROM`` (16) sequences and more. On the H200 (V2-Lite, prompt
-1024, greedy steps on CUDA graphs; schedules/results/moe_decode.md) it decodes
-2,218 tok/s at batch 16 against the token-major kernels' 1,763 and 3,003 against 1,854 at batch
-31; at batch 8 it is slower (1,559 against 1,636), at batch 1 much slower (451 against 863).
+decode steps of ``EXPERT_MAJOR_FROM`` (16) sequences and more: from there on it decodes faster
+than the token-major kernels, below that slower, at batch 1 about half as fast
+(schedules/results/moe_decode.md, docs/benchmarks.md "Decode batches").
 
 **The fragments from the INT4 layout as it is.** The weights stay in the layout of
 :mod:`dsv2_mlc.quant.packing` (``[rows, K/8]`` words, element ``8 j + i`` in nibble ``i``
@@ -38,8 +37,8 @@ pairs 2 and 3. The chunk's activations are staged in shared memory in the same p
 (``dsv2_pair8``), so B is one 8-byte load per step; rows are padded so that the warp's 32 loads
 hit every bank pair twice (two wavefronts, the minimum for 256 bytes). With runs of 256
 (``MmaTiles.run``) a lane takes 64 consecutive inputs, two ``uint4`` a row, so a row's 4 lanes
-read one whole 128-byte line a run: on the H200 that, not the bytes in flight, is what the
-gate/up kernel wanted (schedules/results/moe_decode.md).
+read one whole 128-byte line a run: that, not the bytes in flight, is what the gate/up kernel
+needs (schedules/results/moe_decode.md).
 
 1. :func:`moe_gate_up_expert_mma`: per item, the chunk's ``x`` rows in shared memory; each warp a
    16-row tile of gate rows and the matching up rows (two MMAs per B fragment), the next run's

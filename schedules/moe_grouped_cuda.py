@@ -1,13 +1,14 @@
 """Expert-sorted grouped GEMMs for the routed experts in CUDA prefill: weights read per tile.
 
 The gather kernels of :mod:`dsv2_mlc.model.moe` compute ``y[t, j] = W[idx[t, j]] @ x[t]`` as one
-reduction per (token, slot, output) and re-read the expert weights for every token, which is
-right for batch-1 decode and slow for prefill (4.7 s of 7.6 s for a 4096-token V2-Lite prompt on
-an H200). Here the ``n * k`` (token, slot) pairs are sorted by expert first, each expert's segment
-padded to a multiple of the tile height ``TM`` (vLLM's ``moe_align_block_size``), so one tile of
-``TM`` rows belongs to one expert and a thread block multiplies it with a tile of that expert's
-dequantised weights, as in a dense GEMM. Four kernels per MoE layer (the GEMM builder runs
-twice; :func:`dsv2_mlc.model.moe.grouped_experts` chains them for prefill / extend on CUDA):
+reduction per (token, slot, output) and re-read the expert weights for every token, which is right
+for batch-1 decode and slow for prefill (most of a long prompt's time:
+schedules/results/moe_grouped.md). Here the ``n * k`` (token, slot) pairs are sorted by expert
+first, each expert's segment padded to a multiple of the tile height ``TM`` (vLLM's
+``moe_align_block_size``), so one tile of ``TM`` rows belongs to one expert and a thread block
+multiplies it with a tile of that expert's dequantised weights, as in a dense GEMM. Four kernels per
+MoE layer (the GEMM builder runs twice; :func:`dsv2_mlc.model.moe.grouped_experts` chains them for
+prefill / extend on CUDA):
 
 1. :func:`moe_align` (one thread block on CUDA; on LLVM, for tests, serial loops):
    from ``idx [n, k]`` the per-expert ``counts [E]``, ``rows [T, TM]`` (the token of every padded
@@ -53,26 +54,15 @@ twice; :func:`dsv2_mlc.model.moe.grouped_experts` chains them for prefill / exte
 All CUDA kernels are returned scheduled (``tirx.is_scheduled``) and opaque to ``FuseOps``
 (``op_pattern`` 8), so the pipeline's dlight phase and fusion leave them as they are.
 
-Measured (schedules/lab/kernel_lab_moe.py on an H200, V2-Lite shapes, INT4 group 128, one layer's
-routed experts, uniform / skewed routing):
-
-======================  ===========  =============================================  ==========
-path                    n = 4096     align / gate_up / down / combine (ms)          n = 512
-======================  ===========  =============================================  ==========
-mma, 2 warps (default)  1.98 ms      0.051 / 1.21 (234 TF/s) / 0.69 (206) / 0.031  0.33 ms
-mma, 4 warps            2.22 ms      0.051 / 1.36 (209 TF/s) / 0.76 (186) / 0.031  0.37 ms
-SIMT t8x16 + TIR align  12.77 ms     0.27 / 7.96 (36 TF/s) / 4.52 (31) / 0.032      3.30 ms
-gather kernels          181 ms                                                      22.7 ms
-======================  ===========  =============================================  ==========
-
-That is 215 TFLOP/s for the whole routed-expert block at n = 4096 (220 skewed), 6.5x the SIMT
-path. Relative L2 error vs float32: mma 4.5e-4 (fp16 weights), SIMT 3.5e-4, gather 4.6e-4; group
-32 (4-warp mma, n = 512) 4.5e-4. n = 512 skewed (8 hot experts): 0.50 ms, the hot experts' tiles
-make a long tail of few blocks. SIMT tiling (:func:`pick_tiles`, the fallback for the shapes the
-mma kernel does not take, e.g. the small test configs, and for float experts): 8 x 16 threads, 8
-x 8 register tiles (gate/up: 8 rows x 4 columns x 2 halves), ``TK = 32``; 16 x 16 threads with 4
-x 8 tiles measured 26 % slower. Not done: wgmma / TMA (sm_90a), a deeper pipeline, tensor cores
-for float (q0f16) experts, split-K for the few-token skewed case.
+On V2-Lite's shapes the tensor-core path runs the routed-expert block several times faster
+than the SIMT path and two orders of magnitude faster than the gather kernels, at the same
+relative error against float32 (~5e-4; schedules/results/moe_grouped.md has the kernel times
+and errors). Skewed routing (a few hot experts) leaves a long tail of few blocks. SIMT tiling
+(:func:`pick_tiles`, the fallback for the shapes the mma kernel does not take, e.g. the small
+test configs, and for float experts): 8 x 16 threads, 8 x 8 register tiles (gate/up: 8 rows x 4
+columns x 2 halves), ``TK = 32``; 16 x 16 threads with 4 x 8 tiles are about a quarter slower.
+Not done: TMA, a deeper pipeline, tensor cores for float (q0f16) experts, split-K for the
+few-token skewed case.
 """
 
 from __future__ import annotations
@@ -387,7 +377,7 @@ def grouped_gemm_te(
 
 def pick_tiles(out_dim: int, red: int, tm: int = TM, halves: int = 1) -> GemmTiles:
     """The default tiling for ``out_dim`` columns (per half) and a reduction of ``red``."""
-    ty = 8 if tm % 8 == 0 else 1  # 8 x 8 (x halves) register tiles: measured best on the H200
+    ty = 8 if tm % 8 == 0 else 1  # 8 x 8 (x halves) register tiles: the fastest SIMT tiling
     vr = tm // ty
     vcs = (8, 4, 2, 1) if halves == 1 else (4, 2, 1)
     tx, vc = next(((a, v) for v in vcs for a in (16, 8) if out_dim % (a * v) == 0), (1, 1))

@@ -284,8 +284,7 @@ def moe_route_gpu(
     """The same routing for GPU targets: one warp per token (``GPU_WARPS_PER_BLOCK`` tokens per
     block); softmax by warp reductions, the group limit and the top-k by ranks over the scores
     in shared memory (CUDA source through ``T.cuda.func_call``, :func:`route_warp_source`). At
-    batch 1 this is 32 lanes instead of one thread serially scanning the experts k times (4.0 us
-    per layer on the H200, CUPTI)."""
+    batch 1 this is 32 lanes instead of one thread serially scanning the experts k times."""
     E, K = num_experts, top_k
     WPB = GPU_WARPS_PER_BLOCK
     route, src = route_warp_source(

@@ -1,16 +1,16 @@
 """Decode on CUDA: the residual add + RMSNorm folded into the kernel that consumes the norm.
 
-At batch 1 every decoder layer ran ``s = residual + delta; y = RMSNorm(s)`` as its own kernel
-twice (``fused_add_rms_norm_rows``, 2.1 us each on the H200, a launch each) right before a GEMV
-that reads ``y``. The norm of one row is cheap to form again wherever it is read:
+At batch 1 every decoder layer would run ``s = residual + delta; y = RMSNorm(s)`` as its own kernel
+twice (``fused_add_rms_norm_rows``, a launch each) right before a GEMV that reads ``y``. The norm of
+one row is cheap to form again wherever it is read:
 
 * :func:`add_norm_gemv_q4`: ``y = RMSNorm(r + d) @ W^T`` for an INT4 group weight ``W [N, H]``
   (the attention's fused ``qkv_a_proj``). Each block forms ``s`` and its norm once into shared
   memory (the first two rows' weights already loading), then a persistent grid of warps takes
   every ``blocks * warps``-th output row, two rows in flight (as ``moe_decode_cuda``'s gate/up
-  kernel); block 0 also writes ``s`` (the next residual). A first version formed the norm in
-  every warp's registers: 2112 warps x 12 KB of L2 reads made it 6.1 us, no faster than the two
-  kernels it replaced.
+  kernel); block 0 also writes ``s`` (the next residual). The norm is formed once a block, not
+  in every warp's registers: 2112 warps each reading the 12 KB row from L2 would be no faster
+  than the two kernels this one replaces.
 * :func:`add_norm_router`: the MoE router's float32 logits ``RMSNorm(r + d) @ G^T`` (``G [E,
   H]`` float32), a warp per expert, each forming the norm in its registers (lane ``l`` holds the
   32-element chunks ``l, l + 32, ...`` of the row, so a warp reduction gives the sum of squares;

@@ -1,12 +1,12 @@
 """Decode GEMVs on CUDA whose weights are in registers before the kernel waits for its input.
 
 At batch 1 a decode step is a chain of short kernels, each reading its weights only once it has
-started, i.e. after the previous kernel finished: a 2 MB GEMV (``o_proj``, the absorbed
-``W_UV``) took 2-3 us on the H200 for 0.4 us of HBM time, most of it that first DRAM round trip
-and the launch. Here the weights do not depend on the previous kernel, so each warp loads its
-rows first and only then calls ``griddepcontrol.wait``
-(:func:`dsv2_mlc.schedules.cuda_call.grid_wait_source`): in a ``--pdl`` build, whose decode
-graphs launch a kernel before its predecessor ends, the weight loads overlap the predecessor.
+started, i.e. after the previous kernel finished: a 2 MB GEMV (``o_proj``, the absorbed ``W_UV``)
+takes several times its HBM time, most of it that first DRAM round trip and the launch
+(schedules/results/prefetch_gemv.md). Here the weights do not depend on the previous kernel, so each
+warp loads its rows first and only then calls ``griddepcontrol.wait``
+(:func:`dsv2_mlc.schedules.cuda_call.grid_wait_source`): in a ``--pdl`` build, whose decode graphs
+launch a kernel before its predecessor ends, the weight loads overlap the predecessor.
 
 * :func:`gemv_q4_decode`: ``y[t] = W x[t]`` for an INT4 group weight ``W [N, K]`` (``o_proj``,
   the dense MLP's ``down_proj``, the first layer's ``qkv_a``: :mod:`dsv2_mlc.quant.decode_linear`).

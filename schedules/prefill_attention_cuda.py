@@ -4,7 +4,8 @@ TVM 0.27's ``TIRPagedKVCache`` puts ``_attention_prefill_ragged(h_q, h_q, 192, 1
 (``batch_prefill_ragged_kv``, global ``tir_attention_prefill_ragged``) in the ragged-prefill slot
 of ``vm.builtin.paged_attention_kv_cache_create`` for ``attn_kind="mla"``. It is a SIMT kernel
 (fp32 FMA through shared memory, 16 thread blocks, every KV tile of the sequence for every query
-tile, no causal skipping): 16.2 ms per layer at a 4K prompt on an H200 (V2-Lite: 16 heads).
+tile, no causal skipping), far slower than a tensor-core kernel
+(schedules/results/prefill_attention.md).
 This kernel has the same ABI::
 
     f(q[n, H, Dqk], q_indptr[b+1] int32, k[m, H, Dqk], v[m, H, Dv], kv_indptr[b+1] int32,

@@ -4,9 +4,9 @@ loads and stores.
 Prefill attends over the new tokens with full heads: ``query [n, H, nope + R]`` is the query
 heads with RoPE on their last ``R`` values, ``key`` the decompressed ``k_nope [n, H * nope]`` with
 the token's roped ``k_pe`` (the last ``R`` values of the cached latent) appended to every head.
-As Relax ops that was a split of the ``qkv_a_proj`` output, a split + RoPE + concatenate and a
+As Relax ops that is a split of the ``qkv_a_proj`` output, a split + RoPE + concatenate and a
 broadcast + concatenate, three kernels of dlight's ``Fallback`` (a thread per value, 2-byte
-accesses): 43.6 + 58.5 + 50.1 us per layer on the H200 at 4K tokens. The TEs
+accesses; schedules/results/prefill_small_kernels.md). The TEs
 (``dsv2_mlc.model.mla_ops.prefill_query`` / ``prefill_key``) read their sources in place and are
 tagged ``QUERY_ATTR`` / ``KEY_ATTR``; on CUDA the kernels below replace them
 (``passes/schedule_decode_kernels.py``).

@@ -4,8 +4,8 @@ Where the fused kernel carries its epsilon (``passes/fuse_add_rms_norm.py`` sets
 rows are 2-D fp16 of a width that is a multiple of 256, :func:`add_rms_norm_cuda` replaces it:
 each of ``d / 8`` threads holds 8 values of the row in registers from one 16-byte load of each
 input to the 16-byte stores of ``s`` and of the normalised row (the TIR schedule below re-reads
-``s`` with 2-byte loads and normalises it with scalar stores: 37 us per call at 4096 rows of
-2048 on the H200, 53 calls in a 4K prefill).
+``s`` with 2-byte loads and normalises it with scalar stores, about 2.4x slower at 4096 rows of
+2048; schedules/results/prefill_small_kernels.md).
 
 The TIR schedule, for any other shape:
 
@@ -14,7 +14,7 @@ The kernel (``passes/fuse_add_rms_norm.py``) has three blocks over rows of ``d``
 normalised row. One thread block per row; every block's row loop is split the same way
 (``j = (jo * TX + tx) * VEC + v``), so each thread reads back only the ``s`` values it wrote
 itself (no barrier needed); the sum is written with 16-byte vector stores (``a + b`` loaded the
-same way: 59 -> 37 us per call at 4096 rows on the H200; the normalised row stays scalar, as
+same way, which makes the add about 1.6x faster; the normalised row stays scalar, as
 TVM's CUDA codegen cannot vectorise its float32 x 8 broadcast); the sum of squares is a
 block-wide reduction (``rfactor`` over the ``TX`` threads + TVM's cross-thread reduce: warp
 shuffles, then shared memory).

@@ -1,12 +1,11 @@
 """SwiGLU over a fused gate/up projection (``silu(gu[:, :I]) * gu[:, I:]``) on CUDA: a thread per 8
 outputs, 16-byte loads of gate and up and a 16-byte store.
 
-``passes/fuse_gate_up_silu_mul.py`` makes it one TE (tagged ``SILU_MUL_ATTR``) that prefill ran
-through dlight's ``Fallback`` (a thread per value, 2-byte accesses): 53.6 us per layer for the
-shared experts (``[4096, 2 x 2816]``) and 205 us for the dense layer (``2 x 10944``) at 4K
-tokens on the H200. Decode folds the same TE into its down-projection GEMV instead (the fused
-kernel carries no tag). The arithmetic is the TE's: ``g * sigmoid(g) * u`` in float32, rounded to
-fp16 once; ``sigmoid(g) = 1 / (1 + exp(-g))``.
+``passes/fuse_gate_up_silu_mul.py`` makes it one TE (tagged ``SILU_MUL_ATTR``), which dlight's
+``Fallback`` would run a thread per value with 2-byte accesses, about 3.4x slower
+(schedules/results/prefill_small_kernels.md). Decode folds the same TE into its down-projection GEMV
+instead (the fused kernel carries no tag). The arithmetic is the TE's: ``g * sigmoid(g) * u`` in
+float32, rounded to fp16 once; ``sigmoid(g) = 1 / (1 + exp(-g))``.
 """
 
 from __future__ import annotations

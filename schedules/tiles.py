@@ -241,7 +241,8 @@ class DecodeTiles:
 
 TABLE: dict[str, dict[TileKey, Any]] = {
     # -- MLA attention, prologue, append, prefill attention -----------------------------------
-    # Measured on sm_90 (H200, V2-Lite shapes); used for every architecture and shape.
+    # Tuned on sm_90 at the V2-Lite shapes (schedules/results/); used for every architecture
+    # and shape.
     "mla_attention": {
         TileKey(): MLAAttentionTiles(
             stages=3,
@@ -256,8 +257,8 @@ TABLE: dict[str, dict[TileKey, Any]] = {
     "mla_prologue": {TileKey(): MLAPrologueTiles(cols=64, threads=128)},
     "prefill_attention": {TileKey(): PrefillAttentionTiles(block_m=64, block_n=32)},
     # -- MoE decode / grouped GEMMs, decode GEMVs, norm + GEMV --------------------------------
-    # decode_gemv_cuda, by class of shape (decode_gemv_cuda.shape_class; H200 CUPTI kernel
-    # times on V2-Lite's shapes against the best scalar fp32 configuration, in
+    # decode_gemv_cuda, by class of shape (decode_gemv_cuda.shape_class; kernel times in us on
+    # V2-Lite's shapes against the best scalar fp32 configuration, from
     # schedules/results/decode_kernels.md); ANY: the schedule for every other kernel it takes
     "decode_gemv": {
         TileKey(): GemvConfig(),
@@ -281,13 +282,13 @@ TABLE: dict[str, dict[TileKey, Any]] = {
     "moe_decode_gate_up": {TileKey(): GateUpTiles(warps=8, blocks=264, run=16)},
     "moe_decode_down": {TileKey(): DecodeTiles(warps=8, lanes=32, rows=2, run=8)},
     # moe_mma_cuda (schedules/results/moe_grouped.md): 2 warps along the columns, 128 threads of
-    # 32 x 64 warp tiles (1.98 ms for n = 4096 on the H200; 4 warps of 32 x 32 tiles: 2.22 ms);
+    # 32 x 64 warp tiles (1.98 ms for n = 4096; 4 warps of 32 x 32 tiles: 2.22 ms);
     # pairs of tiles from 256 tiles on (about 2K tokens at top-6 of 64): at n = 4096 1.80 ms for
     # V2-Lite's routed experts against 1.93 (one-tile blocks), at n = 512 0.44 against 0.32
     "moe_grouped_mma": {TileKey(): GroupedMmaTiles(warps_n=2, pair_from=256)},
     # moe_expert_mma_cuda (schedules/results/moe_decode.md): items of 64 rows for gate/up, 128
     # for down, a 16-row tile a warp (no K split); runs of 256 inputs for gate/up (a row's lanes
-    # read 128 contiguous bytes; 64 took 24 % longer on the H200) and two runs in flight for
+    # read 128 contiguous bytes; runs of 64 take 24 % longer) and two runs in flight for
     # down, which also wants more warps an SM (8 a block, 528 blocks): at batch 16 74.9 + 65.2 us
     # a layer against 98.4 + 109.7. Items of one tile split 4 ways among the warps were slower
     "moe_expert_mma_gate_up": {TileKey(): MmaTiles(warps=4, blocks=396, rows=64, run=256)},

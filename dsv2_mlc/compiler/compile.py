@@ -150,11 +150,11 @@ def compile_model(
 
     ``pdl`` (CUDA, sm_90 or newer; by default on there, ``False`` turns it off) builds for
     Programmatic Dependent Launch: every kernel waits with ``griddepcontrol.wait`` before it reads
-    what earlier kernels wrote (first thing, or after its weight loads in the hand kernels), and
-    the build says so (``BuildConfig.pdl``) so the runtime links the kernels of its decode graphs
-    with programmatic edges (a decode step replays ~2.5 % faster on the H200,
-    docs/benchmarks.md). The hand kernels release their successor's launch right after their
-    wait (``griddepcontrol.launch_dependents``); TVM's kernels release it at their exit.
+    what earlier kernels wrote (first thing, or after its weight loads in the hand kernels), and the
+    build says so (``BuildConfig.pdl``) so the runtime links the kernels of its decode graphs with
+    programmatic edges: each kernel is launched while its predecessor drains
+    (schedules/results/decode_kernels.md). The hand kernels release their successor's launch right
+    after their wait (``griddepcontrol.launch_dependents``); TVM's kernels release it at their exit.
 
     ``gemm`` (default: ``"cublas"`` for CUDA, ``"tir"`` otherwise) picks who runs the prefill /
     extend GEMMs: cuBLAS (the library then needs libcublas at run time,

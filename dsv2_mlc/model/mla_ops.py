@@ -3,8 +3,8 @@
 Each replaces a chain of Relax ops (and launches) that decode runs 27 times per token:
 
 * :func:`latent_norm_rope`: the ``[c_kv, k_pe]`` columns of the fused ``qkv_a_proj`` output ->
-  the cached latent ``[RMSNorm(c_kv), rope(k_pe)]`` in one kernel (was split + rms_norm + rope +
-  concatenate);
+  the cached latent ``[RMSNorm(c_kv), rope(k_pe)]`` in one kernel (instead of split + rms_norm
+  + rope + concatenate);
 * :func:`absorb_query`: the query heads ``[n, H * (nope + R)]`` -> the latent-space query
   ``[q_nope @ W_UK, rope(q_pe)]`` ``[n, H, L + R]`` as the Relax composition (split, transpose,
   batched matmul, rope, concatenate);
@@ -12,12 +12,12 @@ Each replaces a chain of Relax ops (and launches) that decode runs 27 times per 
   in one hand kernel (:mod:`dsv2_mlc.schedules.mla_prologue_cuda`), for decode and extend;
 * :func:`prefill_query` / :func:`prefill_key`: prefill's full-head query (RoPE on each head's
   last ``R`` values) and key (``k_nope`` + the token's ``k_pe``) read in place from their
-  sources (were split, split + rope + concatenate, broadcast + concatenate); on CUDA each is a
+  sources (instead of split, split + rope + concatenate, broadcast + concatenate); on CUDA each is a
   vectorised hand kernel (:mod:`dsv2_mlc.schedules.prefill_qk_cuda`);
 * :func:`absorb_value`: the attention output over latents ``[n, H, L]`` -> ``o @ W_UV^T``
-  ``[n, H * V]`` as one GEMV-shaped reduction tagged for the decode GEMV schedule (was transpose,
-  batched matmul, transpose); on CUDA at decode a hand kernel whose weights load before it
-  waits for its input (:mod:`dsv2_mlc.schedules.prefetch_gemv_cuda`).
+  ``[n, H * V]`` as one GEMV-shaped reduction tagged for the decode GEMV schedule (instead of
+  transpose, batched matmul, transpose); on CUDA at decode a hand kernel whose weights load
+  before it waits for its input (:mod:`dsv2_mlc.schedules.prefetch_gemv_cuda`).
 
 All accumulate in float32 and round once, as the compositions they replace do.
 """

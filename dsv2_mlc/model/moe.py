@@ -185,9 +185,9 @@ def split_weight_logits(x: Tensor, w: Tensor) -> Tensor:
 
     ``w = hi + lo`` with ``hi = fp16(w)`` and ``lo = fp16(w - hi)``: ``x`` is exact in fp16, so
     the two products, accumulated in float32, carry about 21 of float32's 24 mantissa bits of
-    ``w`` (the float32 reference: ``gate_logits_te``; tests/test_router_logits.py). As one SIMT
-    kernel the logits took 124 us per layer on the H200 at any prompt length (3.2 ms of a 4K
-    prefill, 12 % of a 512-token one); as a GEMM of 2E columns 37.6 us at 4K tokens."""
+    ``w`` (the float32 reference: ``gate_logits_te``; tests/test_router_logits.py). One GEMM of
+    2E columns on tensor cores is about 3x faster in prefill than the float32 logits as a SIMT
+    kernel (schedules/results/prefill_small_kernels.md)."""
     hi = op.astype(w, "float16")
     lo = op.astype(op.subtract(w, op.astype(hi, "float32")), "float16")
     both = op.matmul(x, op.permute_dims(op.concat([hi, lo], dim=0)), out_dtype="float32")
@@ -206,10 +206,9 @@ class DeepseekV2MLP(nn.Module):
     def forward(self, x: Tensor, mode: str | None = None) -> Tensor:
         """``mode``: the entry point's (see ``DeepseekV2MoE``). A CUDA decode step runs the INT4
         ``down_proj`` as the GEMV that loads its weights before it waits
-        (:mod:`dsv2_mlc.quant.decode_linear`: V2-Lite's 2048 x 10944, 7.2 us a step against the
-        TIR GEMV's 10.2 on the H200); ``gate_up_proj`` (21888 x 2048) stays on the TIR GEMV,
-        which was the faster of the two there (10.3 against 10.9 us;
-        schedules/results/decode_kernels.md)."""
+        (:mod:`dsv2_mlc.quant.decode_linear`), faster than the TIR GEMV for V2-Lite's
+        2048 x 10944; ``gate_up_proj`` (21888 x 2048) stays on the TIR GEMV, the faster of the
+        two for that shape (schedules/results/decode_kernels.md)."""
         gate, up = op.split(self.gate_up_proj(x), 2, axis=-1)
         hidden = op.silu(gate) * up
         gemv = mode == "decode"

@@ -4,12 +4,12 @@
 layer with fp16 scales whose row fits its shared-memory staging; in a ``--pdl`` build its weight
 loads overlap the previous kernel, which a TIR GEMV (loading after its launch completes) cannot do.
 The model calls :func:`int4_decode_gemv` for the decode linear layers that no fused kernel covers
-where it measured faster than the TIR GEMV on V2-Lite (``o_proj``, the dense MLP's ``down_proj``,
-the first layer's ``qkv_a``: schedules/results/decode_kernels.md). Weights taller than one pass of
-the kernel's grid (8,192 rows: the dense ``gate_up`` 21,888, ``lm_head`` 102,400, V2's
-``q_b_proj`` 24,576) were slower on it (10.9 / 41.9 against 10.3 / 30.5 us) and stay on the TIR
-GEMV. Anywhere else (CPU, prefill, float or non-fp16-scale weights, a shape the kernel does not
-take, a tall weight) it returns None and the caller keeps the plain linear layer.
+where it is faster than the TIR GEMV on V2-Lite (``o_proj``, the dense MLP's ``down_proj``, the
+first layer's ``qkv_a``: schedules/results/decode_kernels.md). Weights taller than one pass of the
+kernel's grid (8,192 rows: the dense ``gate_up`` 21,888, ``lm_head`` 102,400, V2's ``q_b_proj``
+24,576) are slower on it and stay on the TIR GEMV. Anywhere else (CPU, prefill, float or
+non-fp16-scale weights, a shape the kernel does not take, a tall weight) it returns None and the
+caller keeps the plain linear layer.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """CUDA graphs for decode steps: one whole ``batch_decode`` call captured, then replayed per token.
 
 A decode step at batch 1 launches hundreds of small kernels through the Relax VM (541 at the
-V2-Lite shape); enqueueing them (VM bookkeeping + one driver call each) takes about 3 ms on the
-host, longer than the kernels run (about 1.9 ms on an H200; docs/benchmarks.md). A CUDA graph of
+V2-Lite shape); enqueueing them (VM bookkeeping + one driver call each) takes the host longer
+than the kernels take to run (schedules/results/decode_kernels.md). A CUDA graph of
 the whole call replays the same launches with one ``cudaGraphLaunch``.
 
 **What a replay relies on.** A graph replays the kernels with the arguments they had at capture:
@@ -30,17 +30,18 @@ the step's eager result stands and that key is not tried again. The engine check
 first replay against an eager run of the same step (``same``), so a wrong key would fall back to
 eager steps instead of returning wrong logits.
 
-**Trusted keys.** Each new key (every 64 tokens of a sequence) cost an eager step, the capture
-and a second eager step for the check: 8.7 ms a key on the H200, so a fresh process's first
-256-token generation decoded 9.5 % slower than the warm bench (docs/benchmarks.md). Once
+**Trusted keys.** Checking each new key (every 64 tokens of a sequence) costs an eager step, the
+capture and a second eager step, several ms of host time, which would slow a fresh process's
+first generations well below a warm one's. Once
 ``trust_after`` keys (2) have passed their check and none has failed one, and a graph of the same
 batch size and kind exists (modules loaded, pools holding the step's blocks: a capture cannot
 allocate), a new key is captured directly, marked verified and replayed for its own step: no
 eager run, no check. ``gpu_graph_check.py`` still compares every replay with an eager engine.
 
-**Moved graphs.** A trusted capture still costs the host 6-9 ms on the H200 (the VM enqueues the
-step's launches, then the graph is instantiated), once every 64 tokens: a step five to seven
-times as long as the others, at every context length; a move costs ~0.5 ms (docs/benchmarks.md).
+**Moved graphs.** A trusted capture still costs the host several ms (the VM enqueues the step's
+launches, then the graph is instantiated), once every 64 tokens: a step several times as long as
+the others, at every context length; a move costs a fraction of that (docs/benchmarks.md,
+"Decode over new KV page buckets").
 Graphs of neighbouring buckets differ in the element offsets of the cache's arrays after its
 page table, and otherwise only in buffers each capture has of its own
 (:mod:`~dsv2_mlc.runtime.graph_relocation`). So, with ``relocate`` (the default), once three
@@ -64,8 +65,8 @@ captures (``stats["pdl_failures"]``, ``last_error``).
 **Greedy steps: ids and tokens through pinned host memory.** A greedy step
 (:meth:`DecodeGraphs.run_greedy`: the call returns ``(logits, tokens)``, the tokens being the
 int32 ``[b]`` arg-max picked on the device) moves 4 bytes per sequence each way, yet the
-runtime's synchronous copies cost more than the graph launch (18 us for the ids on the H200, and
-a device->host copy that then waits for the graph). So a greedy graph owns two page-locked host
+runtime's synchronous copies cost more than the graph launch (a host->device copy of the ids,
+and a device->host copy that then waits for the graph). So a greedy graph owns two page-locked host
 buffers (``cudaHostAlloc``) and captures on its stream a host->device copy of the ids from the
 first into its input tensor, then the call, then a device->host copy of the tokens into the
 second. A replay writes the ids into the first buffer (a NumPy view of it), launches the graph,
@@ -246,8 +247,8 @@ def _drop_all(cuda: Any, stream: int, graphs: OrderedDict) -> None:
 class DecodeGraphs:
     """Captured decode steps by :func:`decode_graph_key` (at most ``capacity``, LRU).
 
-    A key serves 64 tokens of one sequence (a page bucket) and is captured in about 6 ms on the
-    H200, or moved from another bucket's graph (``relocate``, module docstring); each graph
+    A key serves 64 tokens of one sequence (a page bucket) and is captured (several ms of host
+    time), or moved from another bucket's graph (``relocate``, module docstring); each graph
     keeps its output logits alive (``batch x vocab`` float32, 0.4 MB at batch 1 for a 102K
     vocabulary), so a small LRU is enough and bounds that memory.
 

@@ -45,9 +45,9 @@ __all__ = [
 PAGE_SIZE = 16  # TVM's paged KV kernels are built for 16-token pages (notes/tvm-0.27.md 7.5).
 _DEVICE_TYPE = {"cpu": 1, "cuda": 2}
 # Tokens one prefill call takes by default (capped by the KV capacity). A longer prompt goes in
-# chunks, every chunk after the first an extend attending to the cached prefix, which costs 2-4x a
-# prefill on the H200 (V2-Lite, 4096 tokens: 65 ms in one call, 251 ms in chunks of 512;
-# docs/benchmarks.md, "Prefill in chunks"): on CUDA a prompt of up to 8K tokens is one call.
+# chunks, every chunk after the first an extend attending to the cached prefix, which costs
+# several times a prefill of the same tokens (schedules/results/mla_attention.md, "Prefill in
+# chunks"): on CUDA a prompt of up to 8K tokens is one call.
 DEFAULT_PREFILL_CHUNK = {"cpu": 512, "cuda": 8192}
 # with all_logits the logits of every token come back ([tokens, vocab] float32): chunks of at most
 # this many tokens bound that (210 MB at a 102,400-token vocabulary)
@@ -59,7 +59,7 @@ _POOLED_ALLOCATOR = 2
 MAX_DECODE_GROUP = 31
 # Decode steps of at least this many sequences run ``batch_decode_expert_major`` (each expert the
 # batch selects read once, on tensor cores) where the build has it; fewer run the fused per-token
-# MoE kernels, faster up to batch 8 on the H200 (docs/benchmarks.md, "Decode batches").
+# MoE kernels, the faster ones up to batch 8 (docs/benchmarks.md, "Decode batches").
 EXPERT_MAJOR_FROM = 16
 
 

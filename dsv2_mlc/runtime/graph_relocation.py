@@ -3,11 +3,12 @@
 A decode step's graph key is ``(batch, ceil(pages / 4))`` (:mod:`~dsv2_mlc.runtime.cuda_graph`):
 the KV cache lays its auxiliary arrays out one after the other in one device buffer, so every
 array after the page table starts 4 int32 later per bucket, and the kernels that read them get
-other element offsets (on the H200, the KV append and the attention's split kernel of every
-layer: an int32 argument that grows by 4 a bucket). A capture costs the host 6-9 ms on the H200
+other element offsets (in a V2-Lite build, the KV append and the attention's split kernel of
+every layer: an int32 argument that grows by 4 a bucket). A capture costs the host several ms
 (the VM enqueues the step's launches, then the graph is instantiated), one every 64 tokens of a
-sequence, a step five to seven times as long as the others. Rewriting the 54 arguments that
-move, in the executable graph of another bucket, takes ~0.5 ms (docs/benchmarks.md).
+sequence, a step several times as long as the others. Rewriting the arguments that move, in the
+executable graph of another bucket, costs a fraction of that (docs/benchmarks.md, "Decode over
+new KV page buckets").
 
 What else differs between two captures of a step stays as each capture has it: the buffers the
 graph owns (its ids input, its outputs, the pinned host buffers of a greedy graph: pointers at

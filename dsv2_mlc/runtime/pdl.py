@@ -1,8 +1,9 @@
 """Programmatic Dependent Launch in a captured CUDA graph: kernel->kernel edges made programmatic.
 
 A stream capture links consecutive kernels with full dependencies: kernel N+1 is launched only
-after kernel N has finished and its writes are flushed, about 1 us per boundary on an H200 even
-inside a graph, which is a large share of a decode step's 1-4 us kernels. A *programmatic* edge
+after kernel N has finished and its writes are flushed, a gap of the order of a microsecond per
+boundary even inside a graph, a large share of a decode step's few-microsecond kernels
+(schedules/results/decode_floor.md). A *programmatic* edge
 (``cudaGraphDependencyTypeProgrammatic``) lets N+1 be launched earlier; N+1 must then wait for N
 itself before reading N's output, which every kernel of a build compiled with ``--pdl`` does
 first thing (``griddepcontrol.wait``, ``passes/grid_dependency_control.py``). Where the edge
