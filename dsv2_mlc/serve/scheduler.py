@@ -255,6 +255,10 @@ class Scheduler:
         step boundary."""
         self._inbox.put(("cancel", req))
 
+    def clear_prefix_cache(self) -> None:
+        """Evict every cached prefix (at the next step boundary)."""
+        self._inbox.put(("clear", None))
+
     def pages_needed(self, tokens: int) -> int:
         """Pages a sequence of ``tokens`` takes (one more for its next token)."""
         return _pages(tokens + 1)
@@ -305,6 +309,9 @@ class Scheduler:
             elif kind == "cancel":
                 assert isinstance(obj, Request)
                 self._cancel(obj)
+            elif kind == "clear":
+                while self._evict():
+                    pass
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
