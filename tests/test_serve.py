@@ -343,7 +343,7 @@ def test_bad_requests_get_openai_errors(server):
         client.completions.create(model="nope", prompt="def ", max_tokens=4)
 
 
-def test_many_requests_random_cancels_no_leaks(small_server):
+def test_many_requests_random_cancels_no_leaks(small_server, reference):
     """N_REQUESTS requests (the issue's 1,000 take ~3 minutes on two CPU cores), 12 at a time,
     random prompt lengths (1-189 tokens, half sharing prefixes) and lengths, a third streamed
     and cancelled at a random point; on a KV cache this small, admission waits and cached
@@ -358,6 +358,7 @@ def test_many_requests_random_cancels_no_leaks(small_server):
         cancel_after = rng.randrange(0, 12) if rng.random() < 0.33 else None
         jobs.append((prompt, rng.randrange(1, 40), cancel_after))
     outcomes: list[str] = []
+    answers: list[tuple[list[int], int, str]] = []
 
     async def one(client, prompt, max_tokens, cancel_after) -> None:
         if cancel_after is None:
@@ -367,6 +368,7 @@ def test_many_requests_random_cancels_no_leaks(small_server):
             assert r.choices[0].finish_reason in ("stop", "length")
             assert r.usage.completion_tokens <= max_tokens
             outcomes.append("done")
+            answers.append((prompt, max_tokens, r.choices[0].text))
             return
         stream = await client.completions.create(
             model="default", prompt=prompt, max_tokens=60, stream=True
@@ -408,6 +410,10 @@ def test_many_requests_random_cancels_no_leaks(small_server):
     assert s.gauge("dsv2_kv_pages_free") == s.scheduler.total_pages
     engine = s.scheduler.engine
     assert engine is not None and not engine._seq_len  # no sequence left behind
+    # answers computed in batches, from forked prefixes and after preemptions (recomputed) are
+    # the ones each prompt gets alone
+    for prompt, max_tokens, text in random.Random(4).sample(answers, 40):
+        assert text == reference.generate(prompt, max_new_tokens=max_tokens).text
     # and the server still answers
     r = s.client().completions.create(model="default", prompt="def ", max_tokens=4)
     assert r.usage.completion_tokens >= 1
@@ -497,3 +503,54 @@ def test_serve_command(default_model_cache, reference):
     # uvicorn shuts down cleanly on SIGTERM, then re-raises the signal
     assert proc.returncode in (0, -15), out
     assert "Application shutdown complete" in out
+
+
+def _steps_streamed_during_prefill(model_path: Path, step_tokens: int) -> int:
+    """Tokens a running stream gets from a long prompt's arrival to that prompt's first token,
+    on a scheduler with ``step_tokens`` (events recorded in the engine thread's order)."""
+    from dsv2_mlc.runtime.sampling import SamplingParams
+    from dsv2_mlc.serve.scheduler import Delta, Done, Request
+
+    events: list[tuple[str, object]] = []
+    sched = Scheduler(
+        lambda: Engine(model_path, context_window=WINDOW, max_batch_size=2),
+        step_tokens=step_tokens,
+        prefix_cache=False,
+    )
+    sched.start()
+    try:
+        assert sched.ready.wait(60)
+
+        def request(name: str, prompt: list[int], max_tokens: int) -> Request:
+            return Request(
+                id=name,
+                prompt=prompt,
+                params=SamplingParams(),
+                max_tokens=max_tokens,
+                stop_token_ids=frozenset(),
+                emit=lambda e: events.append((name, e)),
+            )
+
+        def wait(cond: Callable[[], bool]) -> None:
+            end = time.monotonic() + 30
+            while not cond():
+                assert time.monotonic() < end, "timed out"
+                time.sleep(0.01)
+
+        sched.submit(request("a", [0, 5, 6], 80))
+        wait(lambda: len(events) >= 3)
+        mark = len(events)
+        sched.submit(request("b", [0] + list(range(100, 250)), 2))
+        wait(lambda: any(n == "b" and isinstance(e, Done) for n, e in events))
+        first_b = next(i for i, (n, e) in enumerate(events) if n == "b" and isinstance(e, Delta))
+        return sum(1 for n, e in events[mark:first_b] if n == "a" and isinstance(e, Delta))
+    finally:
+        sched.stop()
+
+
+def test_long_prompt_prefilled_in_chunks_while_streams_run(model_path):
+    """A 151-token prompt under a 16-token step budget is prefilled over 11 steps, each of which
+    also advances the running stream (a step or two more may pass before it is admitted); a
+    budget that takes it whole (the control) gives the stream one step in the meantime."""
+    assert _steps_streamed_during_prefill(model_path, 16) >= 10
+    assert _steps_streamed_during_prefill(model_path, 1024) <= 3
