@@ -142,6 +142,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_batch=args.max_batch,
         context_window=args.context_window,
         kv_capacity=args.kv_capacity,
+        gpu_memory=args.gpu_memory,
         max_queue=args.max_queue,
         step_tokens=args.step_tokens,
         prefix_cache=not args.no_prefix_cache,
@@ -188,6 +189,12 @@ def _add_serve_commands(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="tokens of the KV cache shared by all sequences and cached prefixes "
         "(default: context window x max batch)",
+    )
+    p.add_argument(
+        "--gpu-memory",
+        type=float,
+        default=None,
+        help="GiB of device memory for the KV cache (sizes it instead of --kv-capacity)",
     )
     p.add_argument("--max-queue", type=int, default=256, help="waiting sequences before 429s")
     p.add_argument(

@@ -554,3 +554,16 @@ def test_long_prompt_prefilled_in_chunks_while_streams_run(model_path):
     budget that takes it whole (the control) gives the stream one step in the meantime."""
     assert _steps_streamed_during_prefill(model_path, 16) >= 10
     assert _steps_streamed_during_prefill(model_path, 1024) <= 3
+
+
+def test_gpu_memory_sizes_the_kv_cache(model_path):
+    """--gpu-memory GiB: as many whole pages as the latent cache of every layer fits."""
+    from dsv2_mlc.serve.app import ApiConfigError, kv_tokens_for_memory
+
+    cfg = json.loads((Path(__file__).parents[1] / "dsv2_mlc/default_model/config.json").read_text())
+    per_token = cfg["num_hidden_layers"] * (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) * 4
+    tokens = kv_tokens_for_memory(model_path, 0.01)
+    assert tokens % 16 == 0
+    assert tokens * per_token <= 0.01 * 2**30 < (tokens + 16) * per_token
+    with pytest.raises(ApiConfigError):
+        kv_tokens_for_memory(model_path, 1e-6)

@@ -16,8 +16,10 @@ import contextlib
 import json
 import uuid
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -25,9 +27,11 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import Dsv2Error
+from ..layout import BuildConfig
 from ..runtime.engine import Engine
 from ..runtime.sampling import SamplingParams
 from .metrics import ServerMetrics
+from .prefix_cache import PAGE
 from .protocol import (
     ApiError,
     ChatCompletionRequest,
@@ -391,6 +395,24 @@ class _Answer:
         }
 
 
+def kv_tokens_for_memory(path: str | Path, gib: float) -> int:
+    """KV-cache tokens that ``gib`` GiB hold for the compiled model at ``path``: every layer
+    caches one latent vector per token (``kv_lora_rank + qk_rope_head_dim`` values of the build's
+    dtype), in whole 16-token pages."""
+    build = BuildConfig.read(Path(path))
+    m = build.model
+    width = int(m["kv_lora_rank"]) + int(m["qk_rope_head_dim"])
+    per_token = int(m["num_hidden_layers"]) * width * np.dtype(build.dtype).itemsize
+    tokens = int(gib * 2**30) // per_token // PAGE * PAGE
+    if tokens < PAGE:
+        raise ApiConfigError(f"--gpu-memory {gib} GiB holds no page of the KV cache")
+    return tokens
+
+
+class ApiConfigError(Dsv2Error, ValueError):
+    """A server option that cannot work."""
+
+
 def run_server(
     model: str | None,
     *,
@@ -399,6 +421,7 @@ def run_server(
     max_batch: int = 8,
     context_window: int | None = None,
     kv_capacity: int | None = None,
+    gpu_memory: float | None = None,
     max_queue: int = 256,
     step_tokens: int = 256,
     prefix_cache: bool = True,
@@ -408,12 +431,17 @@ def run_server(
     log_level: str = "info",
 ) -> None:
     """Serve MODEL (see :func:`dsv2_mlc.load`) until interrupted. The model is resolved (and
-    compiled on first use) before the server starts; its weights load in the engine thread."""
+    compiled on first use) before the server starts; its weights load in the engine thread.
+    ``gpu_memory`` (GiB) sizes the KV cache instead of ``kv_capacity`` (tokens)."""
     import uvicorn
 
     from ..resolve import resolve_model
 
     path = resolve_model(model, cache_dir=cache_dir, device=device, progress=True)
+    if gpu_memory is not None:
+        if kv_capacity is not None:
+            raise ApiConfigError("give --kv-capacity or --gpu-memory, not both")
+        kv_capacity = kv_tokens_for_memory(path, gpu_memory)
 
     def factory() -> Engine:
         return Engine(
