@@ -567,3 +567,28 @@ def test_gpu_memory_sizes_the_kv_cache(model_path):
     assert tokens * per_token <= 0.01 * 2**30 < (tokens + 16) * per_token
     with pytest.raises(ApiConfigError):
         kv_tokens_for_memory(model_path, 1e-6)
+
+
+def test_prefix_cache_radix_tree():
+    """Matches whole 16-token blocks only; a path already held is not parked twice; eviction
+    takes the least recently used entry that no running sequence was forked from first."""
+    from dsv2_mlc.serve.prefix_cache import PrefixCache
+
+    cache = PrefixCache()
+    a = list(range(48))
+    b = list(range(32)) + [1000 + i for i in range(16)]
+    ea = cache.insert(1, a)
+    eb = cache.insert(2, b)
+    assert ea is not None and eb is not None
+    assert cache.insert(3, a[:32]) is None  # held by both already
+    assert cache.match(a + [7]) == (ea, 48)
+    assert cache.match(a[:47]) in ((ea, 32), (eb, 32))  # the partial third block never matches
+    assert cache.match(a, limit=47)[1] == 32
+    assert cache.match(b[:40])[1] == 32
+    assert cache.match([5] + a) == (None, 0)
+    cache.touch(ea)  # b is now the least recently used
+    eb.refs = 1  # ... but a sequence runs on it
+    assert cache.evict_one() is ea
+    assert cache.match(a) == (eb, 32)  # a's own third block is gone, the shared two stay
+    assert cache.evict_one() is eb
+    assert cache.match(b) == (None, 0) and len(cache) == 0 and cache.evict_one() is None

@@ -46,6 +46,7 @@ class ServerMetrics:
 
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
+        self._prompt_total = self._cached_total = 0  # the hit rate's terms
         p = PREFIX
         self.ttft = Histogram(
             f"{p}_time_to_first_token_seconds", "Time to first token", buckets=_LATENCY, registry=r
@@ -99,8 +100,10 @@ class ServerMetrics:
         """Count one admitted sequence's prompt and its cached part; refresh the hit rate."""
         self.prompt_tokens.inc(prompt)
         self.cached_tokens.inc(cached)
-        total = self.prompt_tokens._value.get()
-        self.hit_rate.set(self.cached_tokens._value.get() / total if total else 0.0)
+        self._prompt_total += prompt
+        self._cached_total += cached
+        total = self._prompt_total
+        self.hit_rate.set(self._cached_total / total if total else 0.0)
 
     def render(self) -> bytes:
         """The text exposition format."""
