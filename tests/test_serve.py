@@ -592,3 +592,22 @@ def test_prefix_cache_radix_tree():
     assert cache.match(a) == (eb, 32)  # a's own third block is gone, the shared two stay
     assert cache.evict_one() is eb
     assert cache.match(b) == (None, 0) and len(cache) == 0 and cache.evict_one() is None
+
+
+def test_default_max_tokens(server, reference):
+    """Without max_tokens a completion stops after 16 tokens (OpenAI's default); a chat reply
+    may use what the context window leaves."""
+    r = server.client().completions.create(
+        model="default", prompt="def ", extra_body={"ignore_eos": True}
+    )
+    assert r.usage.completion_tokens == 16 and r.choices[0].finish_reason == "length"
+    text = ""
+    while len(reference.encode_prompt(text or "x")) < 220:  # a few tokens left in the window
+        text += "x = 1\n"
+    c = server.client().chat.completions.create(
+        model="default",
+        messages=[{"role": "user", "content": text}],
+        extra_body={"ignore_eos": True},
+    )
+    assert 220 <= c.usage.prompt_tokens < WINDOW
+    assert c.usage.completion_tokens == WINDOW - c.usage.prompt_tokens

@@ -203,7 +203,8 @@ class _Handlers:
                 param="messages" if isinstance(body, ChatCompletionRequest) else "prompt",
                 code="context_length_exceeded",
             )
-        max_tokens = limit or room
+        default = body.default_max_tokens
+        max_tokens = limit or (room if default is None else min(default, room))
         sched = self.scheduler
         if sched.pages_needed(len(prompt) + max_tokens) > sched.page_budget:
             raise ApiError(

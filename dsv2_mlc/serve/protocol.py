@@ -10,7 +10,7 @@ engine cannot honour (``frequency_penalty``/``presence_penalty`` other than 0, `
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -132,6 +132,8 @@ class ChatCompletionRequest(_Common):
     def limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
+    default_max_tokens: ClassVar[int | None] = None  # as many as the context window leaves
+
     @property
     def wanted_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
@@ -153,6 +155,8 @@ class CompletionRequest(_Common):
     @property
     def limit(self) -> int | None:
         return self.max_tokens
+
+    default_max_tokens: ClassVar[int | None] = 16  # OpenAI's default for completions
 
     @property
     def wanted_logprobs(self) -> int | None:
