@@ -131,6 +131,99 @@ def _chat(args: argparse.Namespace) -> int:
     return run_chat(options)
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from .serve.app import run_server
+
+    run_server(
+        args.model,
+        host=args.host,
+        port=args.port,
+        max_batch=args.max_batch,
+        context_window=args.context_window,
+        kv_capacity=args.kv_capacity,
+        gpu_memory=args.gpu_memory,
+        max_queue=args.max_queue,
+        step_tokens=args.step_tokens,
+        prefix_cache=not args.no_prefix_cache,
+        cache_dir=args.cache_dir,
+        device=args.device,
+        served_model_name=args.served_model_name,
+        log_level=args.log_level,
+    )
+    return 0
+
+
+def _bench_serve(args: argparse.Namespace) -> int:
+    from .serve.bench_serve import bench_serve
+
+    report = bench_serve(
+        args.url,
+        concurrency=args.concurrency,
+        requests=args.requests,
+        prompt_len=args.prompt_len,
+        gen_len=args.gen_len,
+        model=args.model,
+        seed=args.seed,
+        timeout=args.timeout,
+    )
+    report.print(args.json)
+    return 1 if report.errors else 0
+
+
+def _add_serve_commands(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="serve a model over an OpenAI-compatible HTTP API",
+        description="An OpenAI-compatible server (/v1/chat/completions, /v1/completions, "
+        "/v1/models, /health, /metrics) with continuous batching and prefix caching.",
+    )
+    p.add_argument("model", nargs="?", default=None, help="as for chat (nothing: the default)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (8000)")
+    p.add_argument("--max-batch", type=int, default=8, help="sequences run at once (8)")
+    p.add_argument("--context-window", type=int, default=None, help="tokens of one sequence")
+    p.add_argument(
+        "--kv-capacity",
+        type=int,
+        default=None,
+        help="tokens of the KV cache shared by all sequences and cached prefixes "
+        "(default: context window x max batch)",
+    )
+    p.add_argument(
+        "--gpu-memory",
+        type=float,
+        default=None,
+        help="GiB of device memory for the KV cache (sizes it instead of --kv-capacity)",
+    )
+    p.add_argument("--max-queue", type=int, default=256, help="waiting sequences before 429s")
+    p.add_argument(
+        "--step-tokens", type=int, default=256, help="tokens one batching step takes (256)"
+    )
+    p.add_argument("--no-prefix-cache", action="store_true", help="no prefix caching")
+    p.add_argument("--served-model-name", default=None, help="the model's name in the API")
+    p.add_argument("--cache-dir", default=None, help="where compiled checkpoints are cached")
+    p.add_argument("--device", default=None, help="device to compile for / run on (cpu)")
+    p.add_argument("--log-level", default="info", help="uvicorn's log level (info)")
+    p.set_defaults(func=_serve)
+
+    p = sub.add_parser(
+        "bench-serve",
+        help="load-test an OpenAI-compatible server",
+        description="Streamed completions against a server; reports throughput, TTFT and "
+        "TPOT (p50, p99) and errors as JSON on stdout.",
+    )
+    p.add_argument("url", help="the server, e.g. http://127.0.0.1:8000")
+    p.add_argument("--concurrency", type=int, default=8, help="requests in flight (8)")
+    p.add_argument("--requests", type=int, default=64, help="requests in all (64)")
+    p.add_argument("--prompt-len", type=int, default=128, help="prompt tokens (128)")
+    p.add_argument("--gen-len", type=int, default=64, help="tokens to generate (64)")
+    p.add_argument("--model", default=None, help="model name (default: the server's first)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    p.add_argument("--json", default=None, help="write the report here too")
+    p.set_defaults(func=_bench_serve)
+
+
 def _package(args: argparse.Namespace) -> int:
     from .artifacts.package import package_artifact
 
@@ -343,6 +436,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--verify", action="store_true", help=VERIFY_HELP)
     p.set_defaults(func=_chat)
     _add_bench_command(sub)
+    _add_serve_commands(sub)
     _add_artifact_commands(sub)
     return parser
 
