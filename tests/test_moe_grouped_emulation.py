@@ -36,6 +36,7 @@ import pytest
 from tvm import te, tirx
 
 from dsv2_mlc.schedules import moe_mma_cuda as mma
+from dsv2_mlc.schedules.tiles import GroupedMmaTiles
 
 sys.path.insert(0, str(Path(__file__).parent))
 from cuda_emulation import emulate, needs_toolchain, random_int4  # noqa: E402
@@ -138,9 +139,10 @@ def run_kernel(
             text = getattr(mma, const)
             assert old in text, broken
             patch.setattr(mma, const, text.replace(old, new))
-        func = mma.grouped_gemm_mma(
-            xt, rt, tt, [qt, st], out_dim, halves, gathered, kind, warps_n, rows_per_block
-        )
+        # one-tile blocks (64 rows: pair_from None) or pair blocks (128 rows: pair_from 0), each
+        # a kernel of its own (the shipped PrimFunc holds both; the host picks by tile count)
+        tiles = GroupedMmaTiles(warps_n, None if rows_per_block == 64 else 0)
+        func = mma.grouped_mma_kernel(xt, rt, tt, [qt, st], out_dim, halves, gathered, kind, tiles)
     run = emulate(func, tmp_path, broken or "kernel")
     out = np.full((nt, TM, out_dim), np.nan, np.float16)
     arrays = {"xb": x, "rb": rows, "teb": tile_expert, "qb": packed, "sb": scale, "ob": out}

@@ -160,6 +160,8 @@ class _Handlers:
                     raise ApiError(400, "send one prompt per request", param="prompt")
                 prompt = prompt[0]
             return engine.encode_prompt(prompt)  # type: ignore[arg-type]
+        except ApiError:
+            raise
         except Dsv2Error as err:
             raise ApiError(400, str(err), param="prompt") from err
 

@@ -14,13 +14,14 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from ..errors import Dsv2Error
 from .scheduler import TokenLogprob
 
 MAX_N = 16  # choices of one request
 MAX_TOP_LOGPROBS = 20
 
 
-class ApiError(Exception):
+class ApiError(Dsv2Error):
     """An error answered in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``."""
 
     def __init__(
