@@ -25,13 +25,6 @@ GEMVs (schedules/results/moe_decode.md). Here, after the router's logits GEMV:
    ``out[o] = sum_j w_j * (down_{ids[j]}[o] . h_j) + shared_down[o] . h_s`` over one flattened
    range of 32-element chunks (``top_k * I / 32`` routed, then ``Is / 32`` shared).
 
-**L2 prefetches of a warp's later rows** (``GateUpTiles.l2_rows``, off in the shipped tiles):
-each gate/up warp asks L2 (``cp.async.bulk.prefetch`` through
-:func:`~dsv2_mlc.schedules.cuda_call.l2_prefetch_source`) for its later shared-expert rows
-before its PDL wait and, once routed, for all its routed rows (lane ``m`` the ``m``-th). Slower
-in the model (schedules/results/moe_decode.md); the off path still emits the (uncalled) prefetch
-helper.
-
 INT4 group weights as :mod:`dsv2_mlc.quant.packing` stores them (``[rows, K / 8]`` uint32,
 nibble ``i`` of word ``j`` is element ``8 j + i``, value ``(q - 8) * scale[k // group]``). Each
 32-element chunk (one 16-byte load, one scale) is one call of the half2 dot product of
@@ -50,11 +43,9 @@ from dataclasses import dataclass
 from tvm import tirx
 
 from .cuda_call import (
-    L2_PREFETCH,
     TOKENS,
     WAIT_THEN_RELEASE,
     grid_wait_source,
-    l2_prefetch_source,
     token_grid_call,
 )
 from .decode_gemv_cuda import dot32_source
@@ -190,8 +181,6 @@ def gate_up_source(s: MoeDecodeShape, tiles: GateUpTiles) -> tuple[str, str]:
     stride = NB * W
     tag = f"h{H}_i{NI}_s{IS}_k{K}_g{G}_{route_name}_{tiles.name}"
     name = f"dsv2_moe_gu_{tag}"
-    L2R = "true" if tiles.l2_rows else "false"
-    srow_ok = "true" if (H // G * 2) % 16 == 0 else "false"
     # warp 0 of every block routes the logits; the others load their first (shared) row first
     early = f"i < {IS} && warp != 0"
     route_body = f"""
@@ -263,21 +252,6 @@ __device__ __forceinline__ void dsv2_gu_load_{tag}(dsv2_gu_buf_{tag}& b, int i, 
     }}
   }}
 }}
-// L2 prefetch of the gate and up rows (weights, scales) of item i + lane * {stride}, if it is a
-// shared item (shared = true) or a routed one (false; ids must be ready)
-__device__ __forceinline__ void dsv2_gu_prefetch_{tag}(int i, int lane, bool shared,
-    const unsigned* __restrict__ w, const half* __restrict__ s,
-    const unsigned* __restrict__ sw, const half* __restrict__ ss, const int* ids) {{
-  const int it = i + lane * {stride};
-  if (it >= {items} || (shared && it >= {IS}) || (!shared && it < {IS})) return;
-  const dsv2_gu_row_{tag} p = dsv2_gu_row_at_{tag}(it, w, s, sw, ss, ids, false, nullptr);
-  {L2_PREFETCH}(p.gp, {H // 2});
-  {L2_PREFETCH}(p.gp + p.up_w, {H // 2});
-  if ({srow_ok}) {{  // a row's scales, where they are whole 16-byte pieces
-    {L2_PREFETCH}(p.gs, {H // G * 2});
-    {L2_PREFETCH}(p.gs + p.up_s, {H // G * 2});
-  }}
-}}
 __device__ __forceinline__ void dsv2_gu_store_{tag}(const dsv2_gu_buf_{tag}& b, int i, int lane,
     {x_param}, half* __restrict__ hrow) {{
 {dots}
@@ -304,7 +278,6 @@ __device__ __forceinline__ void {name}(const half* __restrict__ x,
   // load before the wait (PDL: overlapping the previous kernel), the logits are read after it
   const bool early = {early};
   if (early) dsv2_gu_load_{tag}(a, i, lane, w, s, sw, ss, s_ids, ready);
-  if ({L2R}) dsv2_gu_prefetch_{tag}(i + {stride}, lane, true, w, s, sw, ss, s_ids);
   {WAIT_THEN_RELEASE}
   if (warp != 0 && !early && i < {items})
     dsv2_gu_load_{tag}(a, i, lane, w, s, sw, ss, s_ids, ready);
@@ -315,14 +288,8 @@ __device__ __forceinline__ void {name}(const half* __restrict__ x,
     if (i < {items}) dsv2_gu_load_{tag}(a, i, lane, w, s, sw, ss, s_ids, ready);
   }}
 {x_stage}
-  bool routed_pf = !{L2R};  // the warp's routed rows: prefetched at its first routed load
   while (i < {items}) {{
     const int i1 = i + {stride};
-    if (!routed_pf && i1 >= {IS}) {{
-      dsv2_gu_routed_{tag}(ready);
-      dsv2_gu_prefetch_{tag}(i1, lane, false, w, s, sw, ss, s_ids);
-      routed_pf = true;
-    }}
     if (i1 < {items}) dsv2_gu_load_{tag}(b, i1, lane, w, s, sw, ss, s_ids, ready);
     dsv2_gu_store_{tag}(a, i, lane, xv, hrow);
     if (i1 >= {items}) break;
@@ -334,7 +301,7 @@ __device__ __forceinline__ void {name}(const half* __restrict__ x,
 }}
 #endif
 """
-    pre = grid_wait_source() + l2_prefetch_source() + dot32_source(tiles.run)
+    pre = grid_wait_source() + dot32_source(tiles.run)
     return name, pre + route_src + src
 
 

@@ -204,13 +204,11 @@ class GateUpTiles:
     blocks: int
     run: int = 16
     min_blocks: int = 0  # __launch_bounds__ blocks an SM (caps the registers), 0: none
-    l2_rows: bool = False  # L2-prefetch a warp's later rows (moe_decode_cuda's docstring)
 
     @property
     def name(self) -> str:
         bound = f"_m{self.min_blocks}" if self.min_blocks else ""
-        pf = "_pr" if self.l2_rows else ""
-        return f"w{self.warps}_b{self.blocks}_h{self.run}{bound}{pf}"
+        return f"w{self.warps}_b{self.blocks}_h{self.run}{bound}"
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ of ``_variants()`` (``schedule_decode_gemv(func, config)``) and with dlight's de
 ``build/lab_gemv/`` plus ``manifest.json``.
 
 
-``python3 schedules/lab/kernel_lab_gemv.py run --lib-dir .devcarry/tvm-lib --out $OUT`` (GPU box:
+``python3 schedules/lab/kernel_lab_gemv.py run --lib-dir LIBS --out $OUT`` (GPU box:
 torch
 + tvm_ffi + the TVM runtime libraries; never imports tvm): random inputs at batch 1, each kernel
 checked against a float32 torch reference (relative L2), timed with CUDA events as the median of

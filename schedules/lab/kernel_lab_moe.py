@@ -18,7 +18,7 @@ TIR-only library for CUDA sm_90 (precompiled fatbin, :mod:`dsv2_mlc.compiler.cud
   ``wgmma``) and each SIMT tiling of ``--tilings`` (``TILINGS``; default ``t8x16``, the SIMT
   default), all with ``new_align``.
 
-``python3 schedules/lab/kernel_lab_moe.py run --lib-dir .devcarry/tvm-lib --out DIR`` (GPU machine;
+``python3 schedules/lab/kernel_lab_moe.py run --lib-dir LIBS --out DIR`` (GPU machine;
 torch + ``tvm_ffi`` + TVM's runtime libraries, never imports tvm): random INT4 experts, random
 top-6 routing (uniform, and a skewed one where 8 experts get most tokens) and activations for
 n in (512, 4096) tokens; runs the paths (the gather path only with ``--old``: 0.2 s a call),

@@ -10,7 +10,7 @@ and the shipped kernels for the full V2's shape (hidden 5120, intermediate 1536,
 top-6 of group-limited routing over 8 groups / 3 kept, scale 16: ``gu_v2``, ``dn_v2``), plus
 ``manifest.json``. ``--only`` (comma-separated keys) builds those alone.
 
-``python3 schedules/lab/kernel_lab_moe_decode.py run --lib-dir .devcarry/tvm-lib --out DIR`` (GPU
+``python3 schedules/lab/kernel_lab_moe_decode.py run --lib-dir LIBS --out DIR`` (GPU
 machine; torch + ``tvm_ffi`` + TVM's runtime libraries, never imports tvm): random INT4 experts,
 activations and router logits for n tokens (1 and 4); a float32 torch reference (softmax,
 greedy or group-limited top-k, the dequantised experts, SwiGLU, the weighted sum); every
@@ -49,12 +49,11 @@ SHAPES: dict[str, dict] = {
         routed_scaling_factor=16.0,
     ),
 }
-# (warps, blocks, run[, min_blocks, l2_rows]) of GateUpTiles and (warps, lanes, rows, run[,
-# min_blocks]) of DecodeTiles (min_blocks: __launch_bounds__ blocks an SM; l2_rows: the L2
-# prefetches of the gate/up kernel); the first of each is the shipped one (schedules/tiles.py)
+# (warps, blocks, run[, min_blocks]) of GateUpTiles and (warps, lanes, rows, run[, min_blocks])
+# of DecodeTiles (min_blocks: __launch_bounds__ blocks an SM); the first of each is the shipped
+# one (schedules/tiles.py)
 GATE_UP_VARIANTS = (
     (8, 264, 16),
-    (8, 264, 16, 0, True),  # w8_b264_h16_pr: L2 prefetch of the rows
     (8, 132, 16),
     (4, 264, 16),
     (8, 396, 16),

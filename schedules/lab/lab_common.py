@@ -286,15 +286,15 @@ def lab_parser(
 ) -> tuple[argparse.ArgumentParser, argparse.ArgumentParser, argparse.ArgumentParser]:
     """A lab's command line: (parser, ``prepare`` subparser, ``run`` subparser); the description
     is the first line of ``doc``. ``prepare`` has ``--arch`` (default sm_90); ``run`` has
-    ``--lib-dir`` (TVM's runtime libraries; default ``$DSV2_MLC_TVM_LIB_DIR`` or
-    ``.devcarry/tvm-lib``) and ``--out`` (results folder; default ``$OUT``). The lab adds its own
+    ``--lib-dir`` (TVM's runtime libraries; default ``$DSV2_MLC_TVM_LIB_DIR``, else where the
+    runtime finds them) and ``--out`` (results folder; default ``$OUT``). The lab adds its own
     options to the subparsers; ``args.cmd`` is the subcommand."""
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("prepare", help=prepare_help)
     p.add_argument("--arch", default="sm_90")
     r = sub.add_parser("run", help=run_help)
-    r.add_argument("--lib-dir", default=os.environ.get("DSV2_MLC_TVM_LIB_DIR", ".devcarry/tvm-lib"))
+    r.add_argument("--lib-dir", default=os.environ.get("DSV2_MLC_TVM_LIB_DIR"))
     r.add_argument("--out", default=os.environ.get("OUT"))
     return parser, p, r
 
