@@ -34,6 +34,9 @@ TOKENIZER_FILES = (
 )
 
 
+_ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
+
+
 class BuildError(Dsv2Error, ValueError):
     """A compiled model folder that cannot be used (the message names the file and the fix)."""
 
@@ -63,6 +66,23 @@ class BuildConfig:
     # size and SHA-256 of the library, the weight files and random-params.json as the compiler
     # wrote them ({relative path: {"size": n, "sha256": hex}}); empty in builds made before it
     files: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # the latent KV cache's element type: "" for the build's ``dtype``, or "float8_e4m3fn"
+    # (``--kv-dtype fp8``: one byte a value, read back times ``kv_scale``)
+    kv_dtype: str = ""
+    kv_scale: float = 1.0
+
+    @property
+    def cache_dtype(self) -> str:
+        """The KV cache's element type (the build's ``dtype`` unless ``kv_dtype`` says)."""
+        return self.kv_dtype or self.dtype
+
+    def kv_bytes_per_token(self) -> int:
+        """Bytes one token takes in the KV cache: every layer caches one latent row of
+        ``kv_lora_rank + qk_rope_head_dim`` values of :attr:`cache_dtype`."""
+        m = self.model
+        width = int(m["kv_lora_rank"]) + int(m["qk_rope_head_dim"])
+        itemsize = 1 if self.cache_dtype.startswith("float8") else _ITEMSIZE[self.cache_dtype]
+        return int(m["num_hidden_layers"]) * width * itemsize
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-serialisable form."""

@@ -19,7 +19,6 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -402,10 +401,7 @@ def kv_tokens_for_memory(path: str | Path, gib: float) -> int:
     """KV-cache tokens that ``gib`` GiB hold for the compiled model at ``path``: every layer
     caches one latent vector per token (``kv_lora_rank + qk_rope_head_dim`` values of the build's
     dtype), in whole 16-token pages."""
-    build = BuildConfig.read(Path(path))
-    m = build.model
-    width = int(m["kv_lora_rank"]) + int(m["qk_rope_head_dim"])
-    per_token = int(m["num_hidden_layers"]) * width * np.dtype(build.dtype).itemsize
+    per_token = BuildConfig.read(Path(path)).kv_bytes_per_token()
     tokens = int(gib * 2**30) // per_token // PAGE * PAGE
     if tokens < PAGE:
         raise ApiConfigError(f"--gpu-memory {gib} GiB holds no page of the KV cache")
