@@ -149,6 +149,8 @@ def _serve(args: argparse.Namespace) -> int:
         device=args.device,
         served_model_name=args.served_model_name,
         log_level=args.log_level,
+        random_weights=args.random_weights,
+        lib_dir=args.lib_dir,
     )
     return 0
 
@@ -197,13 +199,24 @@ def _add_serve_commands(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--max-queue", type=int, default=256, help="waiting sequences before 429s")
     p.add_argument(
-        "--step-tokens", type=int, default=256, help="tokens one batching step takes (256)"
+        "--step-tokens",
+        type=int,
+        default=None,
+        help="tokens one batching step takes (256 on the CPU, 2048 on CUDA)",
     )
     p.add_argument("--no-prefix-cache", action="store_true", help="no prefix caching")
     p.add_argument("--served-model-name", default=None, help="the model's name in the API")
     p.add_argument("--cache-dir", default=None, help="where compiled checkpoints are cached")
     p.add_argument("--device", default=None, help="device to compile for / run on (cpu)")
     p.add_argument("--log-level", default="info", help="uvicorn's log level (info)")
+    p.add_argument(
+        "--random-weights",
+        type=int,
+        default=None,
+        metavar="SEED",
+        help="serve a build compiled with --random-weights, its weights made from SEED",
+    )
+    p.add_argument("--lib-dir", default=None, help="folder of the TVM runtime library")
     p.set_defaults(func=_serve)
 
     p = sub.add_parser(

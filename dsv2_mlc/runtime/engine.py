@@ -232,6 +232,8 @@ class Engine:
         use_graphs = cuda_graph and self.device == "cuda"
         self._graphs = DecodeGraphs(self.device, pdl_port=port) if use_graphs else None
         self._query_positions = global_func("vm.builtin.attention_kv_cache_get_query_positions")
+        self._available_pages = global_func("vm.builtin.attention_kv_cache_get_num_available_pages")
+        self._cudart: Any = None  # CudaRuntime, opened on the first device_memory_used()
         self._ids = itertools.count()
         self._tokenizer: Tokenizer | None = None
         self._chat: ChatNamespace | None = None
@@ -341,6 +343,35 @@ class Engine:
         seq = check.live_sequence(seq, self._seq_len)
         ahead = self._followed is not None and seq in self._followed[0]
         return self._seq_len[seq] - int(ahead)
+
+    def free_pages(self) -> int:
+        """Pages of the KV cache's pool no sequence holds (:attr:`total_pages` in all)."""
+        return int(self._available_pages(self._cache))
+
+    @property
+    def total_pages(self) -> int:
+        """Pages in the KV cache's pool: ``kv_capacity`` tokens plus one page a sequence of a
+        full batch."""
+        return self._pool_pages
+
+    def live_sequences(self) -> list[int]:
+        """Ids of the sequences that exist (added or forked, not removed)."""
+        return list(self._seq_len)
+
+    def device_memory_used(self) -> int | None:
+        """Bytes of device memory in use on this engine's device (``cudaMemGetInfo``: every
+        process's, the CUDA context included); None on the CPU or when it cannot be read."""
+        if self.device != "cuda":
+            return None
+        if self._cudart is None:
+            from .cudart import CudaRuntime
+
+            try:
+                self._cudart = CudaRuntime()
+            except RuntimeError:
+                return None
+        got = self._cudart.memory_used()
+        return None if got is None else got[0]
 
     def reset(self) -> None:
         """Remove every sequence."""

@@ -397,6 +397,12 @@ class _Answer:
         }
 
 
+STEP_TOKENS = {"cpu": 256, "cuda": 2048}
+"""Default tokens of one batching step by device: on CUDA a 1K-2K prompt is prefilled in one
+step (a step of 2,048 tokens takes ~30 ms on the H200 with V2-Lite), on the CPU a step stays
+short so running streams keep their pace."""
+
+
 def kv_tokens_for_memory(path: str | Path, gib: float) -> int:
     """KV-cache tokens that ``gib`` GiB hold for the compiled model at ``path``: every layer
     caches one latent vector per token (``kv_lora_rank + qk_rope_head_dim`` values of the build's
@@ -422,21 +428,29 @@ def run_server(
     kv_capacity: int | None = None,
     gpu_memory: float | None = None,
     max_queue: int = 256,
-    step_tokens: int = 256,
+    step_tokens: int | None = None,
     prefix_cache: bool = True,
     cache_dir: str | None = None,
     device: str | None = None,
     served_model_name: str | None = None,
     log_level: str = "info",
+    random_weights: int | None = None,
+    lib_dir: str | None = None,
 ) -> None:
     """Serve MODEL (see :func:`dsv2_mlc.load`) until interrupted. The model is resolved (and
     compiled on first use) before the server starts; its weights load in the engine thread.
-    ``gpu_memory`` (GiB) sizes the KV cache instead of ``kv_capacity`` (tokens)."""
+    ``step_tokens``: tokens one batching step takes (default :data:`STEP_TOKENS` of the
+    build's device). ``gpu_memory`` (GiB) sizes the KV cache instead of ``kv_capacity`` (tokens).
+    ``random_weights=SEED`` serves a build compiled with ``--random-weights`` (benchmarks: the
+    prompts are token ids, the replies' text is ``<id>`` pieces without a tokenizer);
+    ``lib_dir`` is the TVM runtime library folder, as for :class:`Engine`."""
     import uvicorn
 
     from ..resolve import resolve_model
 
     path = resolve_model(model, cache_dir=cache_dir, device=device, progress=True)
+    if step_tokens is None:
+        step_tokens = STEP_TOKENS[BuildConfig.read(path).device]
     if gpu_memory is not None:
         if kv_capacity is not None:
             raise ApiConfigError("give --kv-capacity or --gpu-memory, not both")
@@ -448,6 +462,8 @@ def run_server(
             context_window=context_window,
             max_batch_size=max_batch,
             kv_capacity=kv_capacity,
+            random_weights=random_weights,
+            lib_dir=lib_dir,
         )
 
     name = served_model_name or ("default" if model is None else path.name)

@@ -3,7 +3,9 @@
 ``requests`` streamed completions, ``concurrency`` at a time, each a prompt of ``prompt_len``
 random token ids asking for ``gen_len`` tokens (``ignore_eos``, so every request generates them
 all on servers that honour it), sent with the official ``openai`` client. Reported: request and
-output-token throughput, time to first token and time per output token (p50, p99), errors.
+output-token throughput, time to first token and time per output token (p50, p99), errors, and
+the server's memory in use and its peak when its ``/metrics`` has them (``dsv2-mlc serve``:
+device memory on CUDA, the CUDA context included).
 """
 
 from __future__ import annotations
@@ -18,6 +20,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from ..errors import Dsv2Error
+from .metrics import PREFIX
+
+
+class BenchServeError(Dsv2Error, ValueError):
+    """A load-generator option that cannot work."""
 
 
 @dataclass
@@ -42,6 +51,8 @@ class BenchServeReport:
     ttft_p99_s: float | None = None
     tpot_p50_s: float | None = None
     tpot_p99_s: float | None = None
+    server_memory_used_bytes: float | None = None
+    server_memory_peak_bytes: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -58,12 +69,14 @@ class BenchServeReport:
         def ms(v: float | None) -> str:
             return "-" if v is None else f"{v * 1e3:.1f} ms"
 
+        peak = self.server_memory_peak_bytes
+        memory = "" if peak is None else f"; server memory peak {peak / 2**30:.2f} GiB"
         return (
             f"{self.completed}/{self.requests} requests in {self.duration_s:.2f} s "
             f"({self.request_throughput:.2f} req/s, {self.output_token_throughput:.1f} tok/s), "
             f"errors {self.errors}\n"
             f"TTFT p50 {ms(self.ttft_p50_s)}  p99 {ms(self.ttft_p99_s)}; "
-            f"TPOT p50 {ms(self.tpot_p50_s)}  p99 {ms(self.tpot_p99_s)}"
+            f"TPOT p50 {ms(self.tpot_p50_s)}  p99 {ms(self.tpot_p99_s)}{memory}"
         )
 
 
@@ -153,7 +166,24 @@ async def _run(
     tpot = [r["tpot"] for r in results if r["tpot"] is not None]
     report.ttft_p50_s, report.ttft_p99_s = _percentile(ttft, 50), _percentile(ttft, 99)
     report.tpot_p50_s, report.tpot_p99_s = _percentile(tpot, 50), _percentile(tpot, 99)
+    memory = _server_gauges(base.removesuffix("/v1"), timeout)
+    report.server_memory_used_bytes = memory.get(f"{PREFIX}_memory_used_bytes")
+    report.server_memory_peak_bytes = memory.get(f"{PREFIX}_memory_peak_bytes")
     return report
+
+
+def _server_gauges(root: str, timeout: float) -> dict[str, float]:
+    """The server's gauges from ``root/metrics`` by name (empty when it has no such page)."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        response = httpx.get(root + "/metrics", timeout=timeout)
+        response.raise_for_status()
+        families = list(text_string_to_metric_families(response.text))
+    except (httpx.HTTPError, ValueError):
+        return {}
+    return {s.name: float(s.value) for f in families if f.type == "gauge" for s in f.samples}
 
 
 def bench_serve(
@@ -175,7 +205,7 @@ def bench_serve(
         ("gen_len", gen_len),
     ):
         if value < 1:
-            raise ValueError(f"{name} must be at least 1 (got {value})")
+            raise BenchServeError(f"{name} must be at least 1 (got {value})")
     return asyncio.run(
         _run(
             url,

@@ -5,14 +5,18 @@ first, end-to-end latency and time spent waiting for admission. Counters: prompt
 tokens, prompt tokens served from the prefix cache, tokens prefilled, finished requests by
 finish reason, preemptions. Gauges, refreshed by the engine thread after every step: running and
 waiting requests, KV pages used and free, page fragmentation (unused token slots in partly
-filled pages over all allocated slots) and the prefix cache's hit rate (cached over all prompt
-tokens).
+filled pages over all allocated slots), the prefix cache's hit rate (cached over all prompt
+tokens), and memory: the device's used bytes and their peak since the server started
+(``cudaMemGetInfo``, the CUDA context included) on CUDA, the process's resident set on the CPU.
 
 The expert-cache hit rate of the issue applies only where experts are offloaded to the host,
 which this runtime does not do; there is no such metric.
 """
 
 from __future__ import annotations
+
+import resource
+from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -38,6 +42,8 @@ FAMILIES = (
     f"{PREFIX}_kv_pages_free",
     f"{PREFIX}_kv_page_fragmentation",
     f"{PREFIX}_prefix_cache_hit_rate",
+    f"{PREFIX}_memory_used_bytes",
+    f"{PREFIX}_memory_peak_bytes",
 )
 
 
@@ -47,6 +53,7 @@ class ServerMetrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
         self._prompt_total = self._cached_total = 0  # the hit rate's terms
+        self._peak = 0  # bytes, the memory_peak gauge
         p = PREFIX
         self.ttft = Histogram(
             f"{p}_time_to_first_token_seconds", "Time to first token", buckets=_LATENCY, registry=r
@@ -95,6 +102,23 @@ class ServerMetrics:
         self.hit_rate = Gauge(
             f"{p}_prefix_cache_hit_rate", "Cached prompt tokens over all prompt tokens", registry=r
         )
+        where = "device memory (CUDA) or the process's resident memory (CPU)"
+        self.memory_used = Gauge(f"{p}_memory_used_bytes", f"Bytes of {where} in use", registry=r)
+        self.memory_peak = Gauge(
+            f"{p}_memory_peak_bytes", f"Peak bytes of {where} since start", registry=r
+        )
+
+    def record_memory(self, device_used: int | None) -> None:
+        """Refresh the memory gauges: ``device_used`` bytes (CUDA), or with None the process's
+        resident set (the CPU: the model lives in host memory)."""
+        if device_used is None:
+            used = _resident_bytes()
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        else:
+            used = peak = device_used
+        self._peak = max(self._peak, peak, used)
+        self.memory_used.set(used)
+        self.memory_peak.set(self._peak)
 
     def record_prompt(self, prompt: int, cached: int) -> None:
         """Count one admitted sequence's prompt and its cached part; refresh the hit rate."""
@@ -108,3 +132,12 @@ class ServerMetrics:
     def render(self) -> bytes:
         """The text exposition format."""
         return generate_latest(self.registry)
+
+
+def _resident_bytes() -> int:
+    """The process's resident set size (Linux ``/proc/self/statm``; 0 where it is missing)."""
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+    except (OSError, IndexError, ValueError):
+        return 0
+    return pages * resource.getpagesize()

@@ -9,10 +9,12 @@ once), waiting sequences are admitted first-come first-served while the KV pages
 sharing page-aligned blocks with a cached one forks that entry: :mod:`.prefix_cache`), then one
 decode call advances every sequence that is generating by a token and one prefill call feeds
 the others' prompts in chunks, all of them within ``step_tokens`` tokens, so a long prompt never
-stalls the running streams for long. When the pages run short, cached prefixes are evicted
-(least recently used) and then the most recently admitted sequence is preempted: its pages are
-freed and it waits again at its place in line, to be recomputed (prompt plus the tokens it had
-generated) when readmitted.
+stalls the running streams for long. When the next step will be the same decode (nothing to
+prefill or admit), the engine launches it as soon as this step's greedy tokens are known
+(:meth:`Engine.launch_greedy` with ``follow``), so the host's streaming overlaps the device.
+When the pages run short, cached prefixes are evicted (least recently used) and then the most
+recently admitted sequence is preempted: its pages are freed and it waits again at its place in
+line, to be recomputed (prompt plus the tokens it had generated) when readmitted.
 
 Pages are counted as the engine counts them (every live sequence's length in whole pages, a
 fork's shared prefix included), so no step can overflow the engine's KV capacity.
@@ -36,7 +38,6 @@ from ..runtime.engine import Engine
 from ..runtime.generation import _StopStrings
 from ..runtime.sampling import Sampler, SamplingParams
 from ..runtime.tokenizer import StreamDecoder, Tokenizer
-from ..runtime.tvm_runtime import global_func
 from .metrics import ServerMetrics
 from .prefix_cache import PAGE, Entry, PrefixCache
 
@@ -269,10 +270,8 @@ class Scheduler:
             engine = self._factory()
             if engine.has_tokenizer():
                 engine.tokenizer  # noqa: B018 - read it now, not in the first request
-            available = global_func("vm.builtin.attention_kv_cache_get_num_available_pages")
-            cache = engine._cache  # the engine's paged KV cache object, read-only here
-            self._available_pages = lambda: int(available(cache))
-            self.total_pages = self._available_pages()
+            self._available_pages = engine.free_pages
+            self.total_pages = engine.free_pages()
             # the engine's own room check: every sequence's whole pages within kv_capacity
             self.page_budget = engine.kv_capacity // PAGE
             self.engine = engine
@@ -416,7 +415,16 @@ class Scheduler:
                     c.kv_len += 1
                     self._accept(c, row, None)
             else:
-                picked = engine.decode_greedy(ids, last)
+                # the same sequences will step again (nothing to prefill or admit, nobody at
+                # their length limit): the engine launches that step as soon as these tokens
+                # are known, so streaming them overlaps the device (undone if a token stops)
+                more = (
+                    engine.overlap_steps
+                    and not chunks
+                    and not self._waiting
+                    and all(len(c.tokens) + 1 < c.req.max_tokens for c in decode)
+                )
+                picked = engine.launch_greedy(ids, last, next_step=more, follow=more).result()
                 for c, tok in zip(decode, picked, strict=True):
                     c.kv_len += 1
                     self._accept(c, None, int(tok))
@@ -523,6 +531,8 @@ class Scheduler:
         m.pages_used.set(used)
         unused = sum(_pages(c.kv_len) * PAGE - c.kv_len for c in self._running)
         m.fragmentation.set(unused / (used * PAGE) if used else 0.0)
+        if self.engine is not None:
+            m.record_memory(self.engine.device_memory_used())
 
 
 def _logprob(row: np.ndarray, token: int, top: int) -> TokenLogprob:
