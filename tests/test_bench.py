@@ -272,3 +272,19 @@ def test_bench_rejects_impossible_options(random_builds, capsys):
     assert rc == 2 and "exceeds the model's" in capsys.readouterr().err
     rc = main(["bench", str(random_builds["q0f32"]), "--prefill-chunk", "0"])
     assert rc == 2 and "--prefill-chunk must be at least 1" in capsys.readouterr().err
+
+
+def test_long_prefill_script_times_every_chunk(random_builds):
+    """``scripts/gpu_long_prefill.py``'s case on the CPU: one call per chunk, each timed at its
+    prefix, and the chunked prompt's first token is the one-call prompt's."""
+    from scripts_module import load_script
+
+    script = load_script("gpu_long_prefill")
+    build = str(random_builds["q0f32"])
+    chunked = script.run_case(build, None, 40, 16, seed=3)
+    whole = script.run_case(build, None, 40, 40, seed=3)
+    assert [(c["prefix"], c["tokens"]) for c in chunked["chunks"]] == [(0, 16), (16, 16), (32, 8)]
+    assert whole["calls"] == 1 and whole["later_chunks_s_mean"] is None
+    assert chunked["first_token"] == whole["first_token"]
+    assert chunked["ttft_s"] >= sum(c["seconds"] for c in chunked["chunks"])
+    assert chunked["memory"]["weight_bytes"] > 0
