@@ -7,9 +7,11 @@ its kernels are *enqueued*, and the copy of the logits to the host waits for the
 
 * **prefill**: ``batch`` fresh sequences of ``prompt_len`` random token ids in one call;
   TTFT = prefill call + host arg-max of the first token; prefill tok/s = batch * prompt_len /
-  prefill call. ``prefill_chunk`` (default: the whole batch of prompts, one prefill) bounds the
-  tokens of one model call: longer prompts go in chunks, the first a prefill and the rest
-  extends attending to the cached prefix, as ``Engine.prefill`` does for any prompt.
+  prefill call. ``prefill_chunk`` (default: the engine's ``prefill_chunk_size``, 8,192 tokens
+  on CUDA, so the activations of a long prompt stay bounded as in serving) bounds the tokens of
+  one model call: longer prompts go in chunks, the first a prefill and the rest extends
+  attending to the cached prefix, as ``Engine.prefill`` does for any prompt; a chunk as large as
+  the prompt gives one call.
 * **decode**: ``gen_len - 1`` greedy steps of one token per sequence: a step is
   ``Engine.launch_greedy`` and the wait for its tokens (ids in, the arg-max picked on the
   device, one int per sequence copied out; ``argmax_on_device``; the KV cache's bookkeeping of
@@ -414,7 +416,7 @@ def _open_engine(opts: BenchOptions, log: Callable[[str], None]) -> tuple[Any, f
         context_window=ctx,
         max_batch_size=opts.batch,
         kv_capacity=ctx * opts.batch,
-        prefill_chunk_size=opts.prefill_chunk or opts.prompt_len * opts.batch,
+        prefill_chunk_size=opts.prefill_chunk,  # None: the engine's default chunk
         lib_dir=opts.lib_dir,
         random_weights=None if has_params else opts.seed,
         cuda_graph=opts.cuda_graph,
@@ -519,6 +521,7 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None] = print) -> dict[st
         },
         "prefill": {
             "tokens": opts.prompt_len * opts.batch,
+            "chunk_size": engine.prefill_chunk_size,
             "prefill_s": prefill_s,
             "ttft_s": ttft_s,
             "prefill_s_median": float(np.median(prefill_s)),
@@ -655,7 +658,11 @@ def format_report(r: dict[str, Any]) -> str:
         f"model {r['model']['path']} ({r['model']['quantization']}, {r['setup']['device']}"
         + (f", {r['setup']['gpu']}" if "gpu" in r["setup"] else "")
         + f"), batch {o['batch']}, prompt {o['prompt_len']}, gen {o['gen_len']}"
-        + (f", prefill chunks of {o['prefill_chunk']}" if o.get("prefill_chunk") else ""),
+        + (
+            f", prefill chunks of {p['chunk_size']}"
+            if p.get("chunk_size", p["tokens"]) < p["tokens"]
+            else ""
+        ),
         f"prefill: {p['prefill_tok_s']:,.0f} tok/s, TTFT {p['ttft_ms_median']:.1f} ms "
         f"({p['tflop_s']:.1f} TFLOP/s)",
     ]

@@ -64,7 +64,7 @@ def _add_bench_command(sub: argparse._SubParsersAction) -> None:
         type=int,
         default=None,
         help="at most this many tokens a prefill call; longer prompts go in chunks (default: "
-        "the whole prompt in one call)",
+        "the engine's chunk, 8192 on CUDA; the prompt length for one call)",
     )
     p.add_argument("--warmup", type=int, default=1, help="untimed full runs first (1)")
     p.add_argument("--repeat", type=int, default=3, help="timed runs (3)")

@@ -231,6 +231,8 @@ def test_bench_reports_the_first_warm_up_run(random_builds):
 
     opts = BenchOptions(model=str(random_builds["q4f32_g32"]), prompt_len=8, gen_len=4, warmup=2)
     r = run_bench(opts, log=lambda _: None)
+    # no --prefill-chunk: the engine's default chunk (CPU 512, at most the KV capacity 12)
+    assert r["prefill"]["chunk_size"] == 12 and "prefill chunks" not in format_report(r)
     first = r["decode"]["first_run"]
     assert first["decode_tok_s"] > 0 and first["tpot_ms_max"] > 0
     assert first["decode_tok_s"] >= 3 / (3 * first["tpot_ms_max"] / 1e3)  # 3 steps, each <= max
@@ -246,7 +248,7 @@ def test_bench_prefill_in_chunks(random_builds):
     model = str(random_builds["q4f32_g32"])
     opts = BenchOptions(model=model, prompt_len=12, gen_len=3, warmup=0, repeat=1, prefill_chunk=5)
     r = run_bench(opts, log=lambda _: None)
-    assert r["options"]["prefill_chunk"] == 5
+    assert r["options"]["prefill_chunk"] == 5 and r["prefill"]["chunk_size"] == 5
     assert "prefill chunks of 5" in format_report(r)
     assert r["prefill"]["prefill_tok_s"] > 0 and r["decode"]["decode_tok_s"] > 0
 
@@ -270,3 +272,19 @@ def test_bench_rejects_impossible_options(random_builds, capsys):
     assert rc == 2 and "exceeds the model's" in capsys.readouterr().err
     rc = main(["bench", str(random_builds["q0f32"]), "--prefill-chunk", "0"])
     assert rc == 2 and "--prefill-chunk must be at least 1" in capsys.readouterr().err
+
+
+def test_long_prefill_script_times_every_chunk(random_builds):
+    """``scripts/gpu_long_prefill.py``'s case on the CPU: one call per chunk, each timed at its
+    prefix, and the chunked prompt's first token is the one-call prompt's."""
+    from scripts_module import load_script
+
+    script = load_script("gpu_long_prefill")
+    build = str(random_builds["q0f32"])
+    chunked = script.run_case(build, None, 40, 16, seed=3)
+    whole = script.run_case(build, None, 40, 40, seed=3)
+    assert [(c["prefix"], c["tokens"]) for c in chunked["chunks"]] == [(0, 16), (16, 16), (32, 8)]
+    assert whole["calls"] == 1 and whole["later_chunks_s_mean"] is None
+    assert chunked["first_token"] == whole["first_token"]
+    assert chunked["ttft_s"] >= sum(c["seconds"] for c in chunked["chunks"])
+    assert chunked["memory"]["weight_bytes"] > 0

@@ -158,6 +158,9 @@ CASES = {
     "v2lite": (16, 192, 128, [70, 1, 33], None, True, {}, "causal-limit"),
     # 3 heads, 64 / 32: 6 query tiles, 11 key tiles, extend-like rows (more keys than queries)
     "small-extend": (3, 64, 32, [5, 97, 130], [5, 110, 333], True, {}, "no-v-wait"),
+    # V2-Lite, a prefill chunk after a cached prefix in one call (the non-absorbed long-prefix
+    # path of schedules/results/long_prefill.md): 48 rows over a 300-key prefix + themselves
+    "v2lite-chunk-after-prefix": (16, 192, 128, [48], [348], True, {}, "causal-limit"),
     # other tiles through the builder the lab sweeps (BM 32, BN 16); one non-causal batch
     "small-bm32": (2, 48, 32, [45, 19], None, True, dict(block_m=32, block_n=16),
                    "ldsm-trans-shift"),
