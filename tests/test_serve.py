@@ -13,6 +13,7 @@ import contextlib
 import json
 import math
 import random
+import shutil
 import socket
 import subprocess
 import sys
@@ -619,3 +620,35 @@ def test_default_max_tokens(server, reference):
     )
     assert 220 <= c.usage.prompt_tokens < WINDOW
     assert c.usage.completion_tokens == WINDOW - c.usage.prompt_tokens
+
+
+def test_model_without_tokenizer_answers_token_pieces(model_path, reference, tmp_path):
+    """A build without tokenizer files (as random-weights benchmark builds are) serves token-id
+    prompts; each generated token streams as the piece ``<id>``, the greedy tokens of
+    ``Engine.generate``."""
+    bare = tmp_path / "bare"
+    shutil.copytree(model_path, bare, ignore=shutil.ignore_patterns("tokenizer*", "*.jinja"))
+
+    def factory() -> Engine:
+        return Engine(bare, context_window=WINDOW, max_batch_size=2)
+
+    prompt = [0, 500, 901, 1200, 77]
+    want = reference.generate(prompt, max_new_tokens=6).token_ids
+    with _serve(factory) as s:
+        _ready(s)
+        assert not s.scheduler.engine.has_tokenizer()
+        r = s.client().completions.create(
+            model="default", prompt=prompt, max_tokens=6, extra_body={"ignore_eos": True}
+        )
+        assert r.choices[0].text == "".join(f"<{t}>" for t in want)
+        stream = s.client().completions.create(
+            model="default",
+            prompt=prompt,
+            max_tokens=6,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        pieces = [c.choices[0].text for c in stream if c.choices and c.choices[0].text]
+        assert pieces == [f"<{t}>" for t in want]
+        with pytest.raises(openai.BadRequestError, match="tokenizer"):
+            s.client().completions.create(model="default", prompt=prompt, stop=["x"])

@@ -109,7 +109,8 @@ class Request:
 
 class _Text:
     """A choice's detokenized text, stop strings and what was emitted of it (the rules of
-    :func:`dsv2_mlc.runtime.generation.run_generation`)."""
+    :func:`dsv2_mlc.runtime.generation.run_generation`). A model without a tokenizer (random
+    weights) answers each token as the piece ``<id>``, as its logprobs name them."""
 
     def __init__(self, tokenizer: Tokenizer | None, stops: tuple[str, ...]):
         self.detok = StreamDecoder(tokenizer) if tokenizer is not None else None
@@ -125,6 +126,8 @@ class _Text:
     def push(self, token: int, stop_id: bool, at_limit: bool) -> tuple[str, str | None]:
         """Take one token; returns (text to emit now, finish reason or None)."""
         finished = None
+        if self.detok is None and not stop_id:  # no tokenizer: each token is the piece <id>
+            self.text += f"<{token}>"
         if stop_id:
             finished = "stop"
             if self.detok is not None:
