@@ -11,6 +11,7 @@ control: zeroing one host expert tensor changes the logits, so the model reads t
 from __future__ import annotations
 
 import gc
+import json
 import math
 
 import numpy as np
@@ -191,3 +192,25 @@ def test_host_tensor_header_device_and_deleter():
     del arr
     gc.collect()
     assert freed == [base]
+
+
+def test_bench_reports_the_placement(int4_build, tmp_path, capsys):
+    from dsv2_mlc.cli import build_parser, main
+
+    report = tmp_path / "bench.json"
+    argv = ["bench", str(int4_build), "--prompt-len", "8", "--gen-len", "3", "--warmup", "0"]
+    argv += ["--repeat", "1", "--seed", str(SEED), "--experts", "host", "--json", str(report)]
+    rc = main(argv)
+    assert rc == 0
+    assert "of routed experts in pinned host memory (experts=host)" in capsys.readouterr().out
+    r = json.loads(report.read_text())
+    gpu, host = weight_bytes(build_params(int4_build), "host")
+    assert r["options"]["experts"] == "host"
+    assert r["model"]["placement"] == {
+        "experts": "host",
+        "weight_bytes": {"gpu": gpu, "host": host},
+    }
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", str(int4_build), "--experts", "disk"])
+    assert build_parser().parse_args(["chat", "--experts", "host"]).experts == "host"
+    assert build_parser().parse_args(["chat"]).experts == "gpu"
