@@ -89,6 +89,7 @@ class BenchOptions:
     expert_major_from: int | None = None  # None: the engine's default
     token_major: bool = False  # every decode step on the fused per-token MoE kernels
     verify: bool = False  # hash the weight files too before loading them
+    experts: str = "gpu"  # where the routed experts live: "gpu" or "host" (Engine(experts=...))
 
     def check(self) -> None:
         """Raise :class:`BenchError` for impossible values."""
@@ -103,6 +104,8 @@ class BenchOptions:
             raise BenchError("--hbm-bandwidth must be positive (bytes/s)")
         if self.expert_major_from is not None and self.expert_major_from < 1:
             raise BenchError("--expert-major-from must be at least 1 sequence")
+        if self.experts not in ("gpu", "host"):
+            raise BenchError(f"--experts {self.experts}: use gpu or host")
 
 
 # -- memory ----------------------------------------------------------------------------------------
@@ -421,6 +424,7 @@ def _open_engine(opts: BenchOptions, log: Callable[[str], None]) -> tuple[Any, f
         random_weights=None if has_params else opts.seed,
         cuda_graph=opts.cuda_graph,
         verify=opts.verify,
+        experts=opts.experts,
         **_expert_major(opts),
     )
     _sync(engine.device)
@@ -518,6 +522,8 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None] = print) -> dict[st
             **ws,
             "kv_bytes_per_token": kv_bytes_per_token(cfg, engine.build.dtype),
             "load_s": load_s,
+            # where the weights live (Engine(experts=...)): bytes in device and in host memory
+            "placement": {"experts": engine.experts, "weight_bytes": engine.weight_bytes()},
         },
         "prefill": {
             "tokens": opts.prompt_len * opts.batch,
@@ -694,6 +700,13 @@ def format_report(r: dict[str, Any]) -> str:
             f"{f['mean_context']:.0f} -> {f['achieved_bytes_s'] / 1e9:,.0f} GB/s = "
             f"{100 * f['fraction_of_hbm']:.1f}% of {f['hbm_bandwidth'] / 1e12:.2f} TB/s "
             f"(ceiling {f['roofline_tok_s']:,.0f} tok/s)"
+        )
+    placed = r["model"].get("placement")
+    if placed and placed["experts"] != "gpu":
+        wb = placed["weight_bytes"]
+        lines.append(
+            f"weights: {wb['gpu'] / 2**30:.2f} GiB on the device, {wb['host'] / 2**30:.2f} GiB "
+            f"of routed experts in pinned host memory (experts={placed['experts']})"
         )
     peak = m.get("peak_bytes")
     if peak:

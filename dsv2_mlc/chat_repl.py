@@ -63,6 +63,7 @@ class ChatOptions:
     context_window: int | None = None
     sampling: dict[str, Any] = field(default_factory=dict)
     verify: bool = False  # hash the weight files too before loading them
+    experts: str = "gpu"  # where the routed experts live: "gpu" or "host" (Engine(experts=...))
 
 
 def run_chat(
@@ -100,6 +101,7 @@ def run_chat(
         progress=True,
         log=note,
         verify=options.verify,
+        experts=options.experts,
     )
     sampling = SamplingParams.from_generation_config(engine.path).updated(**explicit)
     session = ChatSession(engine, system=system, sampling=sampling)

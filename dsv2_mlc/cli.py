@@ -12,6 +12,10 @@ VERIFY_HELP = (
     "check the SHA-256 of the weight files too before loading them (the library's is checked "
     "on every open; see dist/README.md)"
 )
+EXPERTS_HELP = (
+    "where the routed experts' weights live: gpu (device memory, the default) or host (pinned "
+    "host memory the same kernels read over PCIe: far less device memory, slower decode)"
+)
 
 
 def _compile(args: argparse.Namespace) -> int:
@@ -101,6 +105,7 @@ def _add_bench_command(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--json", default=None, help="write the full report (every raw number) here")
     p.add_argument("--verify", action="store_true", help=VERIFY_HELP)
+    p.add_argument("--experts", choices=("gpu", "host"), default="gpu", help=EXPERTS_HELP)
     p.set_defaults(func=_bench)
 
 
@@ -127,6 +132,7 @@ def _chat(args: argparse.Namespace) -> int:
         context_window=args.context_window,
         sampling=sampling,
         verify=args.verify,
+        experts=args.experts,
     )
     return run_chat(options)
 
@@ -447,6 +453,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--context-window", type=int, default=None, help="tokens of one conversation")
     p.add_argument("--verify", action="store_true", help=VERIFY_HELP)
+    p.add_argument("--experts", choices=("gpu", "host"), default="gpu", help=EXPERTS_HELP)
     p.set_defaults(func=_chat)
     _add_bench_command(sub)
     _add_serve_commands(sub)

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import Dsv2Error
+from .placement import EXPERT_PLACEMENTS
 
 MAX_BATCH_SIZE = 1024
 """The most sequences an engine is opened for (its auxiliary arrays are sized by it)."""
@@ -105,3 +106,13 @@ def positive_option(name: str, value: Any, high: int, *, optional: bool = False)
     if not _is_int(value) or not 1 <= value <= high:
         raise EngineOptionError(f"{name}={value!r} must be an integer in [1, {high}]")
     return int(value)
+
+
+def expert_placement(experts: Any) -> str:
+    """``experts`` if it is one of :data:`EXPERT_PLACEMENTS`; :class:`EngineOptionError` else."""
+    if experts not in EXPERT_PLACEMENTS:
+        raise EngineOptionError(
+            f"experts={experts!r}: use one of {', '.join(EXPERT_PLACEMENTS)} (gpu: every weight "
+            "in device memory; host: the routed experts in pinned host memory, read over PCIe)"
+        )
+    return experts

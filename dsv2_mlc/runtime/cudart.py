@@ -144,16 +144,25 @@ class CudaRuntime:
         )
 
     # -- pinned host memory and asynchronous copies (greedy decode graphs, cuda_graph.py) ------
-    def host_alloc(self, nbytes: int) -> int:
-        """``nbytes`` of page-locked host memory (``cudaHostAlloc``); :meth:`free_host` frees it.
+    def host_alloc(self, nbytes: int, flags: int = _HOST_ALLOC_DEFAULT) -> int:
+        """``nbytes`` of page-locked host memory (``cudaHostAlloc`` with ``flags``);
+        :meth:`free_host` frees it.
 
         A copy captured in a graph is replayed as a DMA transfer from or to fixed physical
         pages, with no staging by the driver: its host end must be page-locked."""
         ptr = ctypes.c_void_p()
         err = self.lib.cudaHostAlloc(
-            ctypes.byref(ptr), ctypes.c_size_t(nbytes), ctypes.c_uint(_HOST_ALLOC_DEFAULT)
+            ctypes.byref(ptr), ctypes.c_size_t(nbytes), ctypes.c_uint(flags)
         )
         self._check(err, "cudaHostAlloc")
+        return int(ptr.value or 0)
+
+    def host_device_pointer(self, host: int) -> int:
+        """The device address of mapped pinned memory at ``host`` (``cudaHostGetDevicePointer``;
+        the host address itself under unified addressing)."""
+        ptr = ctypes.c_void_p()
+        err = self.lib.cudaHostGetDevicePointer(ctypes.byref(ptr), ctypes.c_void_p(host), 0)
+        self._check(err, "cudaHostGetDevicePointer")
         return int(ptr.value or 0)
 
     def free_host(self, ptr: int) -> None:

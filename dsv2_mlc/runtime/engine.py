@@ -22,9 +22,11 @@ from .cublas import init_cublas
 from .cuda_graph import DecodeGraphs, decode_graph_key, same_greedy, same_logits
 from .device import copy_into, to_device, to_numpy
 from .generation import GenerationResult, GenerationStream, StreamDelta, run_generation
+from .host_memory import HostWeights, load_params_placed
 from .integrity import verify_build
 from .pdl import PORTS as PDL_PORTS
 from .pending import PendingTokens
+from .placement import placed_bytes
 from .sampling import SamplingParams
 from .tokenizer import Tokenizer, TokenizerError
 from .tvm_runtime import global_func, load_runtime
@@ -115,6 +117,7 @@ class Engine:
         overlap_steps: bool = True,
         expert_major_from: int | None = EXPERT_MAJOR_FROM,
         verify: bool = False,
+        experts: str = "gpu",
     ):
         """``random_weights=SEED`` creates deterministic random weights on the device instead of
         reading ``params/`` (required for builds made with ``--random-weights``; see
@@ -140,13 +143,20 @@ class Engine:
 
         Before anything is loaded the folder is checked against the sizes and SHA-256 recorded
         when it was made (:mod:`dsv2_mlc.runtime.integrity`: the library and the weight index
-        hashed, the weight files' sizes); ``verify``: the weight files hashed too."""
+        hashed, the weight files' sizes); ``verify``: the weight files hashed too.
+
+        ``experts``: where the routed experts' weights live (:mod:`dsv2_mlc.runtime.placement`):
+        ``"gpu"`` in device memory with the rest; ``"host"`` in pinned host memory that the same
+        kernels read over PCIe (:mod:`dsv2_mlc.runtime.host_memory`: the same tokens, ~7 GB less
+        device memory for V2-Lite INT4, each token's expert reads crossing PCIe). On a CPU build
+        both are host memory; ``"host"`` still allocates and loads the experts apart."""
         self.path = Path(model)
         self.overlap_steps = overlap_steps
         self.build = BuildConfig.read(self.path)
         self.config = ModelInfo.from_build(self.build)  # vocabulary, context limit, EOS
         self.device = self.build.device
         port = _pdl_port(self.build, pdl)
+        self.experts = check.expert_placement(experts)
         limit = self.config.max_position_embeddings
         window = check.positive_option("context_window", context_window, limit, optional=True)
         self.context_window = window or min(limit, 4096)
@@ -181,13 +191,16 @@ class Engine:
         dev = _DEVICE_TYPE[self.device]
         vm["vm_initialization"](dev, 0, _POOLED_ALLOCATOR, 1, 0, _POOLED_ALLOCATOR)
         self._vm = vm
+        self._host = HostWeights(self.device) if experts == "host" else None
         if random_weights is None:
             self._params = self._load_params(dev)
         else:
             from .random_params import create_random_params
 
             spec = read_spec(self.path)
-            self._params = create_random_params(library, spec, self.device, random_weights)
+            self._params = create_random_params(
+                library, spec, self.device, random_weights, host=self._host
+            )
         self.random_weights = random_weights
         self._fn = {name: vm[name] for name in ("batch_prefill", "batch_extend", "batch_decode")}
         if expert_major_from is not None and expert_major_from < 1:
@@ -279,6 +292,13 @@ class Engine:
         """The model's parameters as (name, device tensor), in the compiled layout."""
         return list(zip(self.build.param_names, self._params, strict=True))
 
+    def weight_bytes(self) -> dict[str, int]:
+        """Bytes of the loaded weights by where they live: ``{"gpu": n, "host": n}`` ("gpu":
+        the build's device memory, all of it on a CPU build; "host": the routed experts placed
+        with ``experts="host"``)."""
+        host = set(self._host.names) if self._host is not None else set()
+        return placed_bytes(self.named_params(), host)
+
     def _load_params(self, dev: int) -> tvm_ffi.Array:
         params_dir = (self.path / PARAMS_DIR).resolve()
         if not (params_dir / "tensor-cache.json").is_file():
@@ -289,6 +309,8 @@ class Engine:
                     "SEED), dsv2-mlc bench --seed)"
                 )
             raise BuildError(f"{params_dir}: converted weights missing; compile the model again")
+        if self._host is not None:
+            return load_params_placed(params_dir, self.build.param_names, self.device, self._host)
         global_func("vm.builtin.tensor_cache.load")(str(params_dir), dev, 0)
         try:
             params = global_func("vm.builtin.param_array_from_cache_by_name")(

@@ -15,12 +15,16 @@ What the weights look like (value ``v`` of a parameter with ``K`` input features
   tensor, ``std / sqrt(56/3)``, so the dequantised weights have the std above.
 
 Values depend on (seed, parameter index, element index) only (see :func:`param_key`);
-:func:`reference_fill` is the NumPy mirror of the kernels.
+:func:`reference_fill` is the NumPy mirror of the kernels. Parameters placed in host memory
+(``Engine(experts="host")``, :mod:`dsv2_mlc.runtime.host_memory`) are filled by the same kernel
+where they lie (on CUDA it writes them over PCIe), so they hold the same bits and take no device
+memory, not even for a while.
 """
 
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import numpy as np
 import tvm_ffi
@@ -28,6 +32,9 @@ import tvm_ffi
 from ..layout import INT4_KERNEL, BuildError, ParamInit
 from .device import device_of
 from .tvm_runtime import global_func
+
+if TYPE_CHECKING:
+    from .host_memory import HostWeights
 
 _GOLDEN = 0x9E3779B1
 _FMIX = (0x85EBCA6B, 0xC2B2AE35)
@@ -48,10 +55,15 @@ def param_key(seed: int, index: int) -> int:
 
 
 def create_random_params(
-    library: tvm_ffi.Module, spec: list[ParamInit], device: str, seed: int
+    library: tvm_ffi.Module,
+    spec: list[ParamInit],
+    device: str,
+    seed: int,
+    host: HostWeights | None = None,
 ) -> tvm_ffi.Array:
-    """Allocate every parameter of ``spec`` on ``device`` and fill it with its kernel from the
-    compiled ``library``; returns them in order (the VM's packed parameter array)."""
+    """Allocate every parameter of ``spec`` on ``device`` (those ``host`` wants in its host
+    memory) and fill it with its kernel from the compiled ``library``; returns them in order
+    (the VM's packed parameter array)."""
     alloc = global_func("runtime.TVMTensorAllocWithScope")
     view = global_func("runtime.TVMTensorCreateView")
     dev = device_of(device)
@@ -68,7 +80,10 @@ def create_random_params(
             if kernels[p.kernel] is None:
                 raise BuildError(f"the compiled library has no {p.kernel}; compile again")
         dtype = tvm_ffi.dtype(p.dtype)
-        tensor = alloc(tvm_ffi.Shape(p.shape), dtype, dev, None)
+        if host is not None and host.wants(p.name):
+            tensor = host.tensor(p.name, p.shape, p.dtype)[0]
+        else:
+            tensor = alloc(tvm_ffi.Shape(p.shape), dtype, dev, None)
         numel = math.prod(p.shape)
         if numel:
             flat = view(tensor, tvm_ffi.Shape([numel]), dtype, 0)
