@@ -23,6 +23,7 @@ from .cuda_graph import DecodeGraphs, decode_graph_key, same_greedy, same_logits
 from .device import copy_into, to_device, to_numpy
 from .generation import GenerationResult, GenerationStream, StreamDelta, run_generation
 from .integrity import verify_build
+from .memory_plan import plan_engine, reports_oom
 from .pdl import PORTS as PDL_PORTS
 from .pending import PendingTokens
 from .sampling import SamplingParams
@@ -100,6 +101,7 @@ class Engine:
     tokens (default: context_window x max_batch_size).
     """
 
+    @reports_oom
     def __init__(
         self,
         model: str | Path,
@@ -115,6 +117,7 @@ class Engine:
         overlap_steps: bool = True,
         expert_major_from: int | None = EXPERT_MAJOR_FROM,
         verify: bool = False,
+        gpu_memory: int | str | None = None,
     ):
         """``random_weights=SEED`` creates deterministic random weights on the device instead of
         reading ``params/`` (required for builds made with ``--random-weights``; see
@@ -140,7 +143,12 @@ class Engine:
 
         Before anything is loaded the folder is checked against the sizes and SHA-256 recorded
         when it was made (:mod:`dsv2_mlc.runtime.integrity`: the library and the weight index
-        hashed, the weight files' sizes); ``verify``: the weight files hashed too."""
+        hashed, the weight files' sizes); ``verify``: the weight files hashed too.
+
+        ``gpu_memory`` (bytes, or text such as ``"4GiB"``): plan the engine inside this budget
+        before anything is loaded (:mod:`dsv2_mlc.runtime.memory_plan`; :attr:`memory_plan`,
+        None without one): it picks ``prefill_chunk_size`` unless given, and refuses a budget
+        that cannot hold ``kv_capacity`` tokens with the breakdown and what would fit."""
         self.path = Path(model)
         self.overlap_steps = overlap_steps
         self.build = BuildConfig.read(self.path)
@@ -159,6 +167,12 @@ class Engine:
         check.positive_option(
             "prefill_chunk_size", prefill_chunk_size, check.MAX_KV_CAPACITY, optional=True
         )
+        self.memory_plan = None if gpu_memory is None else plan_engine(
+            self.path, self.build, gpu_memory, self.context_window, self.max_batch_size,
+            kv_capacity, prefill_chunk_size, DEFAULT_PREFILL_CHUNK[self.device], cuda_graph,
+        )  # fmt: skip
+        if self.memory_plan is not None:
+            prefill_chunk_size = self.memory_plan.prefill_chunk_size
         self.prefill_chunk_size = prefill_chunk_size or min(
             DEFAULT_PREFILL_CHUNK[self.device], self.kv_capacity
         )
@@ -405,6 +419,7 @@ class Engine:
                 "kv_capacity"
             )
 
+    @reports_oom
     def _forward(
         self, seq_ids: list[int], chunks: list[list[int]], all_logits: bool, greedy: bool = False
     ) -> np.ndarray:
@@ -470,6 +485,7 @@ class Engine:
     def _begin_forward(self, seq_ids: list[int], lengths: list[int]) -> None:
         self._kv_state["begin_forward"](self._cache, tvm_ffi.Shape(seq_ids), tvm_ffi.Shape(lengths))
 
+    @reports_oom
     def _greedy_step(self, seq_ids: list[int], ids: np.ndarray, ahead: bool) -> PendingTokens:
         """One begun-to-ended greedy decode step (``ids`` int32 ``[b]``, already checked); a
         replay of a verified graph is left running (:attr:`_inflight`). With ``ahead``, the
