@@ -87,6 +87,7 @@ class BenchOptions:
     expert_major_from: int | None = None  # None: the engine's default
     token_major: bool = False  # every decode step on the fused per-token MoE kernels
     verify: bool = False  # hash the weight files too before loading them
+    gpu_memory: str | int | None = None  # plan inside this budget (runtime/memory_plan.py)
 
     def check(self) -> None:
         """Raise :class:`BenchError` for impossible values."""
@@ -414,13 +415,17 @@ def _open_engine(opts: BenchOptions, log: Callable[[str], None]) -> tuple[Any, f
         context_window=ctx,
         max_batch_size=opts.batch,
         kv_capacity=ctx * opts.batch,
-        prefill_chunk_size=opts.prefill_chunk or opts.prompt_len * opts.batch,
+        prefill_chunk_size=opts.prefill_chunk
+        or (None if opts.gpu_memory else opts.prompt_len * opts.batch),
         lib_dir=opts.lib_dir,
         random_weights=None if has_params else opts.seed,
         cuda_graph=opts.cuda_graph,
         verify=opts.verify,
+        gpu_memory=opts.gpu_memory,
         **_expert_major(opts),
     )
+    if engine.memory_plan is not None:
+        log(engine.memory_plan.table())
     _sync(engine.device)
     seconds = time.perf_counter() - t0
     log(
@@ -561,6 +566,8 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None] = print) -> dict[st
         report["profile"] = profile_kernels(engine, prompt0, opts.profile_steps)
     memory.sample()
     report["memory"] = memory.report()
+    if engine.memory_plan is not None:
+        report["memory_plan"] = engine.memory_plan.to_dict()
     if opts.compare_hf:
         report["hf"] = compare_hf(engine, prompts, opts, runs[-1]["first_logits"], report, log)
     return report

@@ -63,6 +63,7 @@ class ChatOptions:
     context_window: int | None = None
     sampling: dict[str, Any] = field(default_factory=dict)
     verify: bool = False  # hash the weight files too before loading them
+    gpu_memory: str | int | None = None  # plan the engine inside this budget (memory_plan)
 
 
 def run_chat(
@@ -100,7 +101,10 @@ def run_chat(
         progress=True,
         log=note,
         verify=options.verify,
+        gpu_memory=options.gpu_memory,
     )
+    if engine.memory_plan is not None:
+        note(engine.memory_plan.table())
     sampling = SamplingParams.from_generation_config(engine.path).updated(**explicit)
     session = ChatSession(engine, system=system, sampling=sampling)
     repl = ChatRepl(session, stdin, stdout, stderr)

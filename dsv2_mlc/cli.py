@@ -8,10 +8,26 @@ from collections.abc import Callable, Sequence
 
 from .errors import Dsv2Error
 
+GPU_MEMORY_HELP = (
+    "plan the engine inside this much device memory, e.g. 4GiB, 4.5G, 3500MiB: the KV cache of "
+    "the requested context, weights (routed experts to pinned host memory if they do not fit), "
+    "prefill chunks small enough; refused with the breakdown if it cannot hold the context"
+)
 VERIFY_HELP = (
     "check the SHA-256 of the weight files too before loading them (the library's is checked "
     "on every open; see dist/README.md)"
 )
+
+
+def _memory_size(text: str) -> str:
+    """``--gpu-memory``: checked here (the planner reads it again)."""
+    from .runtime.memory_plan import MemoryBudgetError, parse_size
+
+    try:
+        parse_size(text)
+    except MemoryBudgetError as err:
+        raise argparse.ArgumentTypeError(str(err)) from err
+    return text
 
 
 def _compile(args: argparse.Namespace) -> int:
@@ -101,6 +117,7 @@ def _add_bench_command(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--json", default=None, help="write the full report (every raw number) here")
     p.add_argument("--verify", action="store_true", help=VERIFY_HELP)
+    p.add_argument("--gpu-memory", type=_memory_size, default=None, help=GPU_MEMORY_HELP)
     p.set_defaults(func=_bench)
 
 
@@ -127,6 +144,7 @@ def _chat(args: argparse.Namespace) -> int:
         context_window=args.context_window,
         sampling=sampling,
         verify=args.verify,
+        gpu_memory=args.gpu_memory,
     )
     return run_chat(options)
 
@@ -434,6 +452,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--context-window", type=int, default=None, help="tokens of one conversation")
     p.add_argument("--verify", action="store_true", help=VERIFY_HELP)
+    p.add_argument("--gpu-memory", type=_memory_size, default=None, help=GPU_MEMORY_HELP)
     p.set_defaults(func=_chat)
     _add_bench_command(sub)
     _add_serve_commands(sub)

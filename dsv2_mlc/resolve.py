@@ -352,11 +352,13 @@ def open_engine(
     progress: bool = False,
     log: Callable[[str], None] | None = None,
     verify: bool = False,
+    gpu_memory: int | str | None = None,
 ) -> Engine:
     """Open MODEL as an :class:`~dsv2_mlc.runtime.engine.Engine`: a compiled folder, an installed
     artifact's name, a checkpoint folder (compiled on first use into the per-user cache, see
     :func:`resolve_model`) or ``None`` for the embedded default model. ``verify``: hash the
-    weight files too before loading them (the library is hashed on every open)."""
+    weight files too before loading them (the library is hashed on every open). ``gpu_memory``:
+    plan the engine inside this budget (``Engine(gpu_memory=...)``)."""
     from .runtime.engine import ContextLengthError, Engine
 
     if context_window is not None and context_window < 2:
@@ -376,4 +378,5 @@ def open_engine(
         max_batch_size=max_batch_size,
         prefill_chunk_size=prefill_chunk_size,
         verify=verify,
+        gpu_memory=gpu_memory,
     )

@@ -327,3 +327,30 @@ def test_engine_reports_out_of_memory_with_the_plan(tiny):
     engine._fn["batch_prefill"] = lambda *a: (_ for _ in ()).throw(RuntimeError("other"))
     with pytest.raises(RuntimeError, match="other"):  # anything else passes unchanged
         engine.prefill([seq], [[1, 2, 3]])
+
+
+def test_bench_plans_and_reports_the_plan(tiny, tmp_path, capsys):
+    from dsv2_mlc.cli import main
+
+    out = tmp_path / "bench.json"
+    argv = ["bench", str(tiny), "--prompt-len", "600", "--gen-len", "3", "--warmup", "0",
+            "--repeat", "1", "--gpu-memory", "64MiB", "--json", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    assert "memory plan: budget 64.00 MiB" in capsys.readouterr().out
+    plan = json.loads(out.read_text())["memory_plan"]
+    assert plan["kv_capacity"] == 603 and plan["prefill_chunk_size"] == 512  # planned chunks
+    assert plan["total"] == sum(
+        plan[k] for k in ("weights", "kv_cache", "workspace", "cuda_graphs", "runtime_overhead")
+    )
+    assert main([*argv[:-4], "--gpu-memory", "100KiB"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot hold a context of 603 tokens" in err and "need a budget of at least" in err
+
+
+def test_gpu_memory_flag_rejects_junk(capsys):
+    from dsv2_mlc.cli import main
+
+    for command in (["chat"], ["bench", "somewhere"]):
+        with pytest.raises(SystemExit):
+            main([*command, "--gpu-memory", "4 gigs"])
+        assert "cannot read '4 gigs' as a memory size" in capsys.readouterr().err
