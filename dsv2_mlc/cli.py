@@ -60,6 +60,13 @@ def _bench(args: argparse.Namespace) -> int:
     from .bench import BenchOptions, bench_main
 
     opts = BenchOptions(**{f.name: getattr(args, f.name) for f in fields(BenchOptions)})
+    if args.sweep:
+        from .bench_sweep import DEFAULT_BATCHES, DEFAULT_CONTEXTS, parse_ints, run_sweep
+
+        contexts = parse_ints(args.contexts, "--contexts") if args.contexts else DEFAULT_CONTEXTS
+        batches = parse_ints(args.batches, "--batches") if args.batches else DEFAULT_BATCHES
+        run_sweep(opts, contexts, batches, args.out)
+        return 0
     bench_main(opts, args.json)
     return 0
 
@@ -118,6 +125,17 @@ def _add_bench_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", default=None, help="write the full report (every raw number) here")
     p.add_argument("--verify", action="store_true", help=VERIFY_HELP)
     p.add_argument("--gpu-memory", type=_memory_size, default=None, help=GPU_MEMORY_HELP)
+    p.add_argument(
+        "--sweep",
+        action="store_true",
+        help="one bench per (context, batch) point; writes sweep.json and a sweep.png heatmap "
+        "into --out (prompt = context - gen-len, prefill in chunks)",
+    )
+    p.add_argument(
+        "--contexts", default=None, help="sweep contexts, e.g. 4096,8192 (4K, 8K, ... 128K)"
+    )
+    p.add_argument("--batches", default=None, help="sweep batch sizes, e.g. 1,8 (1,8)")
+    p.add_argument("--out", default=".", help="folder of sweep.json and sweep.png (.)")
     p.set_defaults(func=_bench)
 
 

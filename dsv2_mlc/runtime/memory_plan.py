@@ -509,7 +509,8 @@ def plan_memory(
     smallest = layouts[-1]
     longest = longest_context(model, budget, max_batch_size, *args[1:])
     needed = budget_needed(model, context_window, max_batch_size, *args)
-    tokens = "tokens" if kv_capacity is None else f"tokens (a KV cache of {kv_capacity:,})"
+    default = kv_capacity in (None, context_window * max_batch_size)
+    tokens = "tokens" if default else f"tokens (a KV cache of {kv_capacity:,})"
     if longest == 0:
         holds = "this budget holds no context at all at this batch size"
     elif longest >= model.max_context:
