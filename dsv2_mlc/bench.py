@@ -89,7 +89,8 @@ class BenchOptions:
     expert_major_from: int | None = None  # None: the engine's default
     token_major: bool = False  # every decode step on the fused per-token MoE kernels
     verify: bool = False  # hash the weight files too before loading them
-    experts: str = "gpu"  # where the routed experts live: "gpu" or "host" (Engine(experts=...))
+    experts: str | None = None  # "gpu" or "host" (Engine(experts=...)); None: gpu or the plan
+    gpu_memory: str | int | None = None  # plan inside this budget (runtime/memory_plan.py)
 
     def check(self) -> None:
         """Raise :class:`BenchError` for impossible values."""
@@ -104,7 +105,7 @@ class BenchOptions:
             raise BenchError("--hbm-bandwidth must be positive (bytes/s)")
         if self.expert_major_from is not None and self.expert_major_from < 1:
             raise BenchError("--expert-major-from must be at least 1 sequence")
-        if self.experts not in ("gpu", "host"):
+        if self.experts not in (None, "gpu", "host"):
             raise BenchError(f"--experts {self.experts}: use gpu or host")
 
 
@@ -425,8 +426,11 @@ def _open_engine(opts: BenchOptions, log: Callable[[str], None]) -> tuple[Any, f
         cuda_graph=opts.cuda_graph,
         verify=opts.verify,
         experts=opts.experts,
+        gpu_memory=opts.gpu_memory,
         **_expert_major(opts),
     )
+    if engine.memory_plan is not None:
+        log(engine.memory_plan.table())
     _sync(engine.device)
     seconds = time.perf_counter() - t0
     log(
@@ -570,6 +574,8 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None] = print) -> dict[st
         report["profile"] = profile_kernels(engine, prompt0, opts.profile_steps)
     memory.sample()
     report["memory"] = memory.report()
+    if engine.memory_plan is not None:
+        report["memory_plan"] = engine.memory_plan.to_dict()
     if opts.compare_hf:
         report["hf"] = compare_hf(engine, prompts, opts, runs[-1]["first_logits"], report, log)
     return report

@@ -63,7 +63,8 @@ class ChatOptions:
     context_window: int | None = None
     sampling: dict[str, Any] = field(default_factory=dict)
     verify: bool = False  # hash the weight files too before loading them
-    experts: str = "gpu"  # where the routed experts live: "gpu" or "host" (Engine(experts=...))
+    experts: str | None = None  # "gpu" or "host" (Engine(experts=...)); None: gpu or the plan
+    gpu_memory: str | int | None = None  # plan the engine inside this budget (memory_plan)
 
 
 def run_chat(
@@ -102,7 +103,10 @@ def run_chat(
         log=note,
         verify=options.verify,
         experts=options.experts,
+        gpu_memory=options.gpu_memory,
     )
+    if engine.memory_plan is not None:
+        note(engine.memory_plan.table())
     sampling = SamplingParams.from_generation_config(engine.path).updated(**explicit)
     session = ChatSession(engine, system=system, sampling=sampling)
     repl = ChatRepl(session, stdin, stdout, stderr)

@@ -8,6 +8,11 @@ from collections.abc import Callable, Sequence
 
 from .errors import Dsv2Error
 
+GPU_MEMORY_HELP = (
+    "plan the engine inside this much device memory, e.g. 4GiB, 4.5G, 3500MiB: the KV cache of "
+    "the requested context, weights (routed experts to pinned host memory if they do not fit), "
+    "prefill chunks small enough; refused with the breakdown if it cannot hold the context"
+)
 VERIFY_HELP = (
     "check the SHA-256 of the weight files too before loading them (the library's is checked "
     "on every open; see dist/README.md)"
@@ -16,6 +21,17 @@ EXPERTS_HELP = (
     "where the routed experts' weights live: gpu (device memory, the default) or host (pinned "
     "host memory the same kernels read over PCIe: far less device memory, slower decode)"
 )
+
+
+def _memory_size(text: str) -> str:
+    """``--gpu-memory``: checked here (the planner reads it again)."""
+    from .runtime.memory_plan import MemoryBudgetError, parse_size
+
+    try:
+        parse_size(text)
+    except MemoryBudgetError as err:
+        raise argparse.ArgumentTypeError(str(err)) from err
+    return text
 
 
 def _compile(args: argparse.Namespace) -> int:
@@ -48,6 +64,13 @@ def _bench(args: argparse.Namespace) -> int:
     from .bench import BenchOptions, bench_main
 
     opts = BenchOptions(**{f.name: getattr(args, f.name) for f in fields(BenchOptions)})
+    if args.sweep:
+        from .bench_sweep import DEFAULT_BATCHES, DEFAULT_CONTEXTS, parse_ints, run_sweep
+
+        contexts = parse_ints(args.contexts, "--contexts") if args.contexts else DEFAULT_CONTEXTS
+        batches = parse_ints(args.batches, "--batches") if args.batches else DEFAULT_BATCHES
+        run_sweep(opts, contexts, batches, args.out)
+        return 0
     bench_main(opts, args.json)
     return 0
 
@@ -105,7 +128,19 @@ def _add_bench_command(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--json", default=None, help="write the full report (every raw number) here")
     p.add_argument("--verify", action="store_true", help=VERIFY_HELP)
-    p.add_argument("--experts", choices=("gpu", "host"), default="gpu", help=EXPERTS_HELP)
+    p.add_argument("--experts", choices=("gpu", "host"), default=None, help=EXPERTS_HELP)
+    p.add_argument("--gpu-memory", type=_memory_size, default=None, help=GPU_MEMORY_HELP)
+    p.add_argument(
+        "--sweep",
+        action="store_true",
+        help="one bench per (context, batch) point; writes sweep.json and a sweep.png heatmap "
+        "into --out (prompt = context - gen-len, prefill in chunks)",
+    )
+    p.add_argument(
+        "--contexts", default=None, help="sweep contexts, e.g. 4096,8192 (4K, 8K, ... 128K)"
+    )
+    p.add_argument("--batches", default=None, help="sweep batch sizes, e.g. 1,8 (1,8)")
+    p.add_argument("--out", default=".", help="folder of sweep.json and sweep.png (.)")
     p.set_defaults(func=_bench)
 
 
@@ -133,6 +168,7 @@ def _chat(args: argparse.Namespace) -> int:
         sampling=sampling,
         verify=args.verify,
         experts=args.experts,
+        gpu_memory=args.gpu_memory,
     )
     return run_chat(options)
 
@@ -453,7 +489,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--context-window", type=int, default=None, help="tokens of one conversation")
     p.add_argument("--verify", action="store_true", help=VERIFY_HELP)
-    p.add_argument("--experts", choices=("gpu", "host"), default="gpu", help=EXPERTS_HELP)
+    p.add_argument("--experts", choices=("gpu", "host"), default=None, help=EXPERTS_HELP)
+    p.add_argument("--gpu-memory", type=_memory_size, default=None, help=GPU_MEMORY_HELP)
     p.set_defaults(func=_chat)
     _add_bench_command(sub)
     _add_serve_commands(sub)

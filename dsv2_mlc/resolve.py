@@ -352,13 +352,17 @@ def open_engine(
     progress: bool = False,
     log: Callable[[str], None] | None = None,
     verify: bool = False,
-    experts: str = "gpu",
+    experts: str | None = None,
+    gpu_memory: int | str | None = None,
 ) -> Engine:
     """Open MODEL as an :class:`~dsv2_mlc.runtime.engine.Engine`: a compiled folder, an installed
     artifact's name, a checkpoint folder (compiled on first use into the per-user cache, see
     :func:`resolve_model`) or ``None`` for the embedded default model. ``verify``: hash the
     weight files too before loading them (the library is hashed on every open). ``experts``:
-    where the routed experts' weights live (``"gpu"`` or ``"host"``, see the Engine)."""
+    where the routed experts' weights live (``"gpu"`` or ``"host"``, see the Engine).
+
+    weight files too before loading them (the library is hashed on every open). ``gpu_memory``:
+    plan the engine inside this budget (``Engine(gpu_memory=...)``)."""
     from .runtime.engine import ContextLengthError, Engine
 
     if context_window is not None and context_window < 2:
@@ -379,4 +383,5 @@ def open_engine(
         prefill_chunk_size=prefill_chunk_size,
         verify=verify,
         experts=experts,
+        gpu_memory=gpu_memory,
     )

@@ -24,6 +24,7 @@ from .device import copy_into, to_device, to_numpy
 from .generation import GenerationResult, GenerationStream, StreamDelta, run_generation
 from .host_memory import HostWeights, load_params_placed
 from .integrity import verify_build
+from .memory_plan import plan_engine, reports_oom
 from .pdl import PORTS as PDL_PORTS
 from .pending import PendingTokens
 from .placement import placed_bytes
@@ -102,6 +103,7 @@ class Engine:
     tokens (default: context_window x max_batch_size).
     """
 
+    @reports_oom
     def __init__(
         self,
         model: str | Path,
@@ -117,7 +119,8 @@ class Engine:
         overlap_steps: bool = True,
         expert_major_from: int | None = EXPERT_MAJOR_FROM,
         verify: bool = False,
-        experts: str = "gpu",
+        experts: str | None = None,
+        gpu_memory: int | str | None = None,
     ):
         """``random_weights=SEED`` creates deterministic random weights on the device instead of
         reading ``params/`` (required for builds made with ``--random-weights``; see
@@ -149,14 +152,21 @@ class Engine:
         ``"gpu"`` in device memory with the rest; ``"host"`` in pinned host memory that the same
         kernels read over PCIe (:mod:`dsv2_mlc.runtime.host_memory`: the same tokens, ~7 GB less
         device memory for V2-Lite INT4, each token's expert reads crossing PCIe). On a CPU build
-        both are host memory; ``"host"`` still allocates and loads the experts apart."""
+        both are host memory; ``"host"`` still allocates and loads the experts apart. None:
+        ``"gpu"``, or where the memory plan puts them.
+
+        ``gpu_memory`` (bytes, or text such as ``"4GiB"``): plan the engine inside this budget
+        before anything is loaded (:mod:`dsv2_mlc.runtime.memory_plan`; :attr:`memory_plan`,
+        None without one): it picks ``prefill_chunk_size`` unless given, and refuses a budget
+        that cannot hold ``kv_capacity`` tokens with the breakdown and what would fit."""
         self.path = Path(model)
         self.overlap_steps = overlap_steps
         self.build = BuildConfig.read(self.path)
         self.config = ModelInfo.from_build(self.build)  # vocabulary, context limit, EOS
         self.device = self.build.device
         port = _pdl_port(self.build, pdl)
-        self.experts = check.expert_placement(experts)
+        if experts is not None:
+            check.expert_placement(experts)
         limit = self.config.max_position_embeddings
         window = check.positive_option("context_window", context_window, limit, optional=True)
         self.context_window = window or min(limit, 4096)
@@ -169,6 +179,15 @@ class Engine:
         check.positive_option(
             "prefill_chunk_size", prefill_chunk_size, check.MAX_KV_CAPACITY, optional=True
         )
+        self.memory_plan = None if gpu_memory is None else plan_engine(
+            self.path, self.build, gpu_memory, self.context_window, self.max_batch_size,
+            kv_capacity, prefill_chunk_size, DEFAULT_PREFILL_CHUNK[self.device], cuda_graph,
+            experts,
+        )  # fmt: skip
+        if self.memory_plan is not None:
+            prefill_chunk_size = self.memory_plan.prefill_chunk_size
+            experts = self.memory_plan.experts
+        self.experts = experts or "gpu"
         self.prefill_chunk_size = prefill_chunk_size or min(
             DEFAULT_PREFILL_CHUNK[self.device], self.kv_capacity
         )
@@ -191,7 +210,7 @@ class Engine:
         dev = _DEVICE_TYPE[self.device]
         vm["vm_initialization"](dev, 0, _POOLED_ALLOCATOR, 1, 0, _POOLED_ALLOCATOR)
         self._vm = vm
-        self._host = HostWeights(self.device) if experts == "host" else None
+        self._host = HostWeights(self.device) if self.experts == "host" else None
         if random_weights is None:
             self._params = self._load_params(dev)
         else:
@@ -458,6 +477,7 @@ class Engine:
                 "kv_capacity"
             )
 
+    @reports_oom
     def _forward(
         self, seq_ids: list[int], chunks: list[list[int]], all_logits: bool, greedy: bool = False
     ) -> np.ndarray:
@@ -523,6 +543,7 @@ class Engine:
     def _begin_forward(self, seq_ids: list[int], lengths: list[int]) -> None:
         self._kv_state["begin_forward"](self._cache, tvm_ffi.Shape(seq_ids), tvm_ffi.Shape(lengths))
 
+    @reports_oom
     def _greedy_step(self, seq_ids: list[int], ids: np.ndarray, ahead: bool) -> PendingTokens:
         """One begun-to-ended greedy decode step (``ids`` int32 ``[b]``, already checked); a
         replay of a verified graph is left running (:attr:`_inflight`). With ``ahead``, the
