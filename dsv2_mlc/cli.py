@@ -18,8 +18,9 @@ VERIFY_HELP = (
     "on every open; see dist/README.md)"
 )
 EXPERTS_HELP = (
-    "where the routed experts' weights live: gpu (device memory, the default) or host (pinned "
-    "host memory the same kernels read over PCIe: far less device memory, slower decode)"
+    "where the routed experts' weights live: gpu (device memory) or host (pinned host memory "
+    "the same kernels read over PCIe: far less device memory, slower decode); default: gpu, "
+    "or where the --gpu-memory plan puts them"
 )
 
 
