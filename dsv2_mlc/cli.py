@@ -236,9 +236,10 @@ def _add_serve_commands(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--gpu-memory",
-        type=float,
+        type=_memory_size,
         default=None,
-        help="GiB of device memory for the KV cache (sizes it instead of --kv-capacity)",
+        help="the memory budget, e.g. 4GiB: weights, workspace and runtime first, the KV cache "
+        "gets the rest (instead of --kv-capacity)",
     )
     p.add_argument("--max-queue", type=int, default=256, help="waiting sequences before 429s")
     p.add_argument(

@@ -566,16 +566,24 @@ def test_long_prompt_prefilled_in_chunks_while_streams_run(model_path):
 
 
 def test_gpu_memory_sizes_the_kv_cache(model_path):
-    """--gpu-memory GiB: as many whole pages as the latent cache of every layer fits."""
-    from dsv2_mlc.serve.app import ApiConfigError, kv_tokens_for_memory
+    """--gpu-memory BUDGET: the KV cache takes what the memory plan leaves (whole pages): an
+    engine of that capacity fits the budget, one of a page more a sequence does not; a budget
+    too small is refused with the planner's breakdown."""
+    from dsv2_mlc.runtime.memory_plan import MemoryBudgetError, ModelMemory, budget_needed
+    from dsv2_mlc.serve.app import kv_tokens_for_memory
 
-    cfg = json.loads((Path(__file__).parents[1] / "dsv2_mlc/default_model/config.json").read_text())
-    per_token = cfg["num_hidden_layers"] * (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) * 4
-    tokens = kv_tokens_for_memory(model_path, 0.01)
-    assert tokens % 16 == 0
-    assert tokens * per_token <= 0.01 * 2**30 < (tokens + 16) * per_token
-    with pytest.raises(ApiConfigError):
-        kv_tokens_for_memory(model_path, 1e-6)
+    model = ModelMemory.from_build(model_path)
+    budget = budget_needed(model, 1000, 4, None, None, None, 512, True) + 5000  # not a page
+    tokens = kv_tokens_for_memory(model_path, budget, max_batch=4)
+    assert tokens % 16 == 0 and 4 * 992 <= tokens <= 4 * 1000
+    per_seq = tokens // 4
+    assert budget_needed(model, per_seq, 4, None, None, None, 512, True) <= budget
+    assert budget_needed(model, per_seq + 16, 4, None, None, None, 512, True) > budget
+    engine = Engine(model_path, max_batch_size=4, kv_capacity=tokens, gpu_memory=budget,
+                    context_window=min(WINDOW, tokens))  # fmt: skip
+    assert engine.memory_plan is not None and engine.memory_plan.total <= budget
+    with pytest.raises(MemoryBudgetError, match="holds no context at all"):
+        kv_tokens_for_memory(model_path, model.resident_bytes // 2, max_batch=4)
 
 
 def test_prefix_cache_radix_tree():

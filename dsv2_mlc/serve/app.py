@@ -27,7 +27,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import Dsv2Error
 from ..layout import BuildConfig
-from ..runtime.engine import Engine
+from ..runtime.engine import DEFAULT_PREFILL_CHUNK, Engine
+from ..runtime.memory_plan import ModelMemory, longest_context, plan_memory
 from ..runtime.sampling import SamplingParams
 from .metrics import ServerMetrics
 from .prefix_cache import PAGE
@@ -403,14 +404,19 @@ step (a step of 2,048 tokens takes ~30 ms on the H200 with V2-Lite), on the CPU 
 short so running streams keep their pace."""
 
 
-def kv_tokens_for_memory(path: str | Path, gib: float) -> int:
-    """KV-cache tokens that ``gib`` GiB hold for the compiled model at ``path``: every layer
-    caches one latent vector per token (``kv_lora_rank + qk_rope_head_dim`` values of the build's
-    dtype), in whole 16-token pages."""
-    per_token = BuildConfig.read(Path(path)).kv_bytes_per_token()
-    tokens = int(gib * 2**30) // per_token // PAGE * PAGE
-    if tokens < PAGE:
-        raise ApiConfigError(f"--gpu-memory {gib} GiB holds no page of the KV cache")
+def kv_tokens_for_memory(path: str | Path, budget: int | str, max_batch: int) -> int:
+    """KV-cache tokens (whole pages, shared by all sequences and cached prefixes) that an engine
+    of ``max_batch`` sequences gets inside the memory ``budget`` (bytes or text such as
+    ``"4GiB"``) once the weights, workspace, CUDA graphs and runtime overhead are placed
+    (:mod:`dsv2_mlc.runtime.memory_plan`). A budget that holds no page raises the planner's
+    :class:`~dsv2_mlc.runtime.memory_plan.MemoryBudgetError` with the breakdown."""
+    model = ModelMemory.from_build(path)
+    chunk = DEFAULT_PREFILL_CHUNK[model.device]
+    per_sequence = longest_context(model, budget, max_batch, default_chunk=chunk)
+    tokens = per_sequence * max_batch // PAGE * PAGE
+    if tokens < PAGE:  # the planner's refusal, with the breakdown and what would fit
+        plan_memory(model, budget, PAGE, max_batch, default_chunk=chunk)
+        raise ApiConfigError(f"--gpu-memory {budget} holds no page of the KV cache")
     return tokens
 
 
@@ -426,7 +432,7 @@ def run_server(
     max_batch: int = 8,
     context_window: int | None = None,
     kv_capacity: int | None = None,
-    gpu_memory: float | None = None,
+    gpu_memory: int | str | None = None,
     max_queue: int = 256,
     step_tokens: int | None = None,
     prefix_cache: bool = True,
@@ -438,12 +444,13 @@ def run_server(
     lib_dir: str | None = None,
 ) -> None:
     """Serve MODEL (see :func:`dsv2_mlc.load`) until interrupted. The model is resolved (and
-    compiled on first use) before the server starts; its weights load in the engine thread.
-    ``step_tokens``: tokens one batching step takes (default :data:`STEP_TOKENS` of the
-    build's device). ``gpu_memory`` (GiB) sizes the KV cache instead of ``kv_capacity`` (tokens).
-    ``random_weights=SEED`` serves a build compiled with ``--random-weights`` (benchmarks: the
-    prompts are token ids, the replies' text is ``<id>`` pieces without a tokenizer);
-    ``lib_dir`` is the TVM runtime library folder, as for :class:`Engine`."""
+        compiled on first use) before the server starts; its weights load in the engine thread.
+        ``step_tokens``: tokens one batching step takes (default :data:`STEP_TOKENS` of the
+        build's device). ``gpu_memory`` (bytes or text such as ``"4GiB"``): the whole memory budget,
+    the KV cache sized to what the weights and workspace leave (instead of ``kv_capacity``).
+        ``random_weights=SEED`` serves a build compiled with ``--random-weights`` (benchmarks: the
+        prompts are token ids, the replies' text is ``<id>`` pieces without a tokenizer);
+        ``lib_dir`` is the TVM runtime library folder, as for :class:`Engine`."""
     import uvicorn
 
     from ..resolve import resolve_model
@@ -454,7 +461,8 @@ def run_server(
     if gpu_memory is not None:
         if kv_capacity is not None:
             raise ApiConfigError("give --kv-capacity or --gpu-memory, not both")
-        kv_capacity = kv_tokens_for_memory(path, gpu_memory)
+        kv_capacity = kv_tokens_for_memory(path, gpu_memory, max_batch)
+        context_window = min(context_window or kv_capacity, kv_capacity)
 
     def factory() -> Engine:
         return Engine(
@@ -462,6 +470,7 @@ def run_server(
             context_window=context_window,
             max_batch_size=max_batch,
             kv_capacity=kv_capacity,
+            gpu_memory=gpu_memory,
             random_weights=random_weights,
             lib_dir=lib_dir,
         )
