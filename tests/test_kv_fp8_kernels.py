@@ -171,6 +171,7 @@ def _split_kv_fp8(tmp_path: Path, kv_scale_built: float, kv_scale: float = 0.5):
 
     H, L, R = 16, 512, 64  # V2-Lite
     func = mla_attention_cuda(H, L, R, "float16", kv_scale=kv_scale_built)
+
     def patch(src: str) -> str:
         return "#define CUDART_INF_F INFINITY  // (math_constants.h, in TVM's header)\n" + src
 
