@@ -44,6 +44,13 @@ Design (one PrimFunc, two kernels):
      accumulators in registers). Shared-memory rows are padded to ``L+R+8`` halves so the column
      reads of 8 rows hit 8 different bank groups and the rows stay 16-byte aligned.
 
+   * **FP8 cache** (``kv_scale`` given; :mod:`~.kv_fp8`'s storage: ``q``/``out``/``lse`` as
+     ``kH`` pseudo-heads, pages of ``(L + R) / k`` slots holding ``k`` e4m3 bytes each): the
+     SIMT block, whose page load reads 16-byte slot vectors and writes their bytes decoded
+     (shifts and masks, ``value / 256`` as float16) into the same shared rows; ``256 *
+     kv_scale`` multiplies the score scale and the output (or the partial outputs). The float16
+     kernel's TIR is unchanged (the FP8 code is chosen in Python while the script is built).
+
 2. **Merge kernel**, grid ``total * H * (L / merge_cols)``, 256 threads: combines the ``nsplit``
    partial states ``(o_s, lse_s)`` of a row/head from a float32 workspace
    (``TVMBackendAllocWorkspace``, pooled by the runtime): ``lse = m + log2(sum 2^(lse_s - m))``,

@@ -199,3 +199,24 @@ def test_bad_kv_dtype_is_a_clear_error(tmp_path, kv_dtype, kv_scale, match) -> N
         compile_random_model(cfg, tmp_path / "out", kv_dtype=kv_dtype, kv_scale=kv_scale)
     assert isinstance(err.value, Dsv2Error)
     assert not (tmp_path / "out").exists()
+
+
+def test_resolve_keys_builds_by_kv_dtype(fp8_models, tmp_path) -> None:
+    """A cached build of another KV dtype is not reused: the key and entry name differ; a
+    compiled folder of another KV dtype is refused with the fix named."""
+    from dsv2_mlc.resolve import ModelNotFoundError, cache_key, resolve_model
+
+    eng, _ = fp8_models["A"]
+    ckpt = make_checkpoint(tmp_path / "ckpt", CONFIGS["A"])
+    keys = {
+        kv: cache_key(ckpt, dtype=None, device="cpu", cache_dir=tmp_path, kv_dtype=kv)
+        for kv in (None, "float32", "fp8", "float8_e4m3fn")
+    }
+    assert keys[None] == keys["float32"] == cache_key(ckpt, dtype=None, device="cpu",
+                                                      cache_dir=tmp_path)  # fmt: skip
+    assert keys["fp8"] == keys["float8_e4m3fn"] != keys[None]
+    assert resolve_model(eng.path, kv_dtype="fp8") == eng.path
+    with pytest.raises(ModelNotFoundError, match="kv-dtype"):
+        resolve_model(eng.path, kv_dtype="float32")
+    with pytest.raises(ModelNotFoundError, match="unsupported kv_dtype"):
+        resolve_model(eng.path, kv_dtype="int8")

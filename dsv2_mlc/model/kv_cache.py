@@ -16,6 +16,18 @@ Only the latent is cached: per token and layer one row ``[compressed_kv (kv_lora
   :mod:`dsv2_mlc.schedules.mla_append_cuda`'s, which lets the split-KV kernel start while it
   waits.
 
+**FP8 cache** (``kv_dtype="float8_e4m3fn"``, ``--kv-dtype fp8``): one e4m3 byte a value, read
+as ``byte * kv_scale``. The C++ cache needs the query, output and appended rows in the pages'
+dtype, so it is told the build's dtype with ``k`` bytes a slot, ``k H`` heads and rows of ``(L +
+R) / k`` slots (:mod:`dsv2_mlc.schedules.kv_fp8`); :class:`KVFormat` is the model's side of it
+(quantise the rows before ``append_mla_kv``, reshape the query/output to those pseudo-heads).
+Its kernels: the FP8 variants of the MLA attention (CPU: ``mla_paged_attention_fp8_cpu``; CUDA:
+the split-KV kernel's SIMT block, which decodes the bytes as it loads a page), the byte-copying
+append / page copy / compaction at the slot width, TVM's merge of partial states at the
+pseudo-heads (exact: each head's ``lse`` is written to all its pseudo-heads), and for the
+ragged (self-attention) slot and ``merge_attn_output_inplace`` the kernels of the real head
+count (the self-attention reads the new tokens' unrounded latents, not the cache).
+
 Use it through the fine-grained ``PagedKVCache`` API (the model applies RoPE itself):
 
 * ``append_mla_kv(layer, kv[b, s, 1, kv_lora_rank + rope])`` writes the rows at once;
@@ -273,7 +285,9 @@ class MLAPagedKVCache(PagedKVCache):  # pylint: disable=too-few-public-methods
                     mla_append_cuda(d_c, dtype), "mla_append_release_first"
                 )
             if fp8:  # the merge of merge_attn_output_inplace, for the real head count
-                func = _merge_state_inplace(heads, v_head_dim, dtype, target, _TVM_MERGE_V_FUNC)
+                func = _merge_state_inplace(
+                    heads, v_head_dim, dtype, target, "tir_attention_merge_state_v"
+                )
                 slots[_TVM_MERGE_V_FUNC] = bb.add_func(func, "tir_attention_merge_state_v")
             tir_cache = _tir_cache_class(slots)(
                 attn_kind="mla",
