@@ -39,7 +39,8 @@ def load(model: str | None = None, **kwargs: Any) -> Engine:
     """Open MODEL (a checkpoint folder, compiled on first use and cached; a compiled folder; an
     installed artifact's name; or ``None`` for the embedded default model); keyword arguments go to
     :func:`dsv2_mlc.resolve.open_engine` (cache_dir, device, dtype, quantization, context_window,
-    max_batch_size, prefill_chunk_size, progress, log, verify: hash the weights too)."""
+    max_batch_size, prefill_chunk_size, progress, log, verify: hash the weights too, kv_dtype:
+    "fp8" for an e4m3 KV cache)."""
     from .resolve import open_engine
 
     return open_engine(model, **kwargs)

@@ -196,8 +196,9 @@ def weight_stats(named: list[tuple[str, Any]], cfg: Any) -> dict[str, float]:
 
 
 def kv_bytes_per_token(cfg: Any, dtype: str) -> int:
-    """Latent KV cache bytes per token of context (all layers)."""
-    return cfg.num_hidden_layers * cfg.latent_dim * np.dtype(dtype).itemsize
+    """Latent KV cache bytes per token of context (all layers) in the cache's ``dtype``."""
+    itemsize = 1 if dtype.startswith("float8") else np.dtype(dtype).itemsize
+    return cfg.num_hidden_layers * cfg.latent_dim * itemsize
 
 
 def expected_experts(n_experts: int, k: int, tokens: int) -> float:
@@ -490,7 +491,7 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None] = print) -> dict[st
     prefill_s = [r["prefill_s"] for r in runs]
     ttft_s = [r["ttft_s"] for r in runs]
     mean_ctx = opts.prompt_len + (n_steps + 1) / 2  # step i attends to prompt + i + 1 tokens
-    per_step = decode_bytes(ws, cfg, engine.build.dtype, [mean_ctx] * opts.batch)
+    per_step = decode_bytes(ws, cfg, engine.build.cache_dtype, [mean_ctx] * opts.batch)
     flops = prefill_flops(ws, cfg, opts.prompt_len, opts.batch)
     report: dict[str, Any] = {
         "options": asdict(opts),
@@ -524,7 +525,7 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None] = print) -> dict[st
                 )
             },
             **ws,
-            "kv_bytes_per_token": kv_bytes_per_token(cfg, engine.build.dtype),
+            "kv_bytes_per_token": kv_bytes_per_token(cfg, engine.build.cache_dtype),
             "load_s": load_s,
             # where the weights live (Engine(experts=...)): bytes in device and in host memory
             "placement": {"experts": engine.experts, "weight_bytes": engine.weight_bytes()},

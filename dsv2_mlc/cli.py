@@ -48,6 +48,8 @@ def _compile(args: argparse.Namespace) -> int:
         dump_ir=args.dump_ir,
         pdl=args.pdl,
         gemm=args.gemm,
+        kv_dtype=args.kv_dtype,
+        kv_scale=args.kv_scale,
     )
     if args.random_weights:
         result = compile_random_model(args.model_dir, args.output, **options)
@@ -444,6 +446,19 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="who runs the prefill GEMMs: cuBLAS (needs libcublas where the model runs) or TIR "
         "kernels in the library (default: cublas for CUDA, tir otherwise)",
+    )
+    p.add_argument(
+        "--kv-dtype",
+        default=None,
+        help="the latent KV cache's element type: the activation dtype (default) or fp8 "
+        "(e4m3, one byte a value: half the cache of float16)",
+    )
+    p.add_argument(
+        "--kv-scale",
+        type=float,
+        default=None,
+        help="fp8 KV cache: its static scale (values stored as x / scale, read as q * scale; "
+        "default 1.0)",
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument(

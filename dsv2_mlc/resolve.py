@@ -141,6 +141,18 @@ def build_scheme(dtype: str | None, quantization: str | None) -> str:
     return "q0f16" if dtype == "float16" else "q0f32"
 
 
+def kv_cache_dtype(kv_dtype: str | None) -> str:
+    """The ``BuildConfig.kv_dtype`` a ``kv_dtype`` option asks for: ``""`` (the build's dtype)
+    for ``None``, ``"float16"`` or ``"float32"``; ``"float8_e4m3fn"`` for ``"fp8"``."""
+    if kv_dtype in (None, "", "float16", "float32"):
+        return ""
+    if kv_dtype in ("fp8", "float8_e4m3fn"):
+        return "float8_e4m3fn"
+    raise ModelNotFoundError(
+        f"unsupported kv_dtype {kv_dtype!r}; use fp8 (an e4m3 KV cache) or leave it out"
+    )
+
+
 def cache_key(
     ckpt_dir: str | Path,
     *,
@@ -148,8 +160,10 @@ def cache_key(
     device: str,
     quantization: str | None = None,
     cache_dir: str | Path | None = None,
+    kv_dtype: str | None = None,
 ) -> str:
-    """The SHA-256 (hex) that names a checkpoint's build in the cache."""
+    """The SHA-256 (hex) that names a checkpoint's build in the cache (``kv_dtype`` enters it
+    only when it is not the default, so default builds keep their keys)."""
     ckpt_dir = Path(ckpt_dir)
     memo = _HashMemo(Path(cache_dir) / _HASH_MEMO if cache_dir is not None else None)
     h = hashlib.sha256()
@@ -162,6 +176,8 @@ def cache_key(
     put("dtype", dtype or "")
     put("quantization", build_scheme(dtype, quantization))
     put("device", device)
+    if kv_cache_dtype(kv_dtype):
+        put("kv_dtype", kv_cache_dtype(kv_dtype))
     for f in checkpoint_files(ckpt_dir):
         put(f"checkpoint:{f.name}", memo.digest(f))
     for f in compiler_sources():
@@ -196,14 +212,24 @@ def cached_build(
     quantization: str | None = None,
     progress: bool = False,
     log: Callable[[str], None] | None = None,
+    kv_dtype: str | None = None,
 ) -> Path:
     """The compiled folder of the checkpoint ``ckpt_dir``, compiled now if not cached."""
     ckpt_dir = Path(ckpt_dir).resolve()
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     root = root / BUILDS_DIR
-    key = cache_key(ckpt_dir, dtype=dtype, device=device, quantization=quantization, cache_dir=root)
+    key = cache_key(
+        ckpt_dir,
+        dtype=dtype,
+        device=device,
+        quantization=quantization,
+        cache_dir=root,
+        kv_dtype=kv_dtype,
+    )
     name = re.sub(r"[^A-Za-z0-9._-]+", "_", ckpt_dir.name) or "model"
     scheme = re.sub(r"[^A-Za-z0-9._-]+", "_", build_scheme(dtype, quantization))
+    if kv_cache_dtype(kv_dtype):
+        scheme += "-fp8kv"
     entry = root / f"{name}-{scheme}-{device}-{key[:16]}"
     if _intact(entry):
         return entry
@@ -225,6 +251,7 @@ def cached_build(
             dtype=dtype,
             quantization=quantization,
             progress=progress,
+            kv_dtype="fp8" if kv_cache_dtype(kv_dtype) else None,
         )
     return entry
 
@@ -272,9 +299,11 @@ def resolve_model(
     quantization: str | None = None,
     progress: bool = False,
     log: Callable[[str], None] | None = None,
+    kv_dtype: str | None = None,
 ) -> Path:
     """The compiled folder MODEL names: itself when compiled, else its cached build (compiled on
-    first use); ``None`` is the embedded default model."""
+    first use); ``None`` is the embedded default model. ``kv_dtype`` (``"fp8"`` or None for the
+    build's dtype) is the KV cache's element type, part of the cached build's key."""
     if model is None:
         path = default_model_dir()
         if not (path / "config.json").is_file():
@@ -300,6 +329,7 @@ def resolve_model(
             ("device", device, build.device),
             ("dtype", dtype, build.dtype),
             ("quantization", quantization, getattr(build, "quantization", None)),
+            ("kv-dtype", kv_dtype and (kv_cache_dtype(kv_dtype) or build.dtype), build.cache_dtype),
         ):
             if want is not None and want != have:
                 raise ModelNotFoundError(
@@ -320,6 +350,7 @@ def resolve_model(
         quantization=quantization,
         progress=progress,
         log=log,
+        kv_dtype=kv_dtype,
     )
 
 
@@ -354,15 +385,15 @@ def open_engine(
     verify: bool = False,
     experts: str | None = None,
     gpu_memory: int | str | None = None,
+    kv_dtype: str | None = None,
 ) -> Engine:
     """Open MODEL as an :class:`~dsv2_mlc.runtime.engine.Engine`: a compiled folder, an installed
     artifact's name, a checkpoint folder (compiled on first use into the per-user cache, see
     :func:`resolve_model`) or ``None`` for the embedded default model. ``verify``: hash the
     weight files too before loading them (the library is hashed on every open). ``experts``:
     where the routed experts' weights live (``"gpu"`` or ``"host"``, see the Engine).
-
-    weight files too before loading them (the library is hashed on every open). ``gpu_memory``:
-    plan the engine inside this budget (``Engine(gpu_memory=...)``)."""
+    ``gpu_memory``: plan the engine inside this budget (``Engine(gpu_memory=...)``).
+    ``kv_dtype``: ``"fp8"`` for an e4m3 KV cache (:func:`resolve_model`)."""
     from .runtime.engine import ContextLengthError, Engine
 
     if context_window is not None and context_window < 2:
@@ -375,6 +406,7 @@ def open_engine(
         quantization=quantization,
         progress=progress,
         log=log,
+        kv_dtype=kv_dtype,
     )
     return Engine(
         path,

@@ -44,6 +44,13 @@ Design (one PrimFunc, two kernels):
      accumulators in registers). Shared-memory rows are padded to ``L+R+8`` halves so the column
      reads of 8 rows hit 8 different bank groups and the rows stay 16-byte aligned.
 
+   * **FP8 cache** (``kv_scale`` given; :mod:`~.kv_fp8`'s storage: ``q``/``out``/``lse`` as
+     ``kH`` pseudo-heads, pages of ``(L + R) / k`` slots holding ``k`` e4m3 bytes each): the
+     SIMT block, whose page load reads 16-byte slot vectors and writes their bytes decoded
+     (shifts and masks, ``value / 256`` as float16) into the same shared rows; ``256 *
+     kv_scale`` multiplies the score scale and the output (or the partial outputs). The float16
+     kernel's TIR is unchanged (the FP8 code is chosen in Python while the script is built).
+
 2. **Merge kernel**, grid ``total * H * (L / merge_cols)``, 256 threads: combines the ``nsplit``
    partial states ``(o_s, lse_s)`` of a row/head from a float32 workspace
    (``TVMBackendAllocWorkspace``, pooled by the runtime): ``lse = m + log2(sum 2^(lse_s - m))``,
@@ -90,6 +97,7 @@ from .cuda_call import (
     grid_wait_source,
     l2_prefetch_source,
 )
+from .kv_fp8 import e4m3_byte_f16, fp8_cache_dims, read_scale, slot_values
 from .mla_cuda_helpers import pipe_shared_halves, pipe_source
 from .mla_paging import find_sequence, kv_length, visible_length
 from .tiles import MLAAttentionTiles, tuned
@@ -125,28 +133,42 @@ def split_pages(vis_pages, smax, min_pages: int, long_min_pages: int, long_pages
 
 
 def mla_attention_cuda_supports(
-    num_heads: int, latent_dim: int, rope_dim: int, dtype: str = "float16"
+    num_heads: int,
+    latent_dim: int,
+    rope_dim: int,
+    dtype: str = "float16",
+    kv_scale: float | None = None,
 ) -> bool:
     """Whether :func:`mla_attention_cuda` handles these shapes (else it raises ``ValueError``)."""
     try:
-        mla_attention_cuda(num_heads, latent_dim, rope_dim, dtype)
+        mla_attention_cuda(num_heads, latent_dim, rope_dim, dtype, kv_scale)
     except ValueError:
         return False
     return True
 
 
 def mla_attention_cuda(
-    num_heads: int, latent_dim: int, rope_dim: int, dtype: str = "float16"
+    num_heads: int,
+    latent_dim: int,
+    rope_dim: int,
+    dtype: str = "float16",
+    kv_scale: float | None = None,
 ) -> tirx.PrimFunc:
     """The split-KV MLA attention PrimFunc (module docstring) for ``num_heads`` query heads of
     ``latent_dim + rope_dim`` values, with the tiles of :data:`~.tiles.TABLE`. Raises
-    ``ValueError`` for shapes it does not handle (the cache then keeps TVM's kernel)."""
+    ``ValueError`` for shapes it does not handle (the cache then keeps TVM's kernel).
+    ``kv_scale``: the FP8 (e4m3) cache of :mod:`~.kv_fp8` with that scale (module docstring)."""
     tiles = tuned("mla_attention", shape=(num_heads, latent_dim, rope_dim, dtype))
-    return build_mla_attention(num_heads, latent_dim, rope_dim, dtype, tiles)
+    return build_mla_attention(num_heads, latent_dim, rope_dim, dtype, tiles, kv_scale)
 
 
 def build_mla_attention(
-    num_heads: int, latent_dim: int, rope_dim: int, dtype: str, tiles: MLAAttentionTiles
+    num_heads: int,
+    latent_dim: int,
+    rope_dim: int,
+    dtype: str,
+    tiles: MLAAttentionTiles,
+    kv_scale: float | None = None,
 ) -> tirx.PrimFunc:
     """:func:`mla_attention_cuda` with the tiles given (the lab sweeps them)."""
     if dtype not in _ELEM_BYTES:
@@ -178,8 +200,21 @@ def build_mla_attention(
     if D % _VEC:
         raise ValueError(f"mla_attention_cuda needs (latent + rope) % {_VEC} == 0, got {D}")
     NT = _THREADS
+    # FP8 cache (kv_fp8's storage): K e4m3 bytes a dtype slot; the C++ cache passes q, out and
+    # lse as KH pseudo-heads of QD, ODL values, the pages as rows of PD slots
+    KV8 = kv_scale is not None
+    K = slot_values(dtype) if KV8 else 1
+    QH, QD, ODL = fp8_cache_dims(H, DL, rope_dim, dtype) if KV8 else (H, D, DL)
+    PD = QD
+    kscale = read_scale(kv_scale) if KV8 else 1.0
+    if KV8 and PD % _VEC:
+        raise ValueError(f"an FP8 cache row of {PD} {dtype} slots is not whole 16-byte pieces")
+    DV8 = PD // _VEC  # 16-byte slot vectors of an FP8 row
+    LOAD_ITERS8 = (P * DV8 + NT - 1) // NT
+    SCORE_C = _LOG2E * kscale if KV8 else _LOG2E  # score scale besides sm_scale
+    SLOT_T = getattr(T, dtype)  # the type of a cache slot
     # the pipelined tensor-core block: 16 heads of fp16, whole k-steps and 64-column n-tiles
-    pipe = dtype == "float16" and HG == 16 and D % 16 == 0 and DL % 64 == 0
+    pipe = not KV8 and dtype == "float16" and HG == 16 and D % 16 == 0 and DL % 64 == 0
     HGH = HG // 2
     TT = HGH * 8  # SIMT score tile threads: (head pair, token pair) per thread
     DS = NT // TT  # the head dim is split over DS thread groups
@@ -193,6 +228,7 @@ def build_mla_attention(
     SROW = D + _VEC  # padded shared row (halves): 16-byte aligned, bank-shifted
     DV = D // _VEC
     LOAD_ITERS = (P * DV + NT - 1) // NT
+    LOAD_N = 0 if KV8 else LOAD_ITERS  # (FP8 pages load in their own loop)
     Q_ITERS = (HG * DV + NT - 1) // NT
     tag = f"{H}_{DL}_{D}"
     ptag = f"{tag}_s{stages}_e"
@@ -268,13 +304,13 @@ def build_mla_attention(
         page_values_elem_offset = T.int32()
         length_info_elem_offset = T.int32()
 
-        q = T.match_buffer(var_q, (total_len, H, D), dtype)
+        q = T.match_buffer(var_q, (total_len, QH, QD), dtype)
         q_indptr = T.match_buffer(
             var_q_indptr, (batch_size + 1,), "int32", elem_offset=q_indptr_elem_offset
         )
         # No elem_offset: the cache allocates each layer's pages on its own (offset 0), and
         # an unknown offset would stop the 16-byte vector loads (the runtime checks it).
-        pages = T.match_buffer(var_pages, (max_num_pages, P, D), dtype)
+        pages = T.match_buffer(var_pages, (max_num_pages, P, PD), dtype)
         page_indptr = T.match_buffer(
             var_page_indptr, (batch_size + 1,), "int32", elem_offset=page_indptr_elem_offset
         )
@@ -284,8 +320,8 @@ def build_mla_attention(
         length_info = T.match_buffer(
             var_length_info, (batch_size,), "int32", elem_offset=length_info_elem_offset
         )
-        output = T.match_buffer(var_output, (total_len, H, DL), dtype)
-        lse = T.match_buffer(var_lse, (total_len, H), "float32")
+        output = T.match_buffer(var_output, (total_len, QH, ODL), dtype)
+        lse = T.match_buffer(var_lse, (total_len, QH), "float32")
 
         ws_o = T.alloc_buffer(
             (
@@ -398,10 +434,18 @@ def build_mla_attention(
                                 if it * NT + tx < HG * DV:
                                     qh: T.let[T.int32] = (it * NT + tx) // DV
                                     qv: T.let[T.int32] = (it * NT + tx) % DV
-                                    for k in T.vectorized(_VEC):
-                                        q_s[qh * SROW + qv * _VEC + k] = q[
-                                            row, h0 + qh, qv * _VEC + k
-                                        ]
+                                    if KV8:  # head h is pseudo-heads hK .. hK + K - 1
+                                        for k in T.vectorized(_VEC):
+                                            q_s[qh * SROW + qv * _VEC + k] = q[
+                                                row,
+                                                (h0 + qh) * K + qv * _VEC // QD,
+                                                qv * _VEC % QD + k,
+                                            ]
+                                    else:
+                                        for k in T.vectorized(_VEC):
+                                            q_s[qh * SROW + qv * _VEC + k] = q[
+                                                row, h0 + qh, qv * _VEC + k
+                                            ]
                             if tx < HG:
                                 m_s[tx] = T.float32(neg_inf)
                                 d_s[tx] = T.float32(0)
@@ -413,7 +457,28 @@ def build_mla_attention(
                                 page_id: T.let[T.int32] = page_values[page_begin + pg_lo + pg]
                                 tok0: T.let[T.int32] = (pg_lo + pg) * P
                                 # The page -> shared; rows past the visible length are zeroed.
-                                for it in T.serial(LOAD_ITERS):
+                                if KV8:  # 16-byte slot vectors, decoded (value / 256) to dtype
+                                    for it in T.serial(LOAD_ITERS8):
+                                        if it * NT + tx < P * DV8:
+                                            k8t: T.let[T.int32] = (it * NT + tx) // DV8
+                                            k8v: T.let[T.int32] = (it * NT + tx) % DV8
+                                            if tok0 + k8t < n_vis:
+                                                for k in T.unroll(_VEC):
+                                                    slot: T.let[SLOT_T] = pages[
+                                                        page_id, k8t, k8v * _VEC + k
+                                                    ]
+                                                    for i in T.unroll(K):
+                                                        kv_s[
+                                                            k8t * SROW + (k8v * _VEC + k) * K + i
+                                                        ] = T.cast(
+                                                            e4m3_byte_f16(slot, i, dtype), dtype
+                                                        )
+                                            else:
+                                                for k in T.serial(_VEC * K):
+                                                    kv_s[k8t * SROW + k8v * _VEC * K + k] = T.cast(
+                                                        0, dtype
+                                                    )
+                                for it in T.serial(LOAD_N):
                                     if it * NT + tx < P * DV:
                                         kt: T.let[T.int32] = (it * NT + tx) // DV
                                         kvv: T.let[T.int32] = (it * NT + tx) % DV
@@ -466,7 +531,7 @@ def build_mla_attention(
                                         psum[0] = psum[0] + s_part[k, sh, st]
                                     s_s[sh * P + st] = T.if_then_else(
                                         tok0 + st < n_vis,
-                                        psum[0] * sm_scale * log2e,
+                                        psum[0] * sm_scale * SCORE_C,
                                         T.float32(neg_inf),
                                     )
                                 T.tvm_storage_sync("shared")
@@ -536,7 +601,17 @@ def build_mla_attention(
                                             acc[i * CPT + j] / dsum,
                                             T.float32(0),
                                         )
-                                        if nsplit == 1 and split == 0:
+                                        if KV8:
+                                            oc: T.let[T.int32] = co + j * CG
+                                            if nsplit == 1 and split == 0:
+                                                output[row, (h0 + hl) * K + oc // ODL, oc % ODL] = (
+                                                    T.cast(val * T.float32(kscale), dtype)
+                                                )
+                                            elif split < nsplit:
+                                                ws_o[((bx * H) + h0 + hl) * DL + oc] = (
+                                                    val * T.float32(kscale)
+                                                )
+                                        elif nsplit == 1 and split == 0:
                                             output[row, h0 + hl, co + j * CG] = T.cast(val, dtype)
                                         elif split < nsplit:
                                             ws_o[((bx * H) + h0 + hl) * DL + co + j * CG] = val
@@ -546,7 +621,13 @@ def build_mla_attention(
                                     m_s[tx] + T.log2(d_s[tx]),
                                     T.float32(neg_inf),
                                 )
-                                if nsplit == 1 and split == 0:
+                                if KV8:
+                                    if nsplit == 1 and split == 0:
+                                        for i in T.unroll(K):
+                                            lse[row, (h0 + tx) * K + i] = lse_v
+                                    elif split < nsplit:
+                                        ws_lse[bx * H + h0 + tx] = lse_v
+                                elif nsplit == 1 and split == 0:
                                     lse[row, h0 + tx] = lse_v
                                 elif split < nsplit:
                                     ws_lse[bx * H + h0 + tx] = lse_v
@@ -623,13 +704,30 @@ def build_mla_attention(
                                 csum[0] = T.float32(0)
                                 for k in T.serial(SL):
                                     csum[0] = csum[0] + red[k * MCOLS + i * MT + mtx]
-                                output[mrow, mh, mch * MCOLS + i * MT + mtx] = T.cast(
-                                    T.if_then_else(
-                                        gsum > T.float32(0), csum[0] / gsum, T.float32(0)
-                                    ),
-                                    dtype,
-                                )
-                        if mch == 0 and mtx == 0:
+                                if KV8:
+                                    mc: T.let[T.int32] = mch * MCOLS + i * MT + mtx
+                                    output[mrow, mh * K + mc // ODL, mc % ODL] = T.cast(
+                                        T.if_then_else(
+                                            gsum > T.float32(0), csum[0] / gsum, T.float32(0)
+                                        ),
+                                        dtype,
+                                    )
+                                else:
+                                    output[mrow, mh, mch * MCOLS + i * MT + mtx] = T.cast(
+                                        T.if_then_else(
+                                            gsum > T.float32(0), csum[0] / gsum, T.float32(0)
+                                        ),
+                                        dtype,
+                                    )
+                        if KV8:
+                            if mch == 0 and mtx == 0:
+                                for i in T.unroll(K):
+                                    lse[mrow, mh * K + i] = T.if_then_else(
+                                        gsum > T.float32(0),
+                                        gmax + T.log2(gsum),
+                                        T.float32(neg_inf),
+                                    )
+                        elif mch == 0 and mtx == 0:
                             lse[mrow, mh] = T.if_then_else(
                                 gsum > T.float32(0),
                                 gmax + T.log2(gsum),

@@ -23,6 +23,7 @@ import math
 from tvm import tirx
 from tvm.script import tirx as T
 
+from .kv_fp8 import e4m3_byte_f16, fp8_cache_dims, read_scale, slot_values
 from .mla_paging import find_sequence, kv_length, visible_length
 
 __all__ = [
@@ -31,6 +32,7 @@ __all__ = [
     "kv_cache_transpose_append_mla_cpu",
     "merge_state_inplace_cpu",
     "mla_paged_attention_cpu",
+    "mla_paged_attention_fp8_cpu",
 ]
 
 _LOG2E = math.log2(math.e)
@@ -196,6 +198,160 @@ def mla_paged_attention_cpu(
                     lse[row, h] = -T.infinity("float32")
 
     return batch_prefill_paged_kv_mla_cpu
+
+
+def mla_paged_attention_fp8_cpu(
+    num_heads: int, latent_dim: int, rope_dim: int, dtype: str, kv_scale: float
+) -> tirx.PrimFunc:
+    """:func:`mla_paged_attention_cpu` over an FP8 (e4m3) cache in the storage of
+    :mod:`dsv2_mlc.schedules.kv_fp8` (``k`` bytes a ``dtype`` slot): the same ABI with
+    ``q[total, kH, (L+R)/k]``, ``pages[num_pages, page_size, (L+R)/k]``, ``out[total, kH, L/k]``
+    and ``lse[total, kH]`` (the reshapes of ``[total, H, L+R]``, ``[total, H, L]``; each head's
+    ``lse`` goes to all its pseudo-heads). The cached values are
+    decoded with shifts (``value / 256``) and ``256 * kv_scale`` is folded into the score scale
+    and the output. Scores and softmax in float32, as :func:`mla_paged_attention_cpu`."""
+    H = num_heads
+    DL = latent_dim
+    D = latent_dim + rope_dim
+    H2, DP, DLP = fp8_cache_dims(num_heads, latent_dim, rope_dim, dtype)
+    K = slot_values(dtype)
+    TILE = _KV_TILE
+    log2e = _LOG2E
+    kscale = read_scale(kv_scale)
+
+    @T.prim_func(s_tir=True)
+    def batch_prefill_paged_kv_mla_fp8_cpu(
+        var_q: T.handle,
+        var_q_indptr: T.handle,
+        var_pages: T.handle,
+        var_page_indptr: T.handle,
+        var_page_values: T.handle,
+        var_length_info: T.handle,
+        var_output: T.handle,
+        var_lse: T.handle,
+        causal: T.int32,
+        sm_scale: T.float32,
+    ):
+        T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
+        batch_size = T.int32()
+        total_len = T.int32()
+        nnz_pages = T.int32()
+        max_num_pages = T.int32()
+        page_size = T.int32()
+        q_elem_offset = T.int64()
+        pages_elem_offset = T.int64()
+        q_indptr_elem_offset = T.int32()
+        page_indptr_elem_offset = T.int32()
+        page_values_elem_offset = T.int32()
+        length_info_elem_offset = T.int32()
+        output_elem_offset = T.int64()
+        lse_elem_offset = T.int64()
+
+        q = T.match_buffer(var_q, (total_len, H2, DP), dtype, elem_offset=q_elem_offset)
+        q_indptr = T.match_buffer(
+            var_q_indptr, (batch_size + 1,), "int32", elem_offset=q_indptr_elem_offset
+        )
+        pages = T.match_buffer(
+            var_pages, (max_num_pages, page_size, DP), dtype, elem_offset=pages_elem_offset
+        )
+        page_indptr = T.match_buffer(
+            var_page_indptr, (batch_size + 1,), "int32", elem_offset=page_indptr_elem_offset
+        )
+        page_values = T.match_buffer(
+            var_page_values, (nnz_pages,), "int32", elem_offset=page_values_elem_offset
+        )
+        length_info = T.match_buffer(
+            var_length_info, (batch_size,), "int32", elem_offset=length_info_elem_offset
+        )
+        output = T.match_buffer(
+            var_output, (total_len, H2, DLP), dtype, elem_offset=output_elem_offset
+        )
+        lse = T.match_buffer(var_lse, (total_len, H2), "float32", elem_offset=lse_elem_offset)
+
+        for rh in T.parallel(total_len * H):
+            with T.sblock("attn"):
+                T.reads()
+                T.writes()
+                q_f = T.sblock_alloc_buffer((D,), "float32")
+                acc = T.sblock_alloc_buffer((DL,), "float32")
+                score = T.sblock_alloc_buffer((TILE,), "float32")
+                lo = T.sblock_alloc_buffer((1,), "int32")
+                hi = T.sblock_alloc_buffer((1,), "int32")
+                m_run = T.sblock_alloc_buffer((1,), "float32")
+                m_tile = T.sblock_alloc_buffer((1,), "float32")
+                d_run = T.sblock_alloc_buffer((1,), "float32")
+                rescale = T.sblock_alloc_buffer((1,), "float32")
+                prob = T.sblock_alloc_buffer((1,), "float32")
+
+                row: T.let[T.int32] = rh // H
+                h: T.let[T.int32] = rh % H
+                find_sequence(q_indptr, batch_size, row, lo, hi)
+                b: T.let[T.int32] = lo[0]
+                q_len: T.let[T.int32] = q_indptr[b + 1] - q_indptr[b]
+                page_begin: T.let[T.int32] = page_indptr[b]
+                num_pages: T.let[T.int32] = page_indptr[b + 1] - page_begin
+                kv_len: T.let[T.int32] = kv_length(num_pages, length_info[b], page_size)
+                n_vis: T.let[T.int32] = visible_length(kv_len, q_len, row - q_indptr[b], causal)
+
+                # q (pseudo-heads 2h, 2h + 1 of DP values), scaled for base 2 and the decode
+                for d in T.serial(D):
+                    q_f[d] = (
+                        T.cast(q[row, h * K + d // DP, d % DP], "float32")
+                        * sm_scale
+                        * T.float32(log2e * kscale)
+                    )
+                for d in T.serial(DL):
+                    acc[d] = T.float32(0)
+                m_run[0] = -T.infinity("float32")
+                d_run[0] = T.float32(0)
+
+                for t in T.serial((n_vis + TILE - 1) // TILE):
+                    m_tile[0] = m_run[0]
+                    for jj in T.serial(TILE):
+                        if t * TILE + jj < n_vis:
+                            pg: T.let[T.int32] = page_values[
+                                page_begin + (t * TILE + jj) // page_size
+                            ]
+                            off: T.let[T.int32] = (t * TILE + jj) % page_size
+                            score[jj] = T.float32(0)
+                            for j in T.serial(DP):
+                                for i in T.unroll(K):
+                                    score[jj] = score[jj] + q_f[j * K + i] * T.cast(
+                                        e4m3_byte_f16(pages[pg, off, j], i, dtype), "float32"
+                                    )
+                            m_tile[0] = T.max(m_tile[0], score[jj])
+                    rescale[0] = T.exp2(m_run[0] - m_tile[0])
+                    d_run[0] = d_run[0] * rescale[0]
+                    for d in T.serial(DL):
+                        acc[d] = acc[d] * rescale[0]
+                    for jj in T.serial(TILE):
+                        if t * TILE + jj < n_vis:
+                            pg2: T.let[T.int32] = page_values[
+                                page_begin + (t * TILE + jj) // page_size
+                            ]
+                            off2: T.let[T.int32] = (t * TILE + jj) % page_size
+                            prob[0] = T.exp2(score[jj] - m_tile[0])
+                            d_run[0] = d_run[0] + prob[0]
+                            for j in T.serial(DLP):
+                                for i in T.unroll(K):
+                                    acc[j * K + i] = acc[j * K + i] + prob[0] * T.cast(
+                                        e4m3_byte_f16(pages[pg2, off2, j], i, dtype), "float32"
+                                    )
+                    m_run[0] = m_tile[0]
+
+                for i in T.serial(K):
+                    if n_vis > 0:
+                        for d in T.serial(DLP):
+                            output[row, h * K + i, d] = T.cast(
+                                acc[i * DLP + d] / d_run[0] * T.float32(kscale), dtype
+                            )
+                        lse[row, h * K + i] = m_run[0] + T.log2(d_run[0])
+                    else:
+                        for d in T.serial(DLP):
+                            output[row, h * K + i, d] = T.cast(T.float32(0), dtype)
+                        lse[row, h * K + i] = -T.infinity("float32")
+
+    return batch_prefill_paged_kv_mla_fp8_cpu
 
 
 def merge_state_inplace_cpu(dtype: str, head_dim: int | None = None) -> tirx.PrimFunc:

@@ -267,9 +267,7 @@ def test_dispatch_cublas_gemm_does_not_fire_in_decode():
 @I.ir_module
 class BatchedMatmul:
     @R.function
-    def main(
-        x: R.Tensor((4, "n", 64), dtype="float16"), w: R.Tensor((4, 32, 64), dtype="float16")
-    ):
+    def main(x: R.Tensor((4, "n", 64), dtype="float16"), w: R.Tensor((4, 32, 64), dtype="float16")):
         R.func_attr({"dsv2_mlc.entry_kind": "prefill"})
         with R.dataflow():
             wt = R.permute_dims(w, axes=[0, 2, 1])

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import math
 import shutil
 import tempfile
 import time
@@ -41,6 +42,8 @@ from .cuda import DEFAULT_ARCH, check_fatbin, cuda_codegen, cuda_sources, make_c
 
 DTYPES = ("float32", "float16")
 DEVICES = ("cpu", "cuda")
+# --kv-dtype: the latent KV cache's element type (BuildConfig.kv_dtype; "" = the build's dtype)
+KV_DTYPES = {"float16": "", "float32": "", "fp8": "float8_e4m3fn", "float8_e4m3fn": "float8_e4m3fn"}
 
 
 class CompileError(UsageError):
@@ -73,16 +76,42 @@ class BuildOptions:
 
     pdl: bool = False
     gemm: str = "tir"  # prefill / extend GEMMs: "tir" or "cublas" (passes/pipeline.py)
+    kv_dtype: str = ""  # the latent cache's element type (BuildConfig.kv_dtype)
+    kv_scale: float = 1.0  # its static scale (FP8: stored = x / kv_scale)
 
 
 PDL_MIN_SM = 90  # griddepcontrol.* (PTX ISA 7.8) needs sm_90
 
 
+def _kv_format(kv_dtype: str | None, kv_scale: float | None, dtype: str) -> tuple[str, float]:
+    """(BuildConfig.kv_dtype, kv_scale) of ``--kv-dtype`` / ``--kv-scale`` for activations in
+    ``dtype``: ``None`` or the activation dtype -> ``""``; ``fp8`` -> ``float8_e4m3fn``."""
+    if kv_dtype is None:
+        kv_dtype = dtype
+    if kv_dtype not in KV_DTYPES or (KV_DTYPES[kv_dtype] == "" and kv_dtype != dtype):
+        raise CompileError(
+            f"unsupported --kv-dtype {kv_dtype!r} for activations in {dtype}; supported: "
+            f"{dtype} (the default) or fp8 (float8_e4m3fn, half the cache of float16)"
+        )
+    stored = KV_DTYPES[kv_dtype]
+    if kv_scale is None:
+        kv_scale = 1.0
+    if not (isinstance(kv_scale, (int, float)) and math.isfinite(kv_scale) and kv_scale > 0):
+        raise CompileError(f"--kv-scale must be a finite number > 0, got {kv_scale!r}")
+    if kv_scale != 1.0 and not stored:
+        raise CompileError("--kv-scale applies to --kv-dtype fp8 only")
+    return stored, float(kv_scale)
+
+
 def _build_options(
-    device: str, arch: str, pdl: bool | None, gemm: str | None = None
+    device: str,
+    arch: str,
+    pdl: bool | None,
+    gemm: str | None = None,
+    kv: tuple[str, float] = ("", 1.0),
 ) -> BuildOptions:
     """``pdl=None`` (the default): on for CUDA at sm_90 or newer, off otherwise; ``gemm=None``:
-    ``"cublas"`` for CUDA, ``"tir"`` otherwise."""
+    ``"cublas"`` for CUDA, ``"tir"`` otherwise; ``kv``: :func:`_kv_format`'s pair."""
     from ..passes.pipeline import GEMMS
 
     if gemm is None:
@@ -101,7 +130,7 @@ def _build_options(
         raise CompileError(
             f"--pdl needs sm_{PDL_MIN_SM} or newer (griddepcontrol); --arch is {arch}"
         )
-    return BuildOptions(pdl=pdl, gemm=gemm)
+    return BuildOptions(pdl=pdl, gemm=gemm, kv_dtype=kv[0], kv_scale=kv[1])
 
 
 def _resolve_quantization(
@@ -139,6 +168,8 @@ def compile_model(
     arch: str = DEFAULT_ARCH,
     pdl: bool | None = None,
     gemm: str | None = None,
+    kv_dtype: str | None = None,
+    kv_scale: float | None = None,
 ) -> CompileResult:
     """Compile the HF checkpoint in ``model_dir`` for ``device`` into ``out_dir``.
 
@@ -159,10 +190,15 @@ def compile_model(
     ``gemm`` (default: ``"cublas"`` for CUDA, ``"tir"`` otherwise) picks who runs the prefill /
     extend GEMMs: cuBLAS (the library then needs libcublas at run time,
     :mod:`dsv2_mlc.runtime.cublas`) or the TIR kernels dlight schedules (no dependency).
+
+    ``kv_dtype`` is the latent KV cache's element type: the activation dtype (default) or
+    ``"fp8"`` (e4m3, one byte a value: half the cache of float16; ``kv_scale``, default 1.0, is
+    its static scale, values stored as ``x / kv_scale``; :mod:`dsv2_mlc.schedules.kv_fp8`).
     """
     start = time.perf_counter()
     quant = _resolve_quantization(dtype, quantization, quantize_embedding, quantize_lm_head)
-    options = _build_options(device, arch, pdl, gemm)
+    kv = _kv_format(kv_dtype, kv_scale, quant.dtype)
+    options = _build_options(device, arch, pdl, gemm, kv)
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise CompileError(f"{model_dir}: model folder not found")
@@ -203,7 +239,7 @@ def _build(
 
     from ..quant import quantize_params
 
-    mod, named_params, plan = _export(cfg, target, quant)
+    mod, named_params, plan = _export(cfg, target, quant, options)
     param_dtypes = {name: str(p.dtype) for name, p in named_params}
     param_shapes = {name: tuple(int(s) for s in p.shape) for name, p in named_params}
     convert_dtypes = {**param_dtypes, **{name: "float32" for name in plan}}
@@ -235,12 +271,17 @@ def _build(
     return _write_build_config(cfg, quant, device, target, produced, tmp, options)
 
 
-def _export(cfg: DeepseekV2Config, target, quant: Quantization) -> tuple:
+def _export(
+    cfg: DeepseekV2Config, target, quant: Quantization, options: BuildOptions | None = None
+) -> tuple:
     """The traced (and for INT4, rewritten) model: (IRModule, named params, quantization plan)."""
     from ..model.deepseek_v2 import DeepseekV2ForCausalLM
+    from ..model.kv_cache import KVFormat
     from ..quant.mutator import quantize_model
 
-    model = DeepseekV2ForCausalLM(cfg, quant.dtype, target)
+    options = options or BuildOptions()
+    kv = KVFormat(options.kv_dtype, options.kv_scale)
+    model = DeepseekV2ForCausalLM(cfg, quant.dtype, target, kv)
     plan = quantize_model(model, quant)
     with target:  # kernels chosen while tracing (the MoE router) follow Target.current()
         mod, named_params = model.export_tvm(spec=model.get_default_spec())
@@ -317,6 +358,8 @@ def _write_build_config(
         tvm_ffi_version=tvm_ffi.__version__,
         pdl=options.pdl,
         gemm=options.gemm,
+        kv_dtype=options.kv_dtype,
+        kv_scale=options.kv_scale,
         files=file_records(tmp),  # what the runtime checks before loading (runtime/integrity.py)
     )
     (tmp / BUILD_CONFIG).write_text(json.dumps(build.to_dict(), indent=1))
@@ -336,6 +379,8 @@ def compile_random_model(
     arch: str = DEFAULT_ARCH,
     pdl: bool | None = None,
     gemm: str | None = None,
+    kv_dtype: str | None = None,
+    kv_scale: float | None = None,
 ) -> CompileResult:
     """Compile from a ``config.json`` alone (a file or the folder holding it), for benchmarks.
 
@@ -349,14 +394,15 @@ def compile_random_model(
 
     start = time.perf_counter()
     quant = _resolve_quantization(dtype, quantization, quantize_embedding, quantize_lm_head)
-    options = _build_options(device, arch, pdl, gemm)
+    kv = _kv_format(kv_dtype, kv_scale, quant.dtype)
+    options = _build_options(device, arch, pdl, gemm, kv)
     out_dir = Path(out_dir).resolve()
     _check_out_dir(out_dir, (Path(config),), dump_ir)
     cfg = DeepseekV2Config.from_file(config)
     target = make_target(device, arch)
 
     with staged_dir(out_dir, _check_out_dir) as tmp:
-        mod, named_params, _ = _export(cfg, target, quant)
+        mod, named_params, _ = _export(cfg, target, quant, options)
         mod = add_fill_kernels(mod, (quant.dtype, "float32"))
         _compile_library(mod, target, device, tmp, dump_ir, options)
         spec = init_spec((name, p.shape, p.dtype) for name, p in named_params)

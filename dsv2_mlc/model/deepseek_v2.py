@@ -42,7 +42,7 @@ from ..schedules.norm_gemv_cuda import add_norm_gemv_q4, add_norm_router, add_no
 from ..schedules.rms_norm_cuda import RMS_NORM_ATTR  # the RMSNorm kernels' tag (epsilon)
 from .attrs import ENTRY_KIND_ATTR
 from .config import DeepseekV2Config
-from .kv_cache import MLAPagedKVCache
+from .kv_cache import KVFormat, MLAPagedKVCache
 from .mla_ops import (
     absorb_query,
     absorb_value,
@@ -118,6 +118,7 @@ class DeepseekV2Attention(nn.Module):
     def __init__(self, cfg: DeepseekV2Config, layer_id: int, dtype: str):
         self.cfg = cfg
         self.layer_id = layer_id
+        self.kv = KVFormat()  # the cache's format (DeepseekV2ForCausalLM sets it)
         h, heads = cfg.hidden_size, cfg.num_attention_heads
         # q_proj (or q-LoRA's q_a_proj) and kv_a_proj_with_mqa read the same x: one matmul,
         # query rows first (weights.py).
@@ -162,7 +163,7 @@ class DeepseekV2Attention(nn.Module):
             )
         else:  # the cached latent [RMSNorm(c_kv), rope(k_pe)], one kernel (mla_ops)
             latent = latent_norm_rope(qkv, cfg.q_a_dim, norm_w, rope, cfg, LORA_NORM_EPS)
-        cache = cache.append_mla_kv(self.layer_id, op.reshape(latent, (1, n, 1, cfg.latent_dim)))
+        cache = self.kv.append(cache, self.layer_id, latent)
         if mode != "prefill" and not fused:  # the query heads alone [n, H * (nope + R)]
             q = q_src if cfg.q_lora_rank is not None else op.split(qkv, [cfg.q_a_dim], axis=1)[0]
 
@@ -182,7 +183,7 @@ class DeepseekV2Attention(nn.Module):
             if not fused:
                 q_lat = absorb_query(q, self.kv_b_proj.w_uk, rope, cfg)
             q_lat = op.reshape(q_lat, (1, n, heads, cfg.latent_dim))
-            o_lat, lse_lat = cache.cross_attention(self.layer_id, q_lat, lora, scale)
+            o_lat, lse_lat = self.kv.cross_attention(cache, self.layer_id, q_lat, lora, scale)
             o_cross = absorb_value(
                 op.reshape(o_lat, (n, heads, lora)), self.kv_b_proj.w_uv, mode == "decode"
             )
@@ -287,12 +288,17 @@ class DeepseekV2Model(nn.Module):
 class DeepseekV2ForCausalLM(nn.Module):
     """The whole model with its entry points (see the module docstring)."""
 
-    def __init__(self, cfg: DeepseekV2Config, dtype: str, target: Target):
+    def __init__(
+        self, cfg: DeepseekV2Config, dtype: str, target: Target, kv: KVFormat | None = None
+    ):
         self.cfg = cfg
         self.dtype = dtype
         self.target = target
+        self.kv = kv or KVFormat()  # the latent cache's element format
         self.model = DeepseekV2Model(cfg, dtype)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
+        for layer in self.model.layers:
+            layer.self_attn.kv = self.kv
 
     def _body(
         self, input_ids: Tensor, cache: PagedKVCache, mode: Mode, expert_major: bool = False
@@ -398,6 +404,8 @@ class DeepseekV2ForCausalLM(nn.Module):
             v_head_dim=cfg.v_head_dim,
             dtype=self.dtype,
             target=self.target,
+            kv_dtype=self.kv.kv_dtype,
+            kv_scale=self.kv.kv_scale,
         )
 
     # What each entry point runs; passes read it from the function attribute ENTRY_KIND_ATTR.

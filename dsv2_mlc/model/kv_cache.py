@@ -16,6 +16,18 @@ Only the latent is cached: per token and layer one row ``[compressed_kv (kv_lora
   :mod:`dsv2_mlc.schedules.mla_append_cuda`'s, which lets the split-KV kernel start while it
   waits.
 
+**FP8 cache** (``kv_dtype="float8_e4m3fn"``, ``--kv-dtype fp8``): one e4m3 byte a value, read
+as ``byte * kv_scale``. The C++ cache needs the query, output and appended rows in the pages'
+dtype, so it is told the build's dtype with ``k`` bytes a slot, ``k H`` heads and rows of ``(L +
+R) / k`` slots (:mod:`dsv2_mlc.schedules.kv_fp8`); :class:`KVFormat` is the model's side of it
+(quantise the rows before ``append_mla_kv``, reshape the query/output to those pseudo-heads).
+Its kernels: the FP8 variants of the MLA attention (CPU: ``mla_paged_attention_fp8_cpu``; CUDA:
+the split-KV kernel's SIMT block, which decodes the bytes as it loads a page), the byte-copying
+append / page copy / compaction at the slot width, TVM's merge of partial states at the
+pseudo-heads (exact: each head's ``lse`` is written to all its pseudo-heads), and for the
+ragged (self-attention) slot and ``merge_attn_output_inplace`` the kernels of the real head
+count (the self-attention reads the new tokens' unrounded latents, not the cache).
+
 Use it through the fine-grained ``PagedKVCache`` API (the model applies RoPE itself):
 
 * ``append_mla_kv(layer, kv[b, s, 1, kv_lora_rank + rope])`` writes the rows at once;
@@ -40,22 +52,27 @@ Runtime rules (read from ``paged_kv_cache.cc``, checked in ``tests/test_mla_kv_c
   CUDA, TVM's kernels need ``page_size == 16``. ``support_sliding_window`` must be 0.
 """
 
+from dataclasses import dataclass
 from typing import Any
 
 import tvm
 from tvm import relax as rx
 from tvm import tirx
+from tvm.relax.frontend.nn import Tensor, op
 from tvm.relax.frontend.nn.llm.kv_cache import (
     AttnKind,
     PagedKVCache,
     RopeMode,
     TIRPagedKVCache,
+    _attention_prefill_ragged,
     _attention_prefill_ragged_cpu,
     _kv_cache_debug_get_kv_mla,
+    _merge_state_inplace,
 )
 from tvm.relax.frontend.nn.llm.position_embedding import llama_rope_with_position_map
 from tvm.target import Target
 
+from dsv2_mlc.schedules.kv_fp8 import FP8_KV_DTYPE, fp8_cache_dims, quantize_latent, slot_values
 from dsv2_mlc.schedules.mla_append_cuda import mla_append_cuda, mla_append_cuda_supports
 from dsv2_mlc.schedules.mla_attention_cuda import (
     mla_attention_cuda,
@@ -67,25 +84,90 @@ from dsv2_mlc.schedules.mla_cpu import (
     kv_cache_transpose_append_mla_cpu,
     merge_state_inplace_cpu,
     mla_paged_attention_cpu,
+    mla_paged_attention_fp8_cpu,
 )
 from dsv2_mlc.schedules.prefill_attention_cuda import (
     prefill_attention_cuda,
     prefill_attention_cuda_supports,
 )
 
-__all__ = ["MLAPagedKVCache"]
+__all__ = ["KVFormat", "MLAPagedKVCache"]
 
 IntLike = int | tvm.ir.Expr
 # The names TIRPagedKVCache gives the kernels of the slots we replace.
 _TVM_MLA_SLOT_FUNC = "tir_attention_prefill_mla"
 _TVM_RAGGED_SLOT_FUNC = "tir_attention_prefill_ragged"
 _TVM_APPEND_FUNC = "kv_cache_transpose_append_mla"  # f_transpose_append_mla (a bare function)
+_TVM_MERGE_V_FUNC = "tir_attention_merge_state_mla"  # the merge at v_head_dim width
+
+
+@dataclass(frozen=True)
+class KVFormat:
+    """The latent cache's element format: ``kv_dtype`` "" (the build's dtype) or
+    ``float8_e4m3fn`` with the static ``kv_scale`` (:mod:`dsv2_mlc.schedules.kv_fp8`). Its
+    methods are the model's side of the cache calls that depend on it."""
+
+    kv_dtype: str = ""
+    kv_scale: float = 1.0
+
+    @property
+    def fp8(self) -> bool:
+        """Whether the cache stores e4m3 bytes."""
+        return self.kv_dtype == FP8_KV_DTYPE
+
+    def append(self, cache: PagedKVCache, layer_id: int, latent: Tensor) -> PagedKVCache:
+        """``append_mla_kv`` of the rows ``latent [n, L + R]`` (FP8: quantised first, packed
+        into slots of the activation dtype)."""
+        n, width = latent.shape
+        if self.fp8:
+            target = Target.current(allow_none=True)
+            cuda = target is not None and target.kind.name != "llvm"
+            k = slot_values(latent.dtype)
+            latent = op.tensor_ir_op(
+                quantize_latent(int(width), latent.dtype, self.kv_scale, cuda),
+                "quantize_latent_e4m3",
+                args=[latent],
+                out=Tensor.placeholder((n, int(width) // k), latent.dtype),
+            )
+            width = int(width) // k
+        return cache.append_mla_kv(layer_id, op.reshape(latent, (1, n, 1, width)))
+
+    def cross_attention(
+        self, cache: PagedKVCache, layer_id: int, q_lat: Tensor, lora: int, sm_scale: float
+    ) -> tuple[Tensor, Tensor]:
+        """``cross_attention`` of ``q_lat [1, n, H, L + R]``: ``(o [1, n, H, L], lse [1, n,
+        H])`` (FP8: through the cache's pseudo-heads, kv_fp8's storage)."""
+        if not self.fp8:
+            return cache.cross_attention(layer_id, q_lat, lora, sm_scale)
+        _, n, heads, width = q_lat.shape
+        k = slot_values(q_lat.dtype)
+        q = op.reshape(q_lat, (1, n, heads * k, int(width) // k))
+        o, lse = cache.cross_attention(layer_id, q, lora // k, sm_scale)
+        lse = op.split(op.reshape(lse, (1, n, heads, k)), k, axis=3)[0]
+        return op.reshape(o, (1, n, heads, lora)), op.reshape(lse, (1, n, heads))
 
 
 def _replace_slot(create: rx.Call, slot_func: str, slot: rx.Tuple | rx.GlobalVar) -> rx.Call:
     """``create`` (the ``paged_attention_kv_cache_create`` call of ``TIRPagedKVCache``) with its
     kernel slot ``("tirx", <slot_func>)`` (or its bare function argument ``<slot_func>``, given
     a GlobalVar) replaced by ``slot``."""
+
+    if slot_func == _TVM_MERGE_V_FUNC:  # a field of the merge-function tuple
+        merge = [
+            i
+            for i, arg in enumerate(create.args)
+            if isinstance(arg, rx.Tuple)
+            and any(isinstance(f, rx.GlobalVar) and f.name_hint == slot_func for f in arg.fields)
+        ]
+        if len(merge) != 1:
+            raise RuntimeError(f"TIRPagedKVCache: expected one {slot_func} tuple")
+        args = list(create.args)
+        fields = [
+            slot if isinstance(f, rx.GlobalVar) and f.name_hint == slot_func else f
+            for f in args[merge[0]].fields
+        ]
+        args[merge[0]] = rx.Tuple(fields)
+        return rx.Call(create.op, args, create.attrs, create.ty_args)
 
     def is_slot(arg: rx.Expr) -> bool:
         if isinstance(slot, rx.GlobalVar):
@@ -157,27 +239,56 @@ class MLAPagedKVCache(PagedKVCache):  # pylint: disable=too-few-public-methods
         dtype: str,
         target: Target,
         name: str = "paged_kv_cache",
+        kv_dtype: str = "",
+        kv_scale: float = 1.0,
     ) -> None:
         d_qk = kv_lora_rank + qk_rope_head_dim
+        heads = num_attention_heads
+        fp8 = kv_dtype == FP8_KV_DTYPE
+        if kv_dtype not in ("", dtype, FP8_KV_DTYPE):
+            raise ValueError(f"KV cache dtype {kv_dtype!r}: use {dtype} or {FP8_KV_DTYPE}")
+        # What the C++ cache is told: for FP8, kv_fp8's storage (slots of e4m3 bytes)
+        heads_c, d_c, lora_c = (
+            fp8_cache_dims(heads, kv_lora_rank, qk_rope_head_dim, dtype)
+            if fp8
+            else (heads, d_qk, kv_lora_rank)
+        )
         if target.kind.name != "llvm":
             slots: dict[str, rx.Tuple | rx.GlobalVar] = {}
             d_orig = qk_nope_head_dim + qk_rope_head_dim
-            heads = num_attention_heads
+            bb = rx.BlockBuilder.current()
             if target.kind.name == "cuda" and prefill_attention_cuda_supports(
                 heads, heads, d_orig, v_head_dim, dtype
             ):
                 func = prefill_attention_cuda(heads, heads, d_orig, v_head_dim, dtype)
-                gv = rx.BlockBuilder.current().add_func(func, "tir_attention_prefill_ragged_flash")
+                gv = bb.add_func(func, "tir_attention_prefill_ragged_flash")
                 slots[_TVM_RAGGED_SLOT_FUNC] = rx.Tuple([tvm.ir.StringImm("tirx"), gv])
-            if mla_attention_cuda_supports(heads, kv_lora_rank, qk_rope_head_dim, dtype):
-                func = mla_attention_cuda(heads, kv_lora_rank, qk_rope_head_dim, dtype)
-                gv = rx.BlockBuilder.current().add_func(func, "tir_attention_mla_split_kv")
-                slots[_TVM_MLA_SLOT_FUNC] = rx.Tuple([tvm.ir.StringImm("tirx"), gv])
-            if target.kind.name == "cuda" and mla_append_cuda_supports(d_qk, dtype):
-                # the append that releases the split kernel before its wait (mla_append_cuda)
-                slots[_TVM_APPEND_FUNC] = rx.BlockBuilder.current().add_func(
-                    mla_append_cuda(d_qk, dtype), "mla_append_release_first"
+            elif fp8:  # TVM's, for the real head count (TIRPagedKVCache's would take heads_c)
+                func = _attention_prefill_ragged(
+                    heads, heads, d_orig, v_head_dim, dtype, {}, target
                 )
+                gv = bb.add_func(func, "tir_attention_prefill_ragged_fp8_cache")
+                slots[_TVM_RAGGED_SLOT_FUNC] = rx.Tuple([tvm.ir.StringImm("tirx"), gv])
+            mla_kv = {"kv_scale": kv_scale} if fp8 else {}
+            if mla_attention_cuda_supports(heads, kv_lora_rank, qk_rope_head_dim, dtype, **mla_kv):
+                func = mla_attention_cuda(heads, kv_lora_rank, qk_rope_head_dim, dtype, **mla_kv)
+                gv = bb.add_func(func, "tir_attention_mla_split_kv")
+                slots[_TVM_MLA_SLOT_FUNC] = rx.Tuple([tvm.ir.StringImm("tirx"), gv])
+            elif fp8:
+                raise ValueError(
+                    f"an FP8 KV cache needs the split-KV MLA kernel, which does not take "
+                    f"{heads} heads of {kv_lora_rank} + {qk_rope_head_dim} {dtype} values"
+                )
+            if target.kind.name == "cuda" and mla_append_cuda_supports(d_c, dtype):
+                # the append that releases the split kernel before its wait (mla_append_cuda)
+                slots[_TVM_APPEND_FUNC] = bb.add_func(
+                    mla_append_cuda(d_c, dtype), "mla_append_release_first"
+                )
+            if fp8:  # the merge of merge_attn_output_inplace, for the real head count
+                func = _merge_state_inplace(
+                    heads, v_head_dim, dtype, target, "tir_attention_merge_state_v"
+                )
+                slots[_TVM_MERGE_V_FUNC] = bb.add_func(func, "tir_attention_merge_state_v")
             tir_cache = _tir_cache_class(slots)(
                 attn_kind="mla",
                 max_batch_size=max_batch_size,
@@ -187,10 +298,10 @@ class MLAPagedKVCache(PagedKVCache):  # pylint: disable=too-few-public-methods
                 support_sliding_window=support_sliding_window,
                 layer_partition=rx.ShapeExpr([0, num_hidden_layers]),
                 num_hidden_layers=num_hidden_layers,
-                num_attention_heads=num_attention_heads,
+                num_attention_heads=heads_c,
                 num_key_value_heads=1,
-                qk_head_dim=d_qk,
-                v_head_dim=kv_lora_rank,
+                qk_head_dim=d_c,
+                v_head_dim=lora_c,
                 mla_original_qk_head_dim=qk_nope_head_dim + qk_rope_head_dim,
                 mla_original_v_head_dim=v_head_dim,
                 rope_mode=RopeMode.NONE,
@@ -208,7 +319,6 @@ class MLAPagedKVCache(PagedKVCache):  # pylint: disable=too-few-public-methods
             return
 
         bb = rx.BlockBuilder.current()
-        heads = num_attention_heads
 
         def tir(func: tirx.PrimFunc, func_name: str) -> rx.GlobalVar:
             return bb.add_func(func, func_name)
@@ -230,10 +340,10 @@ class MLAPagedKVCache(PagedKVCache):  # pylint: disable=too-few-public-methods
                 ]
             ),
             rx.ShapeExpr([0, num_hidden_layers]),  # layer_indptr (no pipeline parallelism)
-            rx.prim_value(heads),  # num_qo_heads
+            rx.prim_value(heads_c),  # num_qo_heads
             rx.prim_value(1),  # num_kv_heads: one shared latent "head"
-            rx.prim_value(d_qk),  # qk_head_dim: width of a cached row
-            rx.prim_value(kv_lora_rank),  # v_head_dim: width of the cross-attention output
+            rx.prim_value(d_c),  # qk_head_dim: width of a cached row
+            rx.prim_value(lora_c),  # v_head_dim: width of the cross-attention output
             rx.ShapeExpr([int(AttnKind.MLA)] * num_hidden_layers),
             rx.prim_value(False),  # enable_kv_transfer
             rx.prim_value(int(RopeMode.NONE)),  # the model applies RoPE itself
@@ -242,18 +352,20 @@ class MLAPagedKVCache(PagedKVCache):  # pylint: disable=too-few-public-methods
             rx.prim_value(0),  # rope_ext_factors: none
             rx.op.zeros((), dtype),  # gives the cache its dtype and device
             rx.prim_value(0),  # f_transpose_append_mha: none
-            tir(kv_cache_transpose_append_mla_cpu(d_qk, dtype), "kv_cache_append_mla_cpu"),
+            tir(kv_cache_transpose_append_mla_cpu(d_c, dtype), "kv_cache_append_mla_cpu"),
             tir_slot(ragged, "tir_attention_prefill_ragged_mla_cpu"),
             *[rx.Tuple([]) for _ in range(6)],  # MHA paged prefill/decode/sliding/tree slots
             tir_slot(
-                mla_paged_attention_cpu(heads, kv_lora_rank, qk_rope_head_dim, dtype),
+                mla_paged_attention_fp8_cpu(heads, kv_lora_rank, qk_rope_head_dim, dtype, kv_scale)
+                if fp8
+                else mla_paged_attention_cpu(heads, kv_lora_rank, qk_rope_head_dim, dtype),
                 "tir_attention_paged_mla_cpu",
             ),
             rx.Tuple(
                 [
                     # [0]: merges cross-attention depths (latent width),
                     # [1]: merge_attn_output_inplace (v_head_dim width).
-                    tir(merge_state_inplace_cpu(dtype, kv_lora_rank), "tir_merge_state_latent_cpu"),
+                    tir(merge_state_inplace_cpu(dtype, lora_c), "tir_merge_state_latent_cpu"),
                     tir(merge_state_inplace_cpu(dtype, v_head_dim), "tir_merge_state_v_cpu"),
                 ]
             ),
@@ -264,9 +376,9 @@ class MLAPagedKVCache(PagedKVCache):  # pylint: disable=too-few-public-methods
                 ),
                 "tir_split_rotary_unused",
             ),
-            tir(copy_single_page_mla_cpu(d_qk, dtype), "kv_cache_copy_single_page_mla_cpu"),
-            tir(_kv_cache_debug_get_kv_mla(num_hidden_layers, d_qk, dtype), "kv_cache_debug_mla"),
-            tir(compact_kv_copy_mla_cpu(d_qk, dtype), "kv_cache_compact_kv_copy_mla_cpu"),
+            tir(copy_single_page_mla_cpu(d_c, dtype), "kv_cache_copy_single_page_mla_cpu"),
+            tir(_kv_cache_debug_get_kv_mla(num_hidden_layers, d_c, dtype), "kv_cache_debug_mla"),
+            tir(compact_kv_copy_mla_cpu(d_c, dtype), "kv_cache_compact_kv_copy_mla_cpu"),
         ]
         super().__init__(
             _expr=rx.call_pure_packed(

@@ -1,0 +1,211 @@
+"""The FP8 (e4m3) latent KV cache's kernels (``schedules/kv_fp8.py``) against float64 NumPy.
+
+The e4m3 reference is ``ml_dtypes.float8_e4m3fn`` (round to nearest even; the values are clipped
+to +-448 first, which is what saturation means). Checked: the quantisation of every finite
+float16 value (CPU kernel, and the CUDA kernel under ``tests/cuda_emulation.py``), the CPU
+attention over FP8 pages (float16 and float32 slots), and the CUDA split-KV kernel's FP8 variant
+(V2-Lite's shapes, several splits, a causal chunk) under emulation, with a control built with the
+wrong scale that must fail.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from dsv2_mlc.schedules.kv_fp8 import E4M3_MAX, quantize_latent
+from dsv2_mlc.schedules.mla_attention_cuda import MLA_CUDA_PAGE_SIZE, mla_attention_cuda
+from dsv2_mlc.schedules.mla_cpu import mla_paged_attention_fp8_cpu
+
+sys.path.insert(0, str(Path(__file__).parent))
+from cuda_emulation import emulate, needs_toolchain  # noqa: E402
+
+U16 = 2.0**-11  # fp16 unit roundoff
+
+
+def e4m3_codes(x: np.ndarray, kv_scale: float) -> np.ndarray:
+    """The e4m3 bytes of ``x / kv_scale`` (float32 division, as the kernels), saturated."""
+    xs = x.astype(np.float32) / np.float32(kv_scale)
+    return np.clip(xs, -E4M3_MAX, E4M3_MAX).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+
+
+def e4m3_values(codes: np.ndarray, kv_scale: float) -> np.ndarray:
+    """float64 values of e4m3 bytes times ``kv_scale``."""
+    return codes.view(ml_dtypes.float8_e4m3fn).astype(np.float64) * kv_scale
+
+
+def all_float16() -> np.ndarray:
+    """Every finite float16 value, as rows of 64."""
+    x = np.arange(65536, dtype=np.uint16).view(np.float16)
+    return x[np.isfinite(x)].reshape(-1, 64)
+
+
+def _run_llvm(func, *arrays):
+    import tvm
+
+    lib = tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), "llvm")
+    tensors = [tvm.runtime.tensor(a) for a in arrays]
+    lib["main"](*tensors)
+    return [t.numpy() for t in tensors]
+
+
+@pytest.mark.parametrize("kv_scale", [1.0, 0.5, 3.0])
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_quantize_cpu_matches_ml_dtypes(dtype: str, kv_scale: float) -> None:
+    x = all_float16().astype(dtype)
+    k = np.dtype(dtype).itemsize
+    out = np.zeros((x.shape[0], 64 // k), dtype)
+    _, got = _run_llvm(quantize_latent(64, dtype, kv_scale, cuda=False), x, out)
+    want = e4m3_codes(x, kv_scale)
+    np.testing.assert_array_equal(got.view(np.uint8), want)
+    assert (want == 0x7E).any() and (want == 0xFE).any()  # saturated on both sides
+    assert (want & 0x7F == 0x7F).sum() == 0  # never NaN
+
+
+@needs_toolchain
+def test_quantize_cuda_matches_ml_dtypes(tmp_path: Path) -> None:
+    x = all_float16()[:256]  # every exponent, both signs, the subnormals, the saturating tail
+    x = np.ascontiguousarray(np.concatenate([x, all_float16()[-256:]]))
+    out = np.zeros((x.shape[0], 32), np.float16)
+    kernel = emulate(quantize_latent(64, "float16", 1.0, cuda=True), tmp_path)
+    grid = -(-out.size // 128)
+    # scalars: the rows n, and the host's slot count n * 32 (a common subexpression)
+    kernel(
+        grid, {"x": x, "out": out}, *[x.shape[0] if s == "n" else out.size for s in kernel.scalars]
+    )
+    np.testing.assert_array_equal(out.view(np.uint8), e4m3_codes(x, 1.0))
+
+
+# (cached tokens after the step, new tokens of the step = query rows)
+SEQS = [(5, 1), (40, 3), (700, 1)]
+
+
+def _case(heads, latent, rope, page, dtype, kv_scale, seqs, seed=0):
+    """Paged FP8 pages in ``dtype`` slots, the query, and the float64 reference (out, lse) of
+    the absorbed attention with causal chunks (base-2 lse)."""
+    rng = np.random.default_rng(seed)
+    d = latent + rope
+    k = np.dtype(dtype).itemsize
+    n_pages = [-(-kv // page) for kv, _ in seqs]
+    pool = sum(n_pages) + 3
+    perm = rng.permutation(pool).astype(np.int32)
+    page_indptr = np.int32([0, *np.cumsum(n_pages)])
+    page_values = np.ascontiguousarray(perm[: page_indptr[-1]])
+    last_len = np.int32([kv - (n - 1) * page for (kv, _), n in zip(seqs, n_pages, strict=True)])
+    q_indptr = np.int32([0, *np.cumsum([q for _, q in seqs])])
+    total = int(q_indptr[-1])
+    codes = np.full((pool, page, d), 0x7F, np.uint8)  # unused: NaN codes
+    latent_vals = []
+    for b, (kv, _) in enumerate(seqs):
+        rows = (rng.standard_normal((kv, d)) * 2.0).astype(np.float32)
+        rows[0, :3] = [1000.0, -1000.0, 1e-4]  # saturating and subnormal values
+        c = e4m3_codes(rows, kv_scale)
+        latent_vals.append(e4m3_values(c, kv_scale))
+        ids = page_values[page_indptr[b] : page_indptr[b + 1]]
+        padded = np.full((len(ids) * page, d), 0x7F, np.uint8)
+        padded[:kv] = c
+        codes[ids] = padded.reshape(-1, page, d)
+    pages = np.ascontiguousarray(codes.view(dtype))  # [pool, page, d / k] slots
+    q = (rng.standard_normal((total, heads, d)) * 0.3).astype(dtype)
+    sm = 1 / math.sqrt(192)
+    ref_out = np.zeros((total, heads, latent))
+    ref_lse = np.zeros((total, heads))
+    for b, (kv, q_len) in enumerate(seqs):
+        for r in range(q_len):
+            row = q_indptr[b] + r
+            keys = latent_vals[b][: kv - q_len + r + 1]
+            s = q[row].astype(np.float64) @ keys.T * sm * math.log2(math.e)
+            m = s.max(axis=1, keepdims=True)
+            w = np.exp2(s - m)
+            ref_lse[row] = m[:, 0] + np.log2(w.sum(axis=1))
+            ref_out[row] = (w / w.sum(axis=1, keepdims=True)) @ keys[:, :latent]
+    arrays = {
+        "q": q.reshape(total, heads * k, d // k),
+        "q_indptr": q_indptr,
+        "pages": pages,
+        "page_indptr": page_indptr,
+        "page_values": page_values,
+        "length_info": last_len,
+        "output": np.full((total, heads * k, latent // k), np.nan, dtype),
+        "lse": np.full((total, heads * k), np.nan, np.float32),
+    }
+    return arrays, ref_out, ref_lse, sm
+
+
+def _check(arrays, ref_out, ref_lse, heads, latent, out_tol, lse_tol) -> None:
+    total = ref_out.shape[0]
+    k = arrays["lse"].shape[1] // heads
+    out = arrays["output"].reshape(total, heads, latent).astype(np.float64)
+    lse = arrays["lse"].reshape(total, heads, k)
+    assert np.isfinite(out).all() and np.isfinite(lse).all()
+    rel = np.linalg.norm(out - ref_out, axis=(1, 2)) / np.linalg.norm(ref_out, axis=(1, 2))
+    assert rel.max() < out_tol, rel.max()
+    for i in range(k):  # every pseudo-head of a head carries its lse
+        assert np.abs(lse[:, :, i] - ref_lse).max() < lse_tol
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_cpu_attention_over_fp8_pages(dtype: str) -> None:
+    heads, latent, rope, page, kv_scale = 4, 32, 8, 7, 0.25
+    arrays, ref_out, ref_lse, sm = _case(heads, latent, rope, page, dtype, kv_scale, SEQS[:2])
+    func = mla_paged_attention_fp8_cpu(heads, latent, rope, dtype, kv_scale)
+    names = list(arrays)
+    args = [arrays[n] for n in names[:6]] + [arrays["output"], arrays["lse"]]
+    import tvm
+
+    lib = tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), "llvm")
+    tensors = [tvm.runtime.tensor(a) for a in args]
+    lib["main"](*tensors, 1, sm)
+    arrays["output"], arrays["lse"] = tensors[6].numpy(), tensors[7].numpy()
+    tol = 4 * U16 if dtype == "float16" else 1e-5
+    _check(arrays, ref_out, ref_lse, heads, latent, tol, 1e-4)
+
+
+def _split_kv_fp8(tmp_path: Path, kv_scale_built: float, kv_scale: float = 0.5):
+    from test_mla_attention_emulation import _launch
+
+    H, L, R = 16, 512, 64  # V2-Lite
+    func = mla_attention_cuda(H, L, R, "float16", kv_scale=kv_scale_built)
+
+    def patch(src: str) -> str:
+        return "#define CUDART_INF_F INFINITY  // (math_constants.h, in TVM's header)\n" + src
+
+    split = emulate(func, tmp_path, "split", kernel=0, patch=patch)
+    merge = emulate(func, tmp_path, "merge", kernel=1, patch=patch)
+    arrays, ref_out, ref_lse, sm = _case(H, L, R, MLA_CUDA_PAGE_SIZE, "float16", kv_scale, SEQS)
+    total = ref_out.shape[0]
+    n = _launch(func, total)
+    arrays["ws_o"] = np.full(n["ws_o"], np.nan, np.float32)
+    arrays["ws_lse"] = np.full(n["ws_lse"], np.nan, np.float32)
+    arrays["ws_n"] = np.full(n["ws_n"], -1, np.int32)
+    scalars = {"batch_size": len(SEQS), "causal": 1, "total_len": total, "sm_scale": sm}
+    # the host's common subexpressions: the splits per row and the split grid
+    host = [n["smax"], n["split"]]
+
+    def args(kernel):
+        cse = iter(host)
+        return [scalars[s] if s in scalars else next(cse) if s.startswith("cse") else 0
+                for s in kernel.scalars]  # fmt: skip
+
+    split((n["split"], 1), arrays, *args(split))
+    merge(n["merge"], arrays, *args(merge))
+    return arrays, ref_out, ref_lse, H, L
+
+
+@needs_toolchain
+def test_cuda_split_kv_over_fp8_pages(tmp_path: Path) -> None:
+    arrays, ref_out, ref_lse, H, L = _split_kv_fp8(tmp_path, 0.5)
+    _check(arrays, ref_out, ref_lse, H, L, 4 * U16, 1e-4)
+
+
+@needs_toolchain
+def test_cuda_split_kv_wrong_scale_fails(tmp_path: Path) -> None:
+    """Control: the kernel built for another scale than the pages were written with."""
+    arrays, ref_out, ref_lse, H, L = _split_kv_fp8(tmp_path, 1.0)
+    with pytest.raises(AssertionError):
+        _check(arrays, ref_out, ref_lse, H, L, 4 * U16, 1e-4)
