@@ -94,14 +94,18 @@ class DeviceMemory:
 
 
 DEVICE_MEMORY: dict[str, DeviceMemory] = {
-    # Estimates until scripts/gpu_memory_calibration.py is run on the GPU: a CUDA 12/13 context
-    # with lazy module loading takes ~0.5 GiB on Hopper; cuBLAS's workspace 32 MiB.
+    # Measured on the H200 (V2-Lite q4f16_g128, docs/benchmarks.md "Memory budget"): the CUDA
+    # context 527 MiB before anything loads, and ~380 MiB more once a model is loaded beyond its
+    # weights and KV pages (cuBLAS, the cache's auxiliary arrays, module images); a chunked
+    # prefill holds ~218 KB a chunk token at its peak (8,192-token chunks: 1.79 GB; one
+    # 4,160-token call: 0.88 GB), 1.81x workspace_per_token's estimate for V2-Lite. The decode
+    # graphs' buffers are inside those peaks; cuda_graphs is kept as a margin.
     "cuda": DeviceMemory(
-        runtime_overhead=640 * MiB,
-        workspace_fixed=64 * MiB,
-        workspace_scale=1.0,
+        runtime_overhead=908 * MiB,
+        workspace_fixed=0,
+        workspace_scale=1.81,
         cuda_graphs=64 * MiB,
-        source="estimate (not yet measured)",
+        source="measured on an H200 (V2-Lite INT4)",
     ),
     "cpu": DeviceMemory(
         runtime_overhead=0,

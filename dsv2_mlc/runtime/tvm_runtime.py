@@ -68,9 +68,14 @@ def _present(name: str) -> bool:
 
 
 def load_runtime(device: str = "cpu", lib_dir: str | Path | None = None) -> Path:
-    """Load ``libtvm_runtime.so`` (and the CUDA runtime for ``device == "cuda"``) once."""
-    found = find_lib_dir(lib_dir)
+    """Load ``libtvm_runtime.so`` (and the CUDA runtime for ``device == "cuda"``) once; when
+    they are in the process already (an earlier call, ``import tvm``), ``lib_dir`` is not
+    needed and the folder of the loaded runtime is returned."""
     names = ["libtvm_runtime.so"] + (["libtvm_runtime_cuda.so"] if device == "cuda" else [])
+    if lib_dir is None and all(n in _loaded or _present(n) for n in names):
+        first = _loaded.get(names[0])
+        return Path(first._name).parent if first is not None else Path(".")
+    found = find_lib_dir(lib_dir)
     for name in names:
         if name in _loaded:
             continue
