@@ -197,8 +197,9 @@ __device__ __forceinline__ void mla_extend_{tag}(
     const half* __restrict__ q, const int* __restrict__ q_indptr,
     const half* __restrict__ pages, const int* __restrict__ page_indptr,
     const int* __restrict__ page_values, const int* __restrict__ length_info,
-    half* __restrict__ out, float* __restrict__ lse, int batch_size, int causal, float scale,
+    half* __restrict__ out, float* __restrict__ lse, int batch_size, int causal, float sm_scale,
     half* smem, const half* smem_last, int bx, int by, int tx) {{
+  const float scale = sm_scale * {_LOG2E!r}f;  // scores in base 2
   // the block's sequence: the largest b with q_indptr[b] / 4 + b <= bx
   int lo = 0, hi = batch_size;
   while (hi - lo > 1) {{
@@ -404,7 +405,8 @@ def _extend_launch(
                         T.address_of(lse[0, 0]),
                         batch_size,
                         causal,
-                        sm_scale * _LOG2E,
+                        sm_scale,  # (times log2 e in the kernel: a host-side product would
+                        # be shared with the split-KV kernel's and change its parameters)
                         T.address_of(smem[0]),
                         # the last element too: keeps buffer compaction from shrinking smem
                         T.address_of(smem[smem_n - 1]),
