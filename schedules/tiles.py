@@ -56,6 +56,20 @@ class MLAAttentionTiles:
 
 
 @dataclass(frozen=True)
+class MLAExtendTiles:
+    """:func:`~.mla_extend_cuda.mla_extend_cuda`, the row-tiled kernel of extends
+    (schedules/results/mla_extend.md).
+
+    ``stages``: key-tile buffers of the ``cp.async`` ring (>= 2; 32 latent rows each).
+    ``min_rows``: the MLA slot runs the row-tiled kernel when ``total_len >= min_rows *
+    batch_size`` (query rows a sequence on average), the split-KV kernel otherwise; it has no
+    split over the prefix, so it wants about one wave of blocks (4 rows a block) per sequence."""
+
+    stages: int
+    min_rows: int
+
+
+@dataclass(frozen=True)
 class MLAPrologueTiles:
     """:func:`~.mla_prologue_cuda.mla_prologue_cuda` (schedules/results/mla_prologue.md).
 
@@ -252,6 +266,9 @@ TABLE: dict[str, dict[TileKey, Any]] = {
             merge_cols=64,
         ),
     },
+    # not measured yet (schedules/results/mla_extend.md): 3 stages fit 227 KB at V2-Lite's
+    # shapes; from 512 rows a sequence the row-tiled grid is one wave (132 SMs, 4 rows a block)
+    "mla_extend": {TileKey(): MLAExtendTiles(stages=3, min_rows=512)},
     "mla_prologue": {TileKey(): MLAPrologueTiles(cols=64, threads=128)},
     "prefill_attention": {TileKey(): PrefillAttentionTiles(block_m=64, block_n=32)},
     # -- MoE decode / grouped GEMMs, decode GEMVs, norm + GEMV --------------------------------

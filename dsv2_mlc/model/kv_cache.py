@@ -9,7 +9,9 @@ Only the latent is cached: per token and layer one row ``[compressed_kv (kv_lora
 * CUDA target: TVM's own ``TIRPagedKVCache(attn_kind="mla")`` with three of its kernels replaced
   by ours where they support the shapes (TVM's stay where they do not): the MLA attention slot
   (absorbed decode and the cross-attention of extend) by the split-KV kernel of
-  :mod:`dsv2_mlc.schedules.mla_attention_cuda` (schedules/results/mla_attention.md); the
+  :mod:`dsv2_mlc.schedules.mla_attention_cuda` (schedules/results/mla_attention.md), which
+  gives extends of many rows a sequence to the row-tiled kernel of
+  :mod:`dsv2_mlc.schedules.mla_extend_cuda` (schedules/results/mla_extend.md); the
   ragged-prefill slot (the causal ``self_attention``) by the tensor-core flash-attention kernel
   of :mod:`dsv2_mlc.schedules.prefill_attention_cuda` (float16, head dims multiples of 16;
   schedules/results/prefill_attention.md); the latent append (``f_transpose_append_mla``) by
@@ -86,6 +88,7 @@ from dsv2_mlc.schedules.mla_cpu import (
     mla_paged_attention_cpu,
     mla_paged_attention_fp8_cpu,
 )
+from dsv2_mlc.schedules.mla_extend_cuda import with_extend_path
 from dsv2_mlc.schedules.prefill_attention_cuda import (
     prefill_attention_cuda,
     prefill_attention_cuda_supports,
@@ -272,6 +275,8 @@ class MLAPagedKVCache(PagedKVCache):  # pylint: disable=too-few-public-methods
             mla_kv = {"kv_scale": kv_scale} if fp8 else {}
             if mla_attention_cuda_supports(heads, kv_lora_rank, qk_rope_head_dim, dtype, **mla_kv):
                 func = mla_attention_cuda(heads, kv_lora_rank, qk_rope_head_dim, dtype, **mla_kv)
+                if target.kind.name == "cuda" and not fp8:  # long extends: the row-tiled kernel
+                    func = with_extend_path(func, heads, kv_lora_rank, qk_rope_head_dim, dtype)
                 gv = bb.add_func(func, "tir_attention_mla_split_kv")
                 slots[_TVM_MLA_SLOT_FUNC] = rx.Tuple([tvm.ir.StringImm("tirx"), gv])
             elif fp8:

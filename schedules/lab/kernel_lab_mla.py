@@ -6,7 +6,9 @@ lab folder: ``mla_tvm.so`` (TVM's ``batch_prefill_paged_kv_mla``, what
 ``TIRPagedKVCache(attn_kind="mla")`` uses for decode and extend) and one ``mla_<variant>.so`` per
 entry of :data:`VARIANTS` (:func:`dsv2_mlc.schedules.mla_attention_cuda.build_mla_attention`
 with the shipped tiles of ``schedules/tiles.py`` changed by those fields; ``ours`` = the shipped
-tiles, what the model uses), all for V2-Lite's shapes (16 heads, latent 512, rope 64, fp16, page
+tiles, what the model uses), ``mla_extend.so`` (the row-tiled extend kernel of
+:mod:`dsv2_mlc.schedules.mla_extend_cuda` alone) and ``mla_slot.so`` (``ours`` with the extend
+branch: what the cache builds), all for V2-Lite's shapes (16 heads, latent 512, rope 64, fp16, page
 size 16), plus ``manifest.json`` (which lists them).
 
 ``python3 schedules/lab/kernel_lab_mla.py run --lib-dir LIBS`` (GPU machine, ``LIBS`` holding
@@ -73,6 +75,11 @@ def prepare(args: argparse.Namespace) -> int:
     for name, kwargs in VARIANTS.items():
         tiles = replace(tuned("mla_attention"), **kwargs)
         funcs[name] = build_mla_attention(HEADS, LATENT, ROPE, "float16", tiles)
+    from dsv2_mlc.schedules.mla_extend_cuda import mla_extend_cuda, with_extend_path
+
+    # the row-tiled extend kernel alone, and the slot function as the cache builds it
+    funcs["extend"] = mla_extend_cuda(HEADS, LATENT, ROPE, "float16")
+    funcs["slot"] = with_extend_path(funcs["ours"], HEADS, LATENT, ROPE, "float16")
     built = lab_common.build_libraries(
         funcs, LAB_DIR, "mla", args.arch, target, VARIANTS, "TVM _attention_prefill_mla"
     )
@@ -219,6 +226,10 @@ def run(args: argparse.Namespace) -> int:
     cases.append(("ext b2 q37 1000 c1", [1000, 1000], [37, 37], 1))
     cases.append(("ext b1 q512 4096 c0", [4096], [512], 0))
     cases.append(("mixed q[1,3,2] [77,0,300]", [77, 0, 300], [1, 3, 2], 0))
+    # long extends (the chunks of a long prompt; schedules/results/mla_extend.md)
+    cases.append(("ext b1 q2048 16384 c0", [16384], [2048], 0))
+    cases.append(("ext b1 q4096 16384 c0", [16384], [4096], 0))
+    cases.append(("ext b2 q1024 8192 c0", [8192, 3000], [1024, 1024], 0))
     keys = list(kernels)
     width = max(8, *(len(k) + 1 for k in keys))
     print("us per call ('!' = wrong result)")
