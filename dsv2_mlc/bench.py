@@ -195,10 +195,15 @@ def weight_stats(named: list[tuple[str, Any]], cfg: Any) -> dict[str, float]:
     }
 
 
-def kv_bytes_per_token(cfg: Any, dtype: str) -> int:
-    """Latent KV cache bytes per token of context (all layers) in the cache's ``dtype``."""
-    itemsize = 1 if dtype.startswith("float8") else np.dtype(dtype).itemsize
-    return cfg.num_hidden_layers * cfg.latent_dim * itemsize
+def kv_bytes_per_token(cfg: Any, dtype: str, act_dtype: str = "float16") -> int:
+    """Latent KV cache bytes per token of context (all layers) in the cache's ``dtype``; an
+    FP8 cache keeps the rope part in the build's ``act_dtype``."""
+    if dtype.startswith("float8"):
+        rope = cfg.latent_dim - cfg.kv_lora_rank
+        row = cfg.kv_lora_rank + rope * np.dtype(act_dtype).itemsize
+    else:
+        row = cfg.latent_dim * np.dtype(dtype).itemsize
+    return cfg.num_hidden_layers * row
 
 
 def expected_experts(n_experts: int, k: int, tokens: int) -> float:
@@ -208,15 +213,18 @@ def expected_experts(n_experts: int, k: int, tokens: int) -> float:
     return n_experts * (1.0 - (1.0 - k / n_experts) ** tokens)
 
 
-def decode_bytes(ws: dict[str, float], cfg: Any, dtype: str, contexts: list[float]) -> dict:
-    """Bytes one decode step over sequences at ``contexts`` must read from device memory."""
+def decode_bytes(
+    ws: dict[str, float], cfg: Any, dtype: str, contexts: list[float], act_dtype: str = "float16"
+) -> dict:
+    """Bytes one decode step over sequences at ``contexts`` must read from device memory (the
+    cache in ``dtype``, :func:`kv_bytes_per_token`)."""
     batch = len(contexts)
     experts = ws["moe_layers"] * expected_experts(
         cfg.n_routed_experts, cfg.num_experts_per_tok, batch
     )
     weights = ws["dense_bytes"] + experts * ws["expert_bytes_each"]
     weights += batch * ws["embedding_row_bytes"]
-    kv = sum(contexts) * kv_bytes_per_token(cfg, dtype)
+    kv = sum(contexts) * kv_bytes_per_token(cfg, dtype, act_dtype)
     return {"weight_bytes": weights, "kv_bytes": kv, "total_bytes": weights + kv}
 
 
@@ -491,7 +499,9 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None] = print) -> dict[st
     prefill_s = [r["prefill_s"] for r in runs]
     ttft_s = [r["ttft_s"] for r in runs]
     mean_ctx = opts.prompt_len + (n_steps + 1) / 2  # step i attends to prompt + i + 1 tokens
-    per_step = decode_bytes(ws, cfg, engine.build.cache_dtype, [mean_ctx] * opts.batch)
+    per_step = decode_bytes(
+        ws, cfg, engine.build.cache_dtype, [mean_ctx] * opts.batch, engine.build.dtype
+    )
     flops = prefill_flops(ws, cfg, opts.prompt_len, opts.batch)
     report: dict[str, Any] = {
         "options": asdict(opts),
@@ -525,7 +535,7 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None] = print) -> dict[st
                 )
             },
             **ws,
-            "kv_bytes_per_token": kv_bytes_per_token(cfg, engine.build.cache_dtype),
+            "kv_bytes_per_token": engine.build.kv_bytes_per_token(),
             "load_s": load_s,
             # where the weights live (Engine(experts=...)): bytes in device and in host memory
             "placement": {"experts": engine.experts, "weight_bytes": engine.weight_bytes()},

@@ -451,7 +451,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--kv-dtype",
         default=None,
         help="the latent KV cache's element type: the activation dtype (default) or fp8 "
-        "(e4m3, one byte a value: half the cache of float16)",
+        "(e4m3 latent values, the rope part in the activation dtype: 56 %% of a float16 "
+        "cache)",
     )
     p.add_argument(
         "--kv-scale",

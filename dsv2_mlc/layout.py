@@ -67,7 +67,8 @@ class BuildConfig:
     # wrote them ({relative path: {"size": n, "sha256": hex}}); empty in builds made before it
     files: dict[str, dict[str, Any]] = field(default_factory=dict)
     # the latent KV cache's element type: "" for the build's ``dtype``, or "float8_e4m3fn"
-    # (``--kv-dtype fp8``: one byte a value, read back times ``kv_scale``)
+    # (``--kv-dtype fp8``: one byte a latent value, read back times ``kv_scale``; the rope part
+    # stays in ``dtype``)
     kv_dtype: str = ""
     kv_scale: float = 1.0
 
@@ -78,11 +79,15 @@ class BuildConfig:
 
     def kv_bytes_per_token(self) -> int:
         """Bytes one token takes in the KV cache: every layer caches one latent row of
-        ``kv_lora_rank + qk_rope_head_dim`` values of :attr:`cache_dtype`."""
+        ``kv_lora_rank + qk_rope_head_dim`` values of :attr:`cache_dtype`; an FP8 cache keeps
+        the rope part in the build's ``dtype`` (``kv_lora_rank`` bytes + the rope values)."""
         m = self.model
-        width = int(m["kv_lora_rank"]) + int(m["qk_rope_head_dim"])
-        itemsize = 1 if self.cache_dtype.startswith("float8") else _ITEMSIZE[self.cache_dtype]
-        return int(m["num_hidden_layers"]) * width * itemsize
+        lora, rope = int(m["kv_lora_rank"]), int(m["qk_rope_head_dim"])
+        if self.cache_dtype.startswith("float8"):
+            row = lora + rope * _ITEMSIZE[self.dtype]
+        else:
+            row = (lora + rope) * _ITEMSIZE[self.cache_dtype]
+        return int(m["num_hidden_layers"]) * row
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-serialisable form."""

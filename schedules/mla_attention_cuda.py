@@ -45,11 +45,13 @@ Design (one PrimFunc, two kernels):
      reads of 8 rows hit 8 different bank groups and the rows stay 16-byte aligned.
 
    * **FP8 cache** (``kv_scale`` given; :mod:`~.kv_fp8`'s storage: ``q``/``out``/``lse`` as
-     ``kH`` pseudo-heads, pages of ``(L + R) / k`` slots holding ``k`` e4m3 bytes each): the
-     SIMT block, whose page load reads 16-byte slot vectors and writes their bytes decoded
-     (shifts and masks, ``value / 256`` as float16) into the same shared rows; ``256 *
-     kv_scale`` multiplies the score scale and the output (or the partial outputs). The float16
-     kernel's TIR is unchanged (the FP8 code is chosen in Python while the script is built).
+     ``kH`` pseudo-heads, pages of ``L / k + R`` slots, the first ``L / k`` holding ``k`` e4m3
+     latent bytes each, then the rope values): the SIMT block, whose page load reads 16-byte
+     slot vectors and writes the latent bytes decoded (shifts and masks, ``value / 256`` as
+     float16) and the rope values as they are into the same shared rows; the score sums of the
+     latent part and the rope part are kept apart and ``256 * kv_scale`` multiplies the
+     former, and the output (or the partial outputs). The float16 kernel's TIR is unchanged
+     (the FP8 code is chosen in Python while the script is built).
 
 2. **Merge kernel**, grid ``total * H * (L / merge_cols)``, 256 threads: combines the ``nsplit``
    partial states ``(o_s, lse_s)`` of a row/head from a float32 workspace
@@ -207,11 +209,16 @@ def build_mla_attention(
     QH, QD, ODL = fp8_cache_dims(H, DL, rope_dim, dtype) if KV8 else (H, D, DL)
     PD = QD
     kscale = read_scale(kv_scale) if KV8 else 1.0
-    if KV8 and PD % _VEC:
-        raise ValueError(f"an FP8 cache row of {PD} {dtype} slots is not whole 16-byte pieces")
+    if KV8 and (ODL % _VEC or rope_dim % _VEC):
+        raise ValueError(
+            f"an FP8 cache row of {ODL} latent and {rope_dim} rope {dtype} slots is not whole "
+            "16-byte pieces of each"
+        )
     DV8 = PD // _VEC  # 16-byte slot vectors of an FP8 row
+    DLV8 = ODL // _VEC  # ... of its latent part (the rest: rope values)
     LOAD_ITERS8 = (P * DV8 + NT - 1) // NT
-    SCORE_C = _LOG2E * kscale if KV8 else _LOG2E  # score scale besides sm_scale
+    SCORE_C = _LOG2E  # score scale besides sm_scale (FP8: kscale on the latent part's sums)
+    SC_N = 8 if KV8 else 4  # score accumulators a thread (FP8: latent and rope parts apart)
     SLOT_T = getattr(T, dtype)  # the type of a cache slot
     # the pipelined tensor-core block: 16 heads of fp16, whole k-steps and 64-column n-tiles
     pipe = not KV8 and dtype == "float16" and HG == 16 and D % 16 == 0 and DL % 64 == 0
@@ -350,7 +357,7 @@ def build_mla_attention(
                         m_s = T.sblock_alloc_buffer((HG,), "float32", scope="shared")
                         d_s = T.sblock_alloc_buffer((HG,), "float32", scope="shared")
                         r_s = T.sblock_alloc_buffer((HG,), "float32", scope="shared")
-                        sc = T.sblock_alloc_buffer((4,), "float32", scope="local")
+                        sc = T.sblock_alloc_buffer((SC_N,), "float32", scope="local")
                         acc = T.sblock_alloc_buffer((HPT * CPT,), "float32", scope="local")
                         lo = T.sblock_alloc_buffer((1,), "int32", scope="local")
                         hi = T.sblock_alloc_buffer((1,), "int32", scope="local")
@@ -457,27 +464,40 @@ def build_mla_attention(
                                 page_id: T.let[T.int32] = page_values[page_begin + pg_lo + pg]
                                 tok0: T.let[T.int32] = (pg_lo + pg) * P
                                 # The page -> shared; rows past the visible length are zeroed.
-                                if KV8:  # 16-byte slot vectors, decoded (value / 256) to dtype
+                                if KV8:  # 16-byte slot vectors: latent bytes decoded
+                                    # (value / 256) to dtype, rope values copied
                                     for it in T.serial(LOAD_ITERS8):
                                         if it * NT + tx < P * DV8:
                                             k8t: T.let[T.int32] = (it * NT + tx) // DV8
                                             k8v: T.let[T.int32] = (it * NT + tx) % DV8
-                                            if tok0 + k8t < n_vis:
-                                                for k in T.unroll(_VEC):
-                                                    slot: T.let[SLOT_T] = pages[
-                                                        page_id, k8t, k8v * _VEC + k
-                                                    ]
-                                                    for i in T.unroll(K):
-                                                        kv_s[
-                                                            k8t * SROW + (k8v * _VEC + k) * K + i
-                                                        ] = T.cast(
-                                                            e4m3_byte_f16(slot, i, dtype), dtype
+                                            if k8v < DLV8:
+                                                if tok0 + k8t < n_vis:
+                                                    for k in T.unroll(_VEC):
+                                                        slot: T.let[SLOT_T] = pages[
+                                                            page_id, k8t, k8v * _VEC + k
+                                                        ]
+                                                        dst: T.let[T.int32] = (
+                                                            k8t * SROW + (k8v * _VEC + k) * K
                                                         )
+                                                        for i in T.unroll(K):
+                                                            kv_s[dst + i] = T.cast(
+                                                                e4m3_byte_f16(slot, i, dtype), dtype
+                                                            )
+                                                else:
+                                                    for k in T.serial(_VEC * K):
+                                                        kv_s[k8t * SROW + k8v * _VEC * K + k] = (
+                                                            T.cast(0, dtype)
+                                                        )
+                                            elif tok0 + k8t < n_vis:
+                                                for k in T.vectorized(_VEC):
+                                                    kv_s[
+                                                        k8t * SROW + DL + (k8v - DLV8) * _VEC + k
+                                                    ] = pages[page_id, k8t, k8v * _VEC + k]
                                             else:
-                                                for k in T.serial(_VEC * K):
-                                                    kv_s[k8t * SROW + k8v * _VEC * K + k] = T.cast(
-                                                        0, dtype
-                                                    )
+                                                for k in T.serial(_VEC):
+                                                    kv_s[
+                                                        k8t * SROW + DL + (k8v - DLV8) * _VEC + k
+                                                    ] = T.cast(0, dtype)
                                 for it in T.serial(LOAD_N):
                                     if it * NT + tx < P * DV:
                                         kt: T.let[T.int32] = (it * NT + tx) // DV
@@ -496,7 +516,7 @@ def build_mla_attention(
                                 ds: T.let[T.int32] = tx // TT
                                 hp: T.let[T.int32] = (tx % TT) // 8
                                 tp: T.let[T.int32] = tx % 8
-                                for i in T.unroll(4):
+                                for i in T.unroll(SC_N):
                                     sc[i] = T.float32(0)
                                 for kd in T.serial(DCH):
                                     dd: T.let[T.int32] = ds * DCH + kd
@@ -513,14 +533,26 @@ def build_mla_attention(
                                         kb: T.let[T.float32] = T.cast(
                                             kv_s[(tp + 8) * SROW + dd], "float32"
                                         )
-                                        sc[0] = sc[0] + qa * ka
-                                        sc[1] = sc[1] + qa * kb
-                                        sc[2] = sc[2] + qb * ka
-                                        sc[3] = sc[3] + qb * kb
-                                s_part[ds, hp, tp] = sc[0]
-                                s_part[ds, hp, tp + 8] = sc[1]
-                                s_part[ds, hp + HGH, tp] = sc[2]
-                                s_part[ds, hp + HGH, tp + 8] = sc[3]
+                                        if KV8 and dd >= DL:  # the rope part's, unscaled
+                                            sc[4] = sc[4] + qa * ka
+                                            sc[5] = sc[5] + qa * kb
+                                            sc[6] = sc[6] + qb * ka
+                                            sc[7] = sc[7] + qb * kb
+                                        else:
+                                            sc[0] = sc[0] + qa * ka
+                                            sc[1] = sc[1] + qa * kb
+                                            sc[2] = sc[2] + qb * ka
+                                            sc[3] = sc[3] + qb * kb
+                                if KV8:
+                                    s_part[ds, hp, tp] = sc[0] * T.float32(kscale) + sc[4]
+                                    s_part[ds, hp, tp + 8] = sc[1] * T.float32(kscale) + sc[5]
+                                    s_part[ds, hp + HGH, tp] = sc[2] * T.float32(kscale) + sc[6]
+                                    s_part[ds, hp + HGH, tp + 8] = sc[3] * T.float32(kscale) + sc[7]
+                                else:
+                                    s_part[ds, hp, tp] = sc[0]
+                                    s_part[ds, hp, tp + 8] = sc[1]
+                                    s_part[ds, hp + HGH, tp] = sc[2]
+                                    s_part[ds, hp + HGH, tp + 8] = sc[3]
                                 T.tvm_storage_sync("shared")
 
                                 if tx < HG * P:

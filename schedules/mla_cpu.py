@@ -203,15 +203,17 @@ def mla_paged_attention_cpu(
 def mla_paged_attention_fp8_cpu(
     num_heads: int, latent_dim: int, rope_dim: int, dtype: str, kv_scale: float
 ) -> tirx.PrimFunc:
-    """:func:`mla_paged_attention_cpu` over an FP8 (e4m3) cache in the storage of
-    :mod:`dsv2_mlc.schedules.kv_fp8` (``k`` bytes a ``dtype`` slot): the same ABI with
-    ``q[total, kH, (L+R)/k]``, ``pages[num_pages, page_size, (L+R)/k]``, ``out[total, kH, L/k]``
-    and ``lse[total, kH]`` (the reshapes of ``[total, H, L+R]``, ``[total, H, L]``; each head's
-    ``lse`` goes to all its pseudo-heads). The cached values are
-    decoded with shifts (``value / 256``) and ``256 * kv_scale`` is folded into the score scale
-    and the output. Scores and softmax in float32, as :func:`mla_paged_attention_cpu`."""
+    """:func:`mla_paged_attention_cpu` over an FP8 cache in the storage of
+    :mod:`dsv2_mlc.schedules.kv_fp8` (the latent ``k`` e4m3 bytes a ``dtype`` slot, then the rope
+    values): the same ABI with ``q[total, kH, L/k + R]`` (head ``h``'s ``L + R`` values at the
+    start of pseudo-heads ``hk ..``), ``pages[num_pages, page_size, L/k + R]``, ``out[total, kH,
+    L/k]`` and ``lse[total, kH]`` (``out`` the reshape of ``[total, H, L]``; each head's ``lse``
+    goes to all its pseudo-heads). The latent values are decoded with shifts (``value / 256``)
+    and ``256 * kv_scale`` is folded into the latent part of the score and into the output.
+    Scores and softmax in float32, as :func:`mla_paged_attention_cpu`."""
     H = num_heads
     DL = latent_dim
+    R = rope_dim
     D = latent_dim + rope_dim
     H2, DP, DLP = fp8_cache_dims(num_heads, latent_dim, rope_dim, dtype)
     K = slot_values(dtype)
@@ -293,12 +295,13 @@ def mla_paged_attention_fp8_cpu(
                 kv_len: T.let[T.int32] = kv_length(num_pages, length_info[b], page_size)
                 n_vis: T.let[T.int32] = visible_length(kv_len, q_len, row - q_indptr[b], causal)
 
-                # q (pseudo-heads 2h, 2h + 1 of DP values), scaled for base 2 and the decode
+                # q (the start of pseudo-heads hK .. of DP values), scaled for base 2 and
+                # (the latent part) the decode
                 for d in T.serial(D):
                     q_f[d] = (
                         T.cast(q[row, h * K + d // DP, d % DP], "float32")
                         * sm_scale
-                        * T.float32(log2e * kscale)
+                        * T.if_then_else(d < DL, T.float32(log2e * kscale), T.float32(log2e))
                     )
                 for d in T.serial(DL):
                     acc[d] = T.float32(0)
@@ -314,11 +317,15 @@ def mla_paged_attention_fp8_cpu(
                             ]
                             off: T.let[T.int32] = (t * TILE + jj) % page_size
                             score[jj] = T.float32(0)
-                            for j in T.serial(DP):
+                            for j in T.serial(DLP):
                                 for i in T.unroll(K):
                                     score[jj] = score[jj] + q_f[j * K + i] * T.cast(
                                         e4m3_byte_f16(pages[pg, off, j], i, dtype), "float32"
                                     )
+                            for r in T.serial(R):
+                                score[jj] = score[jj] + q_f[DL + r] * T.cast(
+                                    pages[pg, off, DLP + r], "float32"
+                                )
                             m_tile[0] = T.max(m_tile[0], score[jj])
                     rescale[0] = T.exp2(m_run[0] - m_tile[0])
                     d_run[0] = d_run[0] * rescale[0]

@@ -1,11 +1,12 @@
 """The FP8 (e4m3) latent KV cache's kernels (``schedules/kv_fp8.py``) against float64 NumPy.
 
 The e4m3 reference is ``ml_dtypes.float8_e4m3fn`` (round to nearest even; the values are clipped
-to +-448 first, which is what saturation means). Checked: the quantisation of every finite
-float16 value (CPU kernel, and the CUDA kernel under ``tests/cuda_emulation.py``), the CPU
-attention over FP8 pages (float16 and float32 slots), and the CUDA split-KV kernel's FP8 variant
-(V2-Lite's shapes, several splits, a causal chunk) under emulation, with a control built with the
-wrong scale that must fail.
+to +-448 first, which is what saturation means). Checked: the cache rows built from every finite
+float16 latent value (e4m3 bytes; the rope part copied bit-exactly; CPU kernel, and the CUDA
+kernel under ``tests/cuda_emulation.py``), the CPU attention over FP8 pages (float16 and float32
+slots), and the CUDA split-KV kernel's FP8 variant (V2-Lite's shapes, several splits, a causal
+chunk) under emulation, with controls that must fail: a kernel built with the wrong scale, and
+pages whose rope part was rounded to e4m3 as well.
 """
 
 from __future__ import annotations
@@ -54,15 +55,30 @@ def _run_llvm(func, *arrays):
     return [t.numpy() for t in tensors]
 
 
+def _rows(latent: np.ndarray, dtype: str, seed: int = 0) -> np.ndarray:
+    """Rows ``[latent | 16 rope values]`` in ``dtype`` (the rope part random)."""
+    rope = np.random.default_rng(seed).standard_normal((latent.shape[0], 16)) * 8
+    return np.ascontiguousarray(np.concatenate([latent, rope], axis=1).astype(dtype))
+
+
+def _check_rows(got: np.ndarray, x: np.ndarray, kv_scale: float) -> None:
+    """FP8 cache rows ``got`` of ``x``: the latent's e4m3 bytes, then the rope values bit-exact."""
+    k = x.dtype.itemsize
+    assert got.shape == (x.shape[0], 64 // k + 16)
+    want = e4m3_codes(x[:, :64], kv_scale)
+    np.testing.assert_array_equal(np.ascontiguousarray(got[:, : 64 // k]).view(np.uint8), want)
+    np.testing.assert_array_equal(got[:, 64 // k :].view(np.uint8), x[:, 64:].view(np.uint8))
+
+
 @pytest.mark.parametrize("kv_scale", [1.0, 0.5, 3.0])
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
 def test_quantize_cpu_matches_ml_dtypes(dtype: str, kv_scale: float) -> None:
-    x = all_float16().astype(dtype)
+    x = _rows(all_float16(), dtype)
     k = np.dtype(dtype).itemsize
-    out = np.zeros((x.shape[0], 64 // k), dtype)
-    _, got = _run_llvm(quantize_latent(64, dtype, kv_scale, cuda=False), x, out)
-    want = e4m3_codes(x, kv_scale)
-    np.testing.assert_array_equal(got.view(np.uint8), want)
+    out = np.zeros((x.shape[0], 64 // k + 16), dtype)
+    _, got = _run_llvm(quantize_latent(64, 16, dtype, kv_scale, cuda=False), x, out)
+    _check_rows(got, x, kv_scale)
+    want = e4m3_codes(x[:, :64], kv_scale)
     assert (want == 0x7E).any() and (want == 0xFE).any()  # saturated on both sides
     assert (want & 0x7F == 0x7F).sum() == 0  # never NaN
 
@@ -70,15 +86,15 @@ def test_quantize_cpu_matches_ml_dtypes(dtype: str, kv_scale: float) -> None:
 @needs_toolchain
 def test_quantize_cuda_matches_ml_dtypes(tmp_path: Path) -> None:
     x = all_float16()[:256]  # every exponent, both signs, the subnormals, the saturating tail
-    x = np.ascontiguousarray(np.concatenate([x, all_float16()[-256:]]))
-    out = np.zeros((x.shape[0], 32), np.float16)
-    kernel = emulate(quantize_latent(64, "float16", 1.0, cuda=True), tmp_path)
+    x = _rows(np.concatenate([x, all_float16()[-256:]]), "float16")
+    out = np.zeros((x.shape[0], 32 + 16), np.float16)
+    kernel = emulate(quantize_latent(64, 16, "float16", 1.0, cuda=True), tmp_path)
     grid = -(-out.size // 128)
-    # scalars: the rows n, and the host's slot count n * 32 (a common subexpression)
+    # scalars: the rows n, and the host's slot count n * 48 (a common subexpression)
     kernel(
         grid, {"x": x, "out": out}, *[x.shape[0] if s == "n" else out.size for s in kernel.scalars]
     )
-    np.testing.assert_array_equal(out.view(np.uint8), e4m3_codes(x, 1.0))
+    _check_rows(out, x, 1.0)
 
 
 # (cached tokens after the step, new tokens of the step = query rows)
@@ -86,11 +102,14 @@ SEQS = [(5, 1), (40, 3), (700, 1)]
 
 
 def _case(heads, latent, rope, page, dtype, kv_scale, seqs, seed=0):
-    """Paged FP8 pages in ``dtype`` slots, the query, and the float64 reference (out, lse) of
-    the absorbed attention with causal chunks (base-2 lse)."""
+    """Paged FP8 pages in ``dtype`` slots (kv_fp8's storage: the latent's e4m3 bytes, then the
+    rope values in ``dtype``), the padded query (its padding NaN, which no kernel may read), and
+    the float64 reference (out, lse) of the absorbed attention with causal chunks (base-2
+    lse)."""
     rng = np.random.default_rng(seed)
     d = latent + rope
     k = np.dtype(dtype).itemsize
+    row = latent // k + rope  # slots a cache row
     n_pages = [-(-kv // page) for kv, _ in seqs]
     pool = sum(n_pages) + 3
     perm = rng.permutation(pool).astype(np.int32)
@@ -99,33 +118,39 @@ def _case(heads, latent, rope, page, dtype, kv_scale, seqs, seed=0):
     last_len = np.int32([kv - (n - 1) * page for (kv, _), n in zip(seqs, n_pages, strict=True)])
     q_indptr = np.int32([0, *np.cumsum([q for _, q in seqs])])
     total = int(q_indptr[-1])
-    codes = np.full((pool, page, d), 0x7F, np.uint8)  # unused: NaN codes
-    latent_vals = []
+    pages = np.full((pool, page, row), np.nan, dtype)  # unused slots: NaN
+    keys_all = []
     for b, (kv, _) in enumerate(seqs):
         rows = (rng.standard_normal((kv, d)) * 2.0).astype(np.float32)
         rows[0, :3] = [1000.0, -1000.0, 1e-4]  # saturating and subnormal values
-        c = e4m3_codes(rows, kv_scale)
-        latent_vals.append(e4m3_values(c, kv_scale))
+        rows[:, latent:] *= 4  # the rope part wider than the latent (as in the models)
+        c = e4m3_codes(rows[:, :latent], kv_scale)
+        rope_vals = rows[:, latent:].astype(dtype)
+        keys_all.append(
+            np.concatenate([e4m3_values(c, kv_scale), rope_vals.astype(np.float64)], axis=1)
+        )
         ids = page_values[page_indptr[b] : page_indptr[b + 1]]
-        padded = np.full((len(ids) * page, d), 0x7F, np.uint8)
-        padded[:kv] = c
-        codes[ids] = padded.reshape(-1, page, d)
-    pages = np.ascontiguousarray(codes.view(dtype))  # [pool, page, d / k] slots
+        padded = np.full((len(ids) * page, row), np.nan, dtype)
+        padded[:kv, : latent // k] = c.view(dtype)
+        padded[:kv, latent // k :] = rope_vals
+        pages[ids] = padded.reshape(-1, page, row)
     q = (rng.standard_normal((total, heads, d)) * 0.3).astype(dtype)
     sm = 1 / math.sqrt(192)
     ref_out = np.zeros((total, heads, latent))
     ref_lse = np.zeros((total, heads))
     for b, (kv, q_len) in enumerate(seqs):
         for r in range(q_len):
-            row = q_indptr[b] + r
-            keys = latent_vals[b][: kv - q_len + r + 1]
-            s = q[row].astype(np.float64) @ keys.T * sm * math.log2(math.e)
+            i = q_indptr[b] + r
+            keys = keys_all[b][: kv - q_len + r + 1]
+            s = q[i].astype(np.float64) @ keys.T * sm * math.log2(math.e)
             m = s.max(axis=1, keepdims=True)
             w = np.exp2(s - m)
-            ref_lse[row] = m[:, 0] + np.log2(w.sum(axis=1))
-            ref_out[row] = (w / w.sum(axis=1, keepdims=True)) @ keys[:, :latent]
+            ref_lse[i] = m[:, 0] + np.log2(w.sum(axis=1))
+            ref_out[i] = (w / w.sum(axis=1, keepdims=True)) @ keys[:, :latent]
+    q_pad = np.full((total, heads, k * row), np.nan, dtype)
+    q_pad[:, :, :d] = q
     arrays = {
-        "q": q.reshape(total, heads * k, d // k),
+        "q": q_pad.reshape(total, heads * k, row),
         "q_indptr": q_indptr,
         "pages": pages,
         "page_indptr": page_indptr,

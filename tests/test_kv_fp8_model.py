@@ -1,9 +1,10 @@
 """A tiny model compiled with ``--kv-dtype fp8`` (CPU, float32) against HF transformers whose
 latent cache goes through the same e4m3 rounding, and the FP8 build's options and sizes.
 
-The reference is HF's ``DeepseekV2ForCausalLM`` (which caches the latents ``[RMSNorm(c_kv) |
-rope(k_pe)]`` through ``Cache.update``) with a cache that stores each latent value as
-``e4m3(x / kv_scale) * kv_scale`` (``ml_dtypes``), as the FP8 cache does, and attends like ours:
+The reference is HF's ``DeepseekV2ForCausalLM`` (which caches ``RMSNorm(c_kv)`` and
+``rope(k_pe)`` through ``Cache.update(latent, k_pe)``) with a cache that stores each latent value
+as ``e4m3(x / kv_scale) * kv_scale`` (``ml_dtypes``) and the rope part unrounded (the build's
+float32), as the FP8 cache does, and attends like ours:
 a prefill's queries see the new tokens unrounded (our self-attention runs on the fresh
 latents), every decode step sees the rounded cache, its own token included (the append runs
 before the attention). So the two sides differ by float32 rounding only, except where that
@@ -37,14 +38,16 @@ def fake_e4m3(x: torch.Tensor, kv_scale: float) -> torch.Tensor:
     return torch.from_numpy(q)
 
 
-def fp8_cache(kv_scale: float):
-    """An HF ``DynamicCache`` that stores the latents e4m3-rounded and returns the new tokens of
-    a prefill (more than one) unrounded."""
+def fp8_cache(kv_scale: float, round_rope: bool = False):
+    """An HF ``DynamicCache`` that stores the latents (``key_states``) e4m3-rounded, the rope
+    part (``value_states``) unrounded unless ``round_rope`` (a control), and returns the new
+    tokens of a prefill (more than one) unrounded."""
     from transformers import DynamicCache
 
     class FP8LatentCache(DynamicCache):
         def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-            k8, v8 = fake_e4m3(key_states, kv_scale), fake_e4m3(value_states, kv_scale)
+            k8 = fake_e4m3(key_states, kv_scale)
+            v8 = fake_e4m3(value_states, kv_scale) if round_rope else value_states
             keys, values = super().update(k8, v8, layer_idx, *args, **kwargs)
             n = key_states.shape[-2]
             if n > 1:  # prefill: the new tokens unrounded, the cached ones rounded
@@ -55,9 +58,9 @@ def fp8_cache(kv_scale: float):
     return FP8LatentCache()
 
 
-def hf_fp8_run(model, prompt: list[int], n: int, kv_scale: float):
+def hf_fp8_run(model, prompt: list[int], n: int, kv_scale: float, round_rope: bool = False):
     """Greedy tokens and the logits of each step (the prompt's last, then each decode)."""
-    cache = fp8_cache(kv_scale)
+    cache = fp8_cache(kv_scale, round_rope)
     tokens, logits = [], []
     with torch.no_grad():
         out = model(torch.tensor([prompt]), cache=cache, use_cache=True)
@@ -110,6 +113,20 @@ def test_fp8_reference_differs_from_unrounded(fp8_models) -> None:
     assert np.abs(plain - ref_logits[1]).max() > LOGIT_TOL
 
 
+def test_fp8_rope_part_is_not_rounded(fp8_models) -> None:
+    """Control: a reference that rounds the rope part to e4m3 too (every value one byte) is
+    further from ours than the tolerance, so the parity test sees the rope part's format."""
+    eng, hf = fp8_models["A"]
+    tokens, ref_logits = hf_fp8_run(hf, PROMPT, 8, KV_SCALE, round_rope=True)
+    seq = eng.add_sequence()
+    try:
+        steps = [eng.prefill([seq], [PROMPT])[0]]
+        steps += [eng.decode([seq], [t])[0] for t in tokens[:-1]]
+    finally:
+        eng.remove_sequence(seq)
+    assert np.abs(np.stack(steps) - ref_logits).max() > LOGIT_TOL
+
+
 def _decode_after(eng, prompt: list[int], tokens: list[int]) -> np.ndarray:
     """A fresh sequence's decode logits of each of ``tokens`` after prefilling ``prompt``."""
     seq = eng.add_sequence()
@@ -159,7 +176,7 @@ def test_fp8_chunked_prefill_reads_the_cache(fp8_models) -> None:
     assert np.abs(got - ref.numpy()).max() < LOGIT_TOL
 
 
-def test_fp8_build_records_half_the_cache(fp8_models) -> None:
+def test_fp8_build_records_its_cache_bytes(fp8_models) -> None:
     from dsv2_mlc.layout import BuildConfig
 
     eng, _ = fp8_models["A"]
@@ -168,18 +185,20 @@ def test_fp8_build_records_half_the_cache(fp8_models) -> None:
     assert build.cache_dtype == "float8_e4m3fn" and build.dtype == "float32"
     plain = BuildConfig(**{**build.to_dict(), "kv_dtype": "", "kv_scale": 1.0})
     cfg = CONFIGS["A"]
-    width = cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]
-    assert build.kv_bytes_per_token() == cfg["num_hidden_layers"] * width  # one byte a value
-    assert plain.kv_bytes_per_token() == 4 * build.kv_bytes_per_token()  # float32 values
+    lora, rope = cfg["kv_lora_rank"], cfg["qk_rope_head_dim"]
+    # one byte a latent value, the rope part in float32
+    assert build.kv_bytes_per_token() == cfg["num_hidden_layers"] * (lora + 4 * rope)
+    assert plain.kv_bytes_per_token() == cfg["num_hidden_layers"] * 4 * (lora + rope)
 
 
-def test_v2_lite_fp8_cache_is_half_of_float16() -> None:
+def test_v2_lite_fp8_cache_bytes() -> None:
     from dsv2_mlc.layout import BuildConfig
 
     model = {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "num_hidden_layers": 27}
     f16 = BuildConfig(1, model, "float16", "cuda", "")
     f8 = BuildConfig(1, model, "float16", "cuda", "", kv_dtype="float8_e4m3fn")
-    assert f16.kv_bytes_per_token() == 2 * f8.kv_bytes_per_token() == 27 * 576 * 2
+    assert f16.kv_bytes_per_token() == 27 * 576 * 2
+    assert f8.kv_bytes_per_token() == 27 * (512 + 64 * 2)  # 640 B a token and layer
 
 
 @pytest.mark.parametrize(

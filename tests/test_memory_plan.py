@@ -134,10 +134,11 @@ def test_v2_lite_weights_match_the_hand_figures():
     assert m.workspace_per_token == WORKSPACE_PER_TOKEN == 120_576
 
 
-@pytest.mark.parametrize("kv_dtype, per_token", [("float8_e4m3fn", 15_552), ("", 31_104)])
+@pytest.mark.parametrize("kv_dtype, per_token", [("float8_e4m3fn", 17_280), ("", 31_104)])
 def test_kv_bytes_per_token_and_the_page_pool(kv_dtype, per_token):
     m = v2_lite(kv_dtype)
-    assert m.kv_bytes_per_token == per_token  # notes: 27 layers x 576 values
+    # notes: 27 layers x 576 values (FP8: 512 one-byte latent values + 64 float16 rope values)
+    assert m.kv_bytes_per_token == per_token
     plan = plan_memory(m, "64GiB", 131072, 1, constants=CONSTANTS)
     # 131,072 tokens plus one page for the batch's one sequence
     assert plan.kv_cache == (131072 + 16) * per_token
@@ -151,7 +152,7 @@ def test_128k_fp8_in_4_gib_puts_the_experts_in_host_memory():
     plan = plan_memory(m, "4GiB", 131072, 1, constants=CONSTANTS)
     assert plan.experts == "host" and plan.host_experts == ROUTED
     assert plan.weights == m.resident_bytes
-    assert plan.kv_cache == 131088 * 15_552
+    assert plan.kv_cache == 131088 * 17_280  # 27 layers x (512 + 64 * 2) bytes
     # the largest chunk of 8192, 4096, 2048, 1024, 512 that fits, by hand
     fixed = m.resident_bytes + plan.kv_cache + 500 * MiB + 32 * MiB + 64 * MiB + 102400 * 4
     room = 4 * GiB - fixed

@@ -91,7 +91,7 @@ def _kv_format(kv_dtype: str | None, kv_scale: float | None, dtype: str) -> tupl
     if kv_dtype not in KV_DTYPES or (KV_DTYPES[kv_dtype] == "" and kv_dtype != dtype):
         raise CompileError(
             f"unsupported --kv-dtype {kv_dtype!r} for activations in {dtype}; supported: "
-            f"{dtype} (the default) or fp8 (float8_e4m3fn, half the cache of float16)"
+            f"{dtype} (the default) or fp8 (float8_e4m3fn latent values)"
         )
     stored = KV_DTYPES[kv_dtype]
     if kv_scale is None:
@@ -192,8 +192,9 @@ def compile_model(
     :mod:`dsv2_mlc.runtime.cublas`) or the TIR kernels dlight schedules (no dependency).
 
     ``kv_dtype`` is the latent KV cache's element type: the activation dtype (default) or
-    ``"fp8"`` (e4m3, one byte a value: half the cache of float16; ``kv_scale``, default 1.0, is
-    its static scale, values stored as ``x / kv_scale``; :mod:`dsv2_mlc.schedules.kv_fp8`).
+    ``"fp8"`` (the latent values e4m3, one byte each, the rope part in ``dtype``: 56 % of a
+    float16 cache; ``kv_scale``, default 1.0, is its static scale, latent values stored as ``x /
+    kv_scale``; :mod:`dsv2_mlc.schedules.kv_fp8`).
     """
     start = time.perf_counter()
     quant = _resolve_quantization(dtype, quantization, quantize_embedding, quantize_lm_head)

@@ -163,7 +163,7 @@ class DeepseekV2Attention(nn.Module):
             )
         else:  # the cached latent [RMSNorm(c_kv), rope(k_pe)], one kernel (mla_ops)
             latent = latent_norm_rope(qkv, cfg.q_a_dim, norm_w, rope, cfg, LORA_NORM_EPS)
-        cache = self.kv.append(cache, self.layer_id, latent)
+        cache = self.kv.append(cache, self.layer_id, latent, lora)
         if mode != "prefill" and not fused:  # the query heads alone [n, H * (nope + R)]
             q = q_src if cfg.q_lora_rank is not None else op.split(qkv, [cfg.q_a_dim], axis=1)[0]
 

@@ -18,11 +18,12 @@ Only the latent is cached: per token and layer one row ``[compressed_kv (kv_lora
   :mod:`dsv2_mlc.schedules.mla_append_cuda`'s, which lets the split-KV kernel start while it
   waits.
 
-**FP8 cache** (``kv_dtype="float8_e4m3fn"``, ``--kv-dtype fp8``): one e4m3 byte a value, read
-as ``byte * kv_scale``. The C++ cache needs the query, output and appended rows in the pages'
-dtype, so it is told the build's dtype with ``k`` bytes a slot, ``k H`` heads and rows of ``(L +
-R) / k`` slots (:mod:`dsv2_mlc.schedules.kv_fp8`); :class:`KVFormat` is the model's side of it
-(quantise the rows before ``append_mla_kv``, reshape the query/output to those pseudo-heads).
+**FP8 cache** (``kv_dtype="float8_e4m3fn"``, ``--kv-dtype fp8``): the latent part of a row in
+e4m3 bytes (read as ``byte * kv_scale``), the rope part in the build's dtype. The C++ cache
+needs the query, output and appended rows in the pages' dtype, so it is told the build's dtype
+with ``k`` latent bytes a slot, ``k H`` heads and rows of ``L / k + R`` slots
+(:mod:`dsv2_mlc.schedules.kv_fp8`); :class:`KVFormat` is the model's side of it (build the rows
+before ``append_mla_kv``, pad and reshape the query / reshape the output to those pseudo-heads).
 Its kernels: the FP8 variants of the MLA attention (CPU: ``mla_paged_attention_fp8_cpu``; CUDA:
 the split-KV kernel's SIMT block, which decodes the bytes as it loads a page), the byte-copying
 append / page copy / compaction at the slot width, TVM's merge of partial states at the
@@ -74,7 +75,13 @@ from tvm.relax.frontend.nn.llm.kv_cache import (
 from tvm.relax.frontend.nn.llm.position_embedding import llama_rope_with_position_map
 from tvm.target import Target
 
-from dsv2_mlc.schedules.kv_fp8 import FP8_KV_DTYPE, fp8_cache_dims, quantize_latent, slot_values
+from dsv2_mlc.schedules.kv_fp8 import (
+    FP8_KV_DTYPE,
+    fp8_cache_dims,
+    fp8_query_width,
+    quantize_latent,
+    slot_values,
+)
 from dsv2_mlc.schedules.mla_append_cuda import mla_append_cuda, mla_append_cuda_supports
 from dsv2_mlc.schedules.mla_attention_cuda import (
     mla_attention_cuda,
@@ -118,33 +125,37 @@ class KVFormat:
         """Whether the cache stores e4m3 bytes."""
         return self.kv_dtype == FP8_KV_DTYPE
 
-    def append(self, cache: PagedKVCache, layer_id: int, latent: Tensor) -> PagedKVCache:
-        """``append_mla_kv`` of the rows ``latent [n, L + R]`` (FP8: quantised first, packed
-        into slots of the activation dtype)."""
+    def append(self, cache: PagedKVCache, layer_id: int, latent: Tensor, lora: int) -> PagedKVCache:
+        """``append_mla_kv`` of the rows ``latent [n, lora + R]`` (FP8: the cache's rows built
+        first, the latent encoded and packed into slots of the activation dtype, the rope part
+        copied; kv_fp8's storage)."""
         n, width = latent.shape
         if self.fp8:
             target = Target.current(allow_none=True)
             cuda = target is not None and target.kind.name != "llvm"
-            k = slot_values(latent.dtype)
+            rope = int(width) - lora
+            _, width, _ = fp8_cache_dims(1, lora, rope, latent.dtype)
             latent = op.tensor_ir_op(
-                quantize_latent(int(width), latent.dtype, self.kv_scale, cuda),
+                quantize_latent(lora, rope, latent.dtype, self.kv_scale, cuda),
                 "quantize_latent_e4m3",
                 args=[latent],
-                out=Tensor.placeholder((n, int(width) // k), latent.dtype),
+                out=Tensor.placeholder((n, width), latent.dtype),
             )
-            width = int(width) // k
         return cache.append_mla_kv(layer_id, op.reshape(latent, (1, n, 1, width)))
 
     def cross_attention(
         self, cache: PagedKVCache, layer_id: int, q_lat: Tensor, lora: int, sm_scale: float
     ) -> tuple[Tensor, Tensor]:
         """``cross_attention`` of ``q_lat [1, n, H, L + R]``: ``(o [1, n, H, L], lse [1, n,
-        H])`` (FP8: through the cache's pseudo-heads, kv_fp8's storage)."""
+        H])`` (FP8: through the cache's pseudo-heads, the query padded; kv_fp8's storage)."""
         if not self.fp8:
             return cache.cross_attention(layer_id, q_lat, lora, sm_scale)
         _, n, heads, width = q_lat.shape
+        rope = int(width) - lora
         k = slot_values(q_lat.dtype)
-        q = op.reshape(q_lat, (1, n, heads * k, int(width) // k))
+        _, row, _ = fp8_cache_dims(1, lora, rope, q_lat.dtype)
+        q = op.pad(q_lat, [0, 0, 0, 0, 0, 0, 0, fp8_query_width(lora, rope, q_lat.dtype) - width])
+        q = op.reshape(q, (1, n, heads * k, row))
         o, lse = cache.cross_attention(layer_id, q, lora // k, sm_scale)
         lse = op.split(op.reshape(lse, (1, n, heads, k)), k, axis=3)[0]
         return op.reshape(o, (1, n, heads, lora)), op.reshape(lse, (1, n, heads))
