@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from dsv2_mlc.schedules.norm_gemv_cuda import add_norm_gemv_kernel, add_norm_router_kernel
-from dsv2_mlc.schedules.tiles import NormGemvTiles, NormRouterTiles
+from dsv2_mlc.schedules.tiles import NormGemvTiles, NormRouterTiles, tuned
 
 sys.path.insert(0, str(Path(__file__).parent))
 from cuda_emulation import emulate, random_int4, rel_l2  # noqa: E402
@@ -64,6 +64,9 @@ def _check_norm(s: np.ndarray, xn: np.ndarray, ref_s: np.ndarray, ref_xn: np.nda
         (256, 72, 64, 1e-5, NormGemvTiles(5, 3, 8), 3),
         (256, 50, 128, 1e-6, NormGemvTiles(8, 4, 16), 1),
         (1280, 24, 128, 1e-6, NormGemvTiles(2, 3, 16), 1),  # two chunks per lane, one partial
+        # V2's qkv_a (q-LoRA 1536 + latent 576) at hidden 5120: five chunks a lane, the shipped
+        # tiles
+        (5120, 2112, 128, 1e-6, tuned("add_norm_gemv"), 1),
     ],
 )
 def test_add_norm_gemv_q4_matches_numpy(
@@ -89,6 +92,7 @@ def test_add_norm_gemv_q4_matches_numpy(
         (64, 8, 1e-6, 3, 1),  # the last block has one expert for three warps
         (256, 20, 1e-5, 3, 3),
         (1280, 6, 1e-6, 4, 1),
+        (5120, 160, 1e-6, tuned("add_norm_router").warps, 1),  # V2's router: five chunks a lane
     ],
 )
 def test_add_norm_router_matches_numpy(
