@@ -246,7 +246,7 @@ class DecodeTiles:
 TABLE: dict[str, dict[TileKey, Any]] = {
     # -- MLA attention, prologue, append, prefill attention -----------------------------------
     # Tuned on sm_90 at the V2-Lite shapes (schedules/results/); used for every architecture
-    # and shape.
+    # and shape but where an entry for the shape says otherwise.
     "mla_attention": {
         TileKey(): MLAAttentionTiles(
             stages=3,
@@ -255,6 +255,18 @@ TABLE: dict[str, dict[TileKey, Any]] = {
             long_pages=128,
             max_split=256,
             target_blocks=528,
+            merge_cols=64,
+        ),
+        # V2 (236B): 128 heads, 8 split blocks of 16 heads for each (row, split), and
+        # target_blocks counts one head group's: 66 keeps the 528 split blocks of the grid that
+        # V2-Lite's 16 heads aim at. Unmeasured
+        TileKey(ANY, (128, 512, 64, "float16")): MLAAttentionTiles(
+            stages=3,
+            min_pages_per_split=2,
+            long_min_pages=4,
+            long_pages=128,
+            max_split=256,
+            target_blocks=66,
             merge_cols=64,
         ),
     },
