@@ -20,7 +20,8 @@ On the GPU machine::
 
     python3 scripts/gpu_v2_numerics.py --build BUILD --lib-dir TVM_LIB --out $OUT/v2.json
 
-``--batch 16`` decodes 16 sequences a step, which runs the expert-major MoE kernels.
+``--batch 16`` decodes 16 sequences a step, which runs the expert-major MoE kernels. A
+``q4f16_g128`` build of the config runs the INT4 kernels instead (HF gets the dequantised weights).
 """
 
 from __future__ import annotations
