@@ -416,8 +416,9 @@ def moe_gate_up_decode(s: MoeDecodeShape) -> tirx.PrimFunc:
     """``f(x [n, H] f16, logits [n, E] f32, w [E, 2I, H/8] u32, s [E, 2I, H/g] f16,
     shared_w [2 Is, H/8] u32, shared_s [2 Is, H/g] f16) -> (h [n, K I + Is] f16,
     weights [n, K] f32, ids [n, K] i32)`` (module docstring, kernel 1), with the tiles of
-    ``schedules/tiles.py``."""
-    return gate_up_decode_kernel(s, tuned("moe_decode_gate_up"))
+    ``schedules/tiles.py`` (keyed by the hidden size, which sets the registers a thread holds
+    the token's ``x`` in)."""
+    return gate_up_decode_kernel(s, tuned("moe_decode_gate_up", shape=(s.hidden,)))
 
 
 def gate_up_decode_kernel(s: MoeDecodeShape, tiles: GateUpTiles) -> tirx.PrimFunc:

@@ -240,8 +240,10 @@ __device__ __forceinline__ void dsv2_norm_gemv_{tag}(const half* __restrict__ r,
 def add_norm_gemv_q4(hidden: int, out_dim: int, group: int, eps: float) -> tirx.PrimFunc:
     """``f(r [n, H] f16, d [n, H] f16, norm_w [H] f16, qw [N, H/8] u32, qs [N, H/g] f16) ->
     (y [n, N] f16, s [n, H] f16)`` with ``s = r + d``, ``y = RMSNorm(s) @ W^T`` (module
-    docstring), with the tiles of ``schedules/tiles.py``."""
-    return add_norm_gemv_kernel(hidden, out_dim, group, eps, tuned("add_norm_gemv"))
+    docstring), with the tiles of ``schedules/tiles.py`` (keyed by the hidden size, which sets
+    the registers a lane holds the normed row in)."""
+    tiles = tuned("add_norm_gemv", shape=(hidden,))
+    return add_norm_gemv_kernel(hidden, out_dim, group, eps, tiles)
 
 
 def add_norm_gemv_kernel(
@@ -268,9 +270,18 @@ def add_norm_gemv_kernel(
     return token_grid_call("add_norm_gemv", f"dsv2_norm_gemv_{tag}", src, params, NB, THREADS)
 
 
-def _router_source(tag: str, H: int, E: int, W: int) -> str:
+def _router_source(tag: str, H: int, E: int, W: int, preload: int | None = None) -> str:
+    """CUDA: ``dsv2_norm_router_<tag>(...)``: a warp's logit for one expert. A lane holds its
+    ``cpl`` chunks of the normed row (``xv``) and of the expert's gate row (``g``) in registers;
+    the first ``preload`` chunks of ``g`` (None: all) load before the PDL wait, while the norm
+    forms, the others where the dot product reaches them (past ~3 chunks the whole row spills)."""
     nch = H // _CHUNK
     cpl = -(-nch // 32)
+    pre = cpl if preload is None else max(0, min(preload, cpl))
+    gk = "g[j][k]"
+    if pre < cpl:  # chunks j >= pre from memory (the index keeps g's in bounds where unused)
+        late = f"reinterpret_cast<const float4*>(row + c * {_CHUNK})[k]"
+        gk = f"j < {pre} ? g[j < {pre} ? j : 0][k] : {late}"
     return f"""
 #ifndef DSV2_NORM_ROUTER_{tag}
 #define DSV2_NORM_ROUTER_{tag}
@@ -282,9 +293,9 @@ __device__ __forceinline__ void dsv2_norm_router_{tag}(const half* __restrict__ 
   // this warp's gate row is in flight while it forms the norm
   const int e = min(blk * {W} + warp, {E - 1});
   const float* row = gw + (long long)e * {H};
-  float4 g[{cpl}][8];
+  float4 g[{max(pre, 1)}][8];
 #pragma unroll
-  for (int j = 0; j < {cpl}; ++j) {{
+  for (int j = 0; j < {pre}; ++j) {{
     const int c = lane + 32 * j;
     if (c < {nch}) {{
 #pragma unroll
@@ -316,7 +327,7 @@ __device__ __forceinline__ void dsv2_norm_router_{tag}(const half* __restrict__ 
       const __half2* xh = reinterpret_cast<const __half2*>(xv[j]);
 #pragma unroll
       for (int k = 0; k < 8; ++k) {{
-        const float4 gk = g[j][k];
+        const float4 gk = {gk};
         const float2 a = __half22float2(xh[2 * k]), b = __half22float2(xh[2 * k + 1]);
         acc += a.x * gk.x + a.y * gk.y + b.x * gk.z + b.y * gk.w;
       }}
@@ -334,7 +345,8 @@ def add_norm_router(hidden: int, experts: int, eps: float) -> tirx.PrimFunc:
     """``f(r [n, H] f16, d [n, H] f16, norm_w [H] f16, gate_w [E, H] f32) -> (logits [n, E]
     f32, xn [n, H] f16, s [n, H] f16)`` with ``s = r + d``, ``xn = RMSNorm(s)``, ``logits = xn
     @ gate_w^T`` in float32 (module docstring), with the tiles of ``schedules/tiles.py``."""
-    return add_norm_router_kernel(hidden, experts, eps, tuned("add_norm_router"))
+    tiles = tuned("add_norm_router", shape=(hidden,))  # (hidden,): the registers of a lane
+    return add_norm_router_kernel(hidden, experts, eps, tiles)
 
 
 def add_norm_router_kernel(
@@ -346,8 +358,9 @@ def add_norm_router_kernel(
         raise ValueError(f"add_norm_router: {why}")
     H, E, W = hidden, experts, tiles.warps
     NB, THREADS = -(-E // W), W * 32
-    tag = f"h{H}_r{E}_w{W}_{eps_tag(eps)}"
-    src = grid_wait_source() + _norm_source(tag, H, eps) + _router_source(tag, H, E, W)
+    tag = f"h{H}_r{E}_{tiles.name}_{eps_tag(eps)}"
+    src = grid_wait_source() + _norm_source(tag, H, eps)
+    src += _router_source(tag, H, E, W, tiles.preload)
 
     params = [
         ("r", (TOKENS, H), "float16"),

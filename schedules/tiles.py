@@ -203,9 +203,15 @@ class NormGemvTiles:
 @dataclass(frozen=True)
 class NormRouterTiles:
     """The add + RMSNorm + router logits kernel (``norm_gemv_cuda.add_norm_router``): ``warps``
-    a block, a warp per expert."""
+    a block, a warp per expert; a lane loads ``preload`` chunks of its gate row (32 floats
+    each) into registers before the PDL wait, the rest as it multiplies (None: all of them)."""
 
     warps: int = 4
+    preload: int | None = None
+
+    @property
+    def name(self) -> str:
+        return f"w{self.warps}" + ("" if self.preload is None else f"_p{self.preload}")
 
 
 @dataclass(frozen=True)
@@ -254,7 +260,7 @@ class DecodeTiles:
 TABLE: dict[str, dict[TileKey, Any]] = {
     # -- MLA attention, prologue, append, prefill attention -----------------------------------
     # Tuned on sm_90 at the V2-Lite shapes (schedules/results/); used for every architecture
-    # and shape.
+    # and shape but where an entry for the shape says otherwise.
     "mla_attention": {
         TileKey(): MLAAttentionTiles(
             stages=3,
@@ -263,6 +269,18 @@ TABLE: dict[str, dict[TileKey, Any]] = {
             long_pages=128,
             max_split=256,
             target_blocks=528,
+            merge_cols=64,
+        ),
+        # V2 (236B): 128 heads, 8 split blocks of 16 heads for each (row, split), and
+        # target_blocks counts one head group's: 66 keeps the 528 split blocks of the grid that
+        # V2-Lite's 16 heads aim at. Unmeasured
+        TileKey(ANY, (128, 512, 64, "float16")): MLAAttentionTiles(
+            stages=3,
+            min_pages_per_split=2,
+            long_min_pages=4,
+            long_pages=128,
+            max_split=256,
+            target_blocks=66,
             merge_cols=64,
         ),
     },
@@ -291,10 +309,31 @@ TABLE: dict[str, dict[TileKey, Any]] = {
     # prefetch_gemv_cuda (schedules/results/prefetch_gemv.md)
     "prefetch_gemv": {TileKey(): PrefetchGemvTiles(warps=8, max_blocks=1024, run=16)},
     # norm_gemv_cuda (schedules/results/decode_kernels.md): one wave of 264 blocks for the GEMV
-    "add_norm_gemv": {TileKey(): NormGemvTiles(warps=8, blocks=264, run=16)},
-    "add_norm_router": {TileKey(): NormRouterTiles(warps=4)},
-    # moe_decode_cuda (schedules/results/moe_decode.md): one wave of 264 blocks (2 an SM)
-    "moe_decode_gate_up": {TileKey(): GateUpTiles(warps=8, blocks=264, run=16)},
+    # (2 an SM: 76 registers a thread at V2-Lite's hidden 2048). Keyed by (hidden,): a lane holds
+    # its chunks of the normed row in registers. Hidden 5120 (V2 236B), unmeasured: 167 registers
+    # a thread (ptxas, sm_90a), so 8-warp blocks fit one an SM; 4-warp blocks keep one wave of
+    # 264 blocks, 2 an SM
+    "add_norm_gemv": {
+        TileKey(): NormGemvTiles(warps=8, blocks=264, run=16),
+        TileKey(ANY, (5120,)): NormGemvTiles(warps=4, blocks=264, run=16),
+    },
+    # the router kernel, keyed by (hidden,): a lane holds its chunks of the normed row and of its
+    # gate row in registers. Hidden 5120 (V2 236B), unmeasured: the whole gate row (5 chunks, 160
+    # registers) spills (255 registers, 320 bytes, ptxas sm_90a); 2 chunks before the wait, as
+    # at V2-Lite's 2048, the other 3 after
+    "add_norm_router": {
+        TileKey(): NormRouterTiles(warps=4),
+        TileKey(ANY, (5120,)): NormRouterTiles(warps=4, preload=2),
+    },
+    # moe_decode_cuda (schedules/results/moe_decode.md): one wave of 264 blocks (2 an SM; the
+    # gate/up kernel takes 95 registers a thread at V2-Lite's hidden 2048). The gate/up kernel is
+    # keyed by (hidden,): a lane holds its chunks of x in registers. Hidden 5120 (V2 236B),
+    # unmeasured: 254 registers a thread (ptxas, sm_90a), so 8-warp blocks fit one an SM; 4-warp
+    # blocks keep one wave of 264 blocks, 2 an SM
+    "moe_decode_gate_up": {
+        TileKey(): GateUpTiles(warps=8, blocks=264, run=16),
+        TileKey(ANY, (5120,)): GateUpTiles(warps=4, blocks=264, run=16),
+    },
     "moe_decode_down": {TileKey(): DecodeTiles(warps=8, lanes=32, rows=2, run=8)},
     # moe_mma_cuda (schedules/results/moe_grouped.md): 2 warps along the columns, 128 threads of
     # 32 x 64 warp tiles (1.98 ms for n = 4096; 4 warps of 32 x 32 tiles: 2.22 ms);

@@ -3,19 +3,21 @@
 The model's decode entry point gives two INT4 kernels this schedule
 (``passes/schedule_decode_kernels.py``; the other GEMVs of decode are hand kernels): the dense
 MLP's gate/up projection (a float32 dot product cast to float16) and the lm_head (cast to float16,
-then to float32). Each is built here as the model fuses it, at V2-Lite's widths (INT4 group 128:
-21,888 x 2,048 and 102,400 x 2,048, :func:`~decode_gemv_cuda.config_for` picks the hfma2
-configurations ``WIDE`` and ``VOCAB``) and at the tiny test models' (group 32, K = 64: the legacy
-split rule), scheduled with the shipped choice (``config=None``), and TVM's CUDA runs under
+then to float32); with q-LoRA also ``q_b_proj`` (cast to float16). Each is built here as the model
+fuses it, at V2-Lite's widths (INT4 group 128: 21,888 x 2,048 and 102,400 x 2,048,
+:func:`~decode_gemv_cuda.config_for` picks the hfma2 configurations ``WIDE`` and ``VOCAB``), at
+DeepSeek-V2's (236B: hidden 5120, the dense gate/up in the ``LONG_K`` class; ``q_b_proj``, 24,576
+x 1,536, ``WIDE``) and at the tiny test models' (group 32, K = 64: the legacy split rule),
+scheduled with the shipped choice (``config=None``), and TVM's CUDA runs under
 ``tests/cuda_emulation.py`` against a float64 NumPy reference (INT4 groups dequantized, matmul).
 
-The V2-Lite grids are run in part: the first blocks of the output axis (every block runs the same
-code on its own rows), for two batch rows (``blockIdx.y``); the weights passed hold only those
-blocks' rows (a read past them fails under AddressSanitizer) and the outputs past them must stay
-untouched. The tolerance follows the arithmetic: the hfma2 dot product accumulates 16 products per
-half lane in fp16, so a relative L2 error of a few fp16 unit roundoffs; float32 accumulation leaves
-the final fp16 rounding alone. Controls: the lanes' shuffle reduction with one step dropped, and
-the scales read one group off, must fail.
+The V2-Lite and V2 grids are run in part: the first blocks of the output axis (every block runs
+the same code on its own rows), for two batch rows (``blockIdx.y``); the weights passed hold only
+those blocks' rows (a read past them fails under AddressSanitizer) and the outputs past them must
+stay untouched. The tolerance follows the arithmetic: the hfma2 dot product accumulates 16
+products per half lane in fp16, so a relative L2 error of a few fp16 unit roundoffs; float32
+accumulation leaves the final fp16 rounding alone. Controls: the lanes' shuffle reduction with
+one step dropped, and the scales read one group off, must fail.
 """
 
 from __future__ import annotations
@@ -105,13 +107,21 @@ V2_LITE = [  # (n_out, K, group, lm_head, the config the shipped choice takes, b
     pytest.param(21888, 2048, 128, False, WIDE, 16, id="v2lite_dense_gate_up"),
     pytest.param(102400, 2048, 128, True, VOCAB, 8, id="v2lite_lm_head"),
 ]
+LONG_K = tuned("decode_gemv", shape="long_k")
+V2 = [  # DeepSeek-V2 (236B), hidden 5120: 160 groups a row; q-LoRA's q_b_proj (K = 1536)
+    pytest.param(24576, 5120, 128, False, LONG_K, 16, id="v2_dense_gate_up"),
+    pytest.param(102400, 5120, 128, True, VOCAB, 8, id="v2_lm_head"),
+    pytest.param(24576, 1536, 128, False, WIDE, 16, id="v2_q_b_proj"),
+]
 TINY = [
     pytest.param(320, 64, 32, False, None, None, id="tiny_dense_gate_up"),
     pytest.param(512, 64, 32, True, None, None, id="tiny_lm_head"),
 ]
 
 
-@pytest.mark.parametrize(("n_out", "k", "group", "lm_head", "config", "blocks"), V2_LITE + TINY)
+@pytest.mark.parametrize(
+    ("n_out", "k", "group", "lm_head", "config", "blocks"), V2_LITE + V2 + TINY
+)
 def test_decode_gemv_matches_numpy(tmp_path, n_out, k, group, lm_head, config, blocks):
     if config is not None:  # the shipped choice at the model's shape: the table's for its class
         func = _gemv(n_out, k, group, lm_head)

@@ -149,21 +149,23 @@ static struct {
   int* ws_n;
   const int *page_indptr, *ids, *last_len, *q_indptr;
   int batch, smax;
-  long long bx;
+  long long bx, by;
 } g_emu_k;
 static std::vector<char> g_emu_snap;
 template <class F> static void emu_outputs(F f) {
   const size_t total = g_emu_k.q_indptr[g_emu_k.batch];
-  f(g_emu_k.out, total * 16 * $dl);
-  f(g_emu_k.lse, total * 16);
-  f(g_emu_k.ws_lse, total * g_emu_k.smax * 16);
+  f(g_emu_k.out, total * $heads * $dl);
+  f(g_emu_k.lse, total * $heads);
+  f(g_emu_k.ws_lse, total * g_emu_k.smax * $heads);
   f(g_emu_k.ws_n, total);
-  if (g_emu_k.smax > 1) f(g_emu_k.ws_o + g_emu_k.bx * 16 * $dl, 16 * $dl);  // (else size 1)
+  // (ws_o: the block's 16 heads of its row and split; of size 1 without splits)
+  const long long ws_row = g_emu_k.bx * $heads + g_emu_k.by * 16;
+  if (g_emu_k.smax > 1) f(g_emu_k.ws_o + ws_row * $dl, 16 * $dl);
 }
 static void emu_block_start() noexcept {
   if (g_emu_new.empty()) {  // (the first block: the query, the new rows by the page tables)
     const size_t total = g_emu_k.q_indptr[g_emu_k.batch];
-    for (size_t r = 0; r < total * 16; ++r) {
+    for (size_t r = 0; r < total * $heads; ++r) {
       half* row = g_emu_k.q + r * $d;
       g_emu_new.push_back({row, EmuRow(row, row + $d)});
     }
@@ -208,7 +210,7 @@ static void emu_block_begin(half* smem, half* pages, const int* page_indptr, con
   if (t_lin == 0) {
     g_emu_sbase = (char*)smem;
     g_emu_k = {pages, q, out, lse, ws_lse, ws_o, ws_n, page_indptr, ids, last_len, q_indptr,
-               batch, smax, (long long)blockIdx.x};
+               batch, smax, (long long)blockIdx.x, (long long)blockIdx.y};
   }
   g_emu_begin_bar.arrive_and_wait();
 }
@@ -234,8 +236,19 @@ _CALLS = {
 }
 
 
-def _split_patch(late: bool, *controls: Callable[[str], str]) -> Callable[[str], str]:
-    """The kernels' source with the stand-ins (module docstring) and ``controls``."""
+def _smax_param(src: str) -> str:
+    """The split kernel's parameter for the splits per row: its first TVM-named scalar
+    (``cse_vN``; the number depends on the shapes), the grid size its second."""
+    sig = re.search(r"void __launch_bounds__\(\d+\) p_kernel\(([^)]*)\)", src)
+    assert sig, "no split kernel"
+    return re.findall(r"int (cse_v\d+)", sig.group(1))[0]
+
+
+def _split_patch(
+    late: bool, *controls: Callable[[str], str], heads: int = H
+) -> Callable[[str], str]:
+    """The kernels' source (of ``heads`` query heads) with the stand-ins (module docstring) and
+    ``controls``."""
 
     def patch(src: str) -> str:
         def prim(m: re.Match) -> str:
@@ -254,15 +267,17 @@ def _split_patch(late: bool, *controls: Callable[[str], str]) -> Callable[[str],
         src = src.replace(wait, wait.replace("#endif", "#else\n  emu_pdl_wait();\n#endif"))
         entry = "extern __shared__ __align__(64) half smem_ptr[];\n"
         assert src.count(entry) == 1
+        smax = _smax_param(src)
         src = src.replace(
             entry,
             entry + "  emu_block_begin(smem_ptr, pages_ptr, page_indptr_ptr, page_values_ptr, "
             "length_info_ptr, q_indptr_ptr, batch_size, q_ptr, output_ptr, lse_ptr, ws_o_ptr, "
-            "ws_lse_ptr, ws_n_ptr, cse_v24);\n",
+            f"ws_lse_ptr, ws_n_ptr, {smax});\n",
         )
         for control in controls:
             src = control(src)
         stand = _STANDINS.replace("$late", str(int(late))).replace("$page", str(P))
+        stand = stand.replace("$heads", str(heads))
         return _MATH + stand.replace("$dl", str(L)).replace("$d", str(D)) + src
 
     return patch
@@ -300,13 +315,17 @@ def kernels(tmp_path_factory) -> Callable:
     """``build(late, split_controls, merge_controls)`` -> (func, split, merge) launchers, each
     kernel compiled once per variant."""
     func = mla_attention_cuda(H, L, R, "float16")  # what the KV cache builds for V2-Lite
-    tmp = tmp_path_factory.mktemp("mla")
+    return _builder(func, tmp_path_factory.mktemp("mla"))
+
+
+def _builder(func, tmp: Path, heads: int = H) -> Callable:
+    """The ``build`` of :func:`kernels` for ``func`` (of ``heads`` query heads)."""
     cache: dict = {}
 
     def one(kernel: int, late: bool, controls: tuple):
         key = (kernel, late, controls)
         if key not in cache:
-            patch = _split_patch(late, *controls)
+            patch = _split_patch(late, *controls, heads=heads)
             cache[key] = emulate(func, tmp, f"k{len(cache)}", kernel=kernel, patch=patch)
         return cache[key]
 
@@ -325,9 +344,11 @@ SEQS = [
 ]
 
 
-def _attend(kernels_, seqs, late: bool, split_controls=(), merge_controls=(), seed: int = 0):
-    """Run the split and merge kernels on ``seqs``; (out, lse, reference out, reference lse,
-    counters of the split kernel)."""
+def _attend(
+    kernels_, seqs, late: bool, split_controls=(), merge_controls=(), seed: int = 0, heads: int = H
+):
+    """Run the split and merge kernels (of ``heads`` query heads) on ``seqs``; (out, lse,
+    reference out, reference lse, counters of the split kernel)."""
     func, split, merge = kernels_(late, split_controls, merge_controls)
     rng = np.random.default_rng(seed)
     n_pages = [-(-kv // P) for kv, _ in seqs]
@@ -347,9 +368,9 @@ def _attend(kernels_, seqs, late: bool, split_controls=(), merge_controls=(), se
         padded = np.full((len(ids) * P, D), np.nan, np.float16)
         padded[:kv] = rows
         pages[ids] = padded.reshape(-1, P, D)
-    q = (rng.standard_normal((total, H, D)) * 0.5).astype(np.float16)
-    out = np.full((total, H, L), np.nan, np.float16)
-    lse = np.full((total, H), np.nan, np.float32)
+    q = (rng.standard_normal((total, heads, D)) * 0.5).astype(np.float16)
+    out = np.full((total, heads, L), np.nan, np.float16)
+    lse = np.full((total, heads), np.nan, np.float32)
     n = _launch(func, total)
     ws_o = np.full(n["ws_o"], np.nan, np.float32)
     ws_lse = np.full(n["ws_lse"], np.nan, np.float32)
@@ -357,17 +378,20 @@ def _attend(kernels_, seqs, late: bool, split_controls=(), merge_controls=(), se
     arrays = {"q": q, "q_indptr": q_indptr, "pages": pages, "page_indptr": page_indptr,
               "page_values": page_values, "length_info": last_len, "output": out, "lse": lse,
               "ws_o": ws_o, "ws_lse": ws_lse, "ws_n": ws_n}  # fmt: skip
-    scalars = {"batch_size": len(seqs), "causal": 1, "cse_v24": n["smax"], "cse_v25": n["split"],
+    smax, blocks = (name for name in split.scalars if name.startswith("cse_v"))
+    scalars = {"batch_size": len(seqs), "causal": 1, smax: n["smax"], blocks: n["split"],
                "total_len": total, "sm_scale": float(np.float32(SM_SCALE))}  # fmt: skip
-    stats = split((n["split"], 1), arrays, *(scalars.get(s, 0) for s in split.scalars))
+    assert [name for name in merge.scalars if name.startswith("cse_v")] == [smax]
+    grid = (n["split"], heads // 16)  # (row and split, head group of 16)
+    stats = split(grid, arrays, *(scalars.get(s, 0) for s in split.scalars))
     merge(n["merge"], arrays, *(scalars.get(s, 0) for s in merge.scalars))
     assert set(split.scalars) - set(scalars) <= {
         "length_info_elem_offset", "page_indptr_elem_offset", "page_values_elem_offset",
         "q_indptr_elem_offset",
     }, split.scalars  # fmt: skip
     # float64 reference: row r of a chunk of q_len sees kv - q_len + r + 1 latent rows
-    ref_out = np.zeros((total, H, L))
-    ref_lse = np.zeros((total, H))
+    ref_out = np.zeros((total, heads, L))
+    ref_lse = np.zeros((total, heads))
     for b, (kv, q_len) in enumerate(seqs):
         for r in range(q_len):
             row = q_indptr[b] + r
@@ -401,6 +425,31 @@ def test_split_kv_attention_matches_numpy(kernels, late: bool):
     assert err_out < OUT_TOL and err_lse < LSE_TOL, (err_out, err_lse)
     assert stats["pdl_waits"] == stats["blocks"] > 0  # every split block waits, once
     assert stats["prefetches"] > 0  # (the split's later pages asked for in L2)
+
+
+def _one_head_group(src: str) -> str:
+    """Every split block takes the first 16 heads, whatever its ``blockIdx.y``."""
+    first = "(((int)blockIdx.y) * 16)"  # (h0, and TVM's common subexpression of it)
+    assert src.count(first) >= 1
+    return src.replace(first, "0")
+
+
+@pytest.mark.parametrize("controls", [(), (_one_head_group,)], ids=["kernel", "one_head_group"])
+def test_split_kv_attention_at_v2_heads(tmp_path_factory, controls):
+    """DeepSeek-V2 (236B): 128 heads, 8 split blocks of 16 heads for each (row, split), where
+    V2-Lite has one (``blockIdx.y``), with the tiles of its shape: every head group of every row
+    against the reference; the control, blocks that ignore their head group, fails."""
+    func = mla_attention_cuda(128, L, R, "float16")
+    build = _builder(func, tmp_path_factory.mktemp("v2"), heads=128)
+    # 3 rows of one split, one of 10 splits (the control: the first 3 alone)
+    seqs = [(40, 3)] if controls else [(40, 3), (300, 1)]
+    out, lse, ref_out, ref_lse, stats = _attend(build, seqs, False, controls, heads=128)
+    err_out, err_lse = _errors(out, lse, ref_out, ref_lse)
+    if controls:
+        assert err_out > 20 * OUT_TOL or err_lse > 20 * LSE_TOL, (err_out, err_lse)
+        return
+    assert err_out < OUT_TOL and err_lse < LSE_TOL, (err_out, err_lse)
+    assert stats["pdl_waits"] == stats["blocks"] == 8 * 4 * _launch(func, 4)["smax"]
 
 
 def _drop_partial_page(src: str) -> str:

@@ -42,6 +42,9 @@ def _rope(x: np.ndarray, tab: np.ndarray) -> np.ndarray:
         (4, 16, 8, 32, 24, "float16", {}, 3),  # tiny, q-LoRA: q apart, a partial column tile
         (4, 16, 8, 32, None, "float32", {"cols": 16}, 2),
         (4, 16, 8, 32, 24, "float16", {"threads": 64}, 3),
+        # V2 (236B): 128 heads, q-LoRA (q from q_b_proj [n, 128 x 192], the latent from column
+        # 1536 of qkv_a's output), the shipped tiles: 1025 blocks a token
+        (128, 128, 64, 512, 1536, "float16", {}, 1),
     ],
 )
 def test_prologue_matches_numpy(tmp_path, heads, nope, rope, lora, q_a, dtype, kwargs, n):

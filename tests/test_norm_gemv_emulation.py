@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from dsv2_mlc.schedules.norm_gemv_cuda import add_norm_gemv_kernel, add_norm_router_kernel
-from dsv2_mlc.schedules.tiles import NormGemvTiles, NormRouterTiles
+from dsv2_mlc.schedules.tiles import NormGemvTiles, NormRouterTiles, tuned
 
 sys.path.insert(0, str(Path(__file__).parent))
 from cuda_emulation import emulate, random_int4, rel_l2  # noqa: E402
@@ -64,6 +64,9 @@ def _check_norm(s: np.ndarray, xn: np.ndarray, ref_s: np.ndarray, ref_xn: np.nda
         (256, 72, 64, 1e-5, NormGemvTiles(5, 3, 8), 3),
         (256, 50, 128, 1e-6, NormGemvTiles(8, 4, 16), 1),
         (1280, 24, 128, 1e-6, NormGemvTiles(2, 3, 16), 1),  # two chunks per lane, one partial
+        # V2's qkv_a (q-LoRA 1536 + latent 576) at hidden 5120: five chunks a lane, the shipped
+        # tiles
+        (5120, 2112, 128, 1e-6, tuned("add_norm_gemv", shape=(5120,)), 1),
     ],
 )
 def test_add_norm_gemv_q4_matches_numpy(
@@ -82,28 +85,55 @@ def test_add_norm_gemv_q4_matches_numpy(
     assert rel_l2(y, ref_y) < 2e-3, f"y: rel L2 {rel_l2(y, ref_y):.2e}"
 
 
-@pytest.mark.parametrize(
-    ("hidden", "experts", "eps", "warps", "n"),
-    [
-        (64, 8, 1e-6, 4, 3),
-        (64, 8, 1e-6, 3, 1),  # the last block has one expert for three warps
-        (256, 20, 1e-5, 3, 3),
-        (1280, 6, 1e-6, 4, 1),
-    ],
-)
-def test_add_norm_router_matches_numpy(
-    tmp_path: Path, hidden: int, experts: int, eps: float, warps: int, n: int
-) -> None:
+def _run_router(
+    tmp_path: Path, hidden: int, experts: int, eps: float, tiles: NormRouterTiles, n: int,
+    patch=None,
+) -> None:  # fmt: skip
+    """Run the router kernel with ``tiles`` (its source rewritten by ``patch``, if given) and
+    assert ``s``, ``xn`` and the float32 logits against NumPy."""
     rng = np.random.default_rng(4)
     r, d, w = _inputs(rng, n, hidden)
     gate = (rng.standard_normal((experts, hidden)) / np.sqrt(hidden)).astype(np.float32)
     logits = np.full((n, experts), np.nan, np.float32)
     xn = np.full((n, hidden), np.nan, np.float16)
     s = np.full((n, hidden), np.nan, np.float16)
-    run = emulate(add_norm_router_kernel(hidden, experts, eps, NormRouterTiles(warps)), tmp_path)
+    kernel = add_norm_router_kernel(hidden, experts, eps, tiles)
+    run = emulate(kernel, tmp_path, patch=patch)
     arrays = {"r": r, "d": d, "nw": w, "gw": gate, "logits": logits, "xn": xn, "s": s}
-    run(n * -(-experts // warps), arrays, n)
+    run(n * -(-experts // tiles.warps), arrays, n)
     _check_norm(s, xn, *_norm_numpy(r, d, w, eps))
     ref = xn.astype(np.float64) @ gate.T.astype(np.float64)
     scale = np.abs(xn.astype(np.float64)) @ np.abs(gate.T.astype(np.float64))
     assert np.abs(logits - ref).max() <= 1e-6 * scale.max(), "logits beyond float32 rounding"
+
+
+@pytest.mark.parametrize(
+    ("hidden", "experts", "eps", "tiles", "n"),
+    [
+        (64, 8, 1e-6, NormRouterTiles(4), 3),
+        (64, 8, 1e-6, NormRouterTiles(3), 1),  # the last block has one expert for three warps
+        (256, 20, 1e-5, NormRouterTiles(3), 3),
+        (1280, 6, 1e-6, NormRouterTiles(4), 1),
+        # two chunks a lane, the first before the wait, the partial second after
+        (1280, 6, 1e-6, NormRouterTiles(4, preload=1), 2),
+        (1280, 6, 1e-6, NormRouterTiles(2, preload=0), 1),  # none before the wait
+        # V2's router (five chunks a lane) with the shipped tiles: 2 chunks before the wait
+        (5120, 160, 1e-6, tuned("add_norm_router", shape=(5120,)), 1),
+    ],
+)
+def test_add_norm_router_matches_numpy(
+    tmp_path: Path, hidden: int, experts: int, eps: float, tiles: NormRouterTiles, n: int
+) -> None:
+    _run_router(tmp_path, hidden, experts, eps, tiles, n)
+
+
+def test_router_with_late_gate_chunks_misread_fails(tmp_path: Path) -> None:
+    """Negative control: the chunks loaded after the wait read the chunk before their own."""
+
+    def misread(src: str) -> str:
+        late = "reinterpret_cast<const float4*>(row + c * 32)[k]"
+        assert src.count(f": {late}") == 1
+        return src.replace(f": {late}", ": reinterpret_cast<const float4*>(row + (c - 32) * 32)[k]")
+
+    with pytest.raises(AssertionError, match="float32 rounding"):
+        _run_router(tmp_path, 1280, 6, 1e-6, NormRouterTiles(4, preload=1), 2, patch=misread)

@@ -44,6 +44,8 @@ def _blocks(rows: int, tiles: PrefetchGemvTiles) -> int:
         (16, 2048, 128, 1, 1024),  # the o_proj row length of V2-Lite
         (24, 10944, 128, 2, 1024),  # V2-Lite's dense down_proj rows: 11 chunks a lane, and a
         # last group of 64 (128 does not divide 10944)
+        (16, 16384, 128, 1, 1024),  # V2's o_proj rows (128 heads x 128): x fills 32 KB shared
+        (24, 12288, 128, 1, 1024),  # V2's dense down_proj rows: 12 chunks a lane
     ],
 )
 def test_gemv_q4_decode_matches_numpy(
@@ -67,6 +69,7 @@ def test_gemv_q4_decode_matches_numpy(
         (2, 12, 64, 3, 1024),  # 3 blocks; rows of two heads in one block
         (3, 8, 520, 1, 2),  # 2 blocks x 8 warps for 24 rows: a second pass; 65 pieces a row
         (16, 8, 512, 2, 1024),  # V2-Lite's L and heads
+        (128, 128, 512, 1, 1024),  # V2: 16384 rows, two passes of the 1024-block grid
     ],
 )
 def test_absorb_v_decode_matches_numpy(

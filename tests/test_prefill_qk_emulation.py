@@ -57,8 +57,9 @@ def _cpu(func: tirx.PrimFunc, *arrays: np.ndarray) -> None:
 @needs_toolchain
 @pytest.mark.parametrize(
     ("heads", "nope", "rope", "width", "n"),
-    [(16, 128, 64, 3648, 3), (2, 16, 8, 56, 5), (3, 8, 16, 80, 2)],
-)  # V2-Lite's fused qkv_a output; tiny heads; the query heads narrower than the source
+    [(16, 128, 64, 3648, 3), (128, 128, 64, 24576, 2), (2, 16, 8, 56, 5), (3, 8, 16, 80, 2)],
+)  # V2-Lite's fused qkv_a output; V2's q_b_proj output (q-LoRA, 128 heads); tiny heads; the
+# query heads narrower than the source
 def test_query_kernel_matches_the_te(tmp_path: Path, heads, nope, rope, width, n):
     rng = np.random.default_rng(heads)
     x = (rng.standard_normal((n, width)) * 3).astype(np.float16)
@@ -79,7 +80,8 @@ def test_query_kernel_matches_the_te(tmp_path: Path, heads, nope, rope, width, n
 
 @needs_toolchain
 @pytest.mark.parametrize(
-    ("heads", "nope", "rope", "lora", "n"), [(16, 128, 64, 512, 3), (2, 8, 16, 24, 4)]
+    ("heads", "nope", "rope", "lora", "n"),
+    [(16, 128, 64, 512, 3), (128, 128, 64, 512, 2), (2, 8, 16, 24, 4)],  # V2-Lite, V2, tiny
 )
 def test_key_kernel_matches_the_te(tmp_path: Path, heads, nope, rope, lora, n):
     rng = np.random.default_rng(lora)
