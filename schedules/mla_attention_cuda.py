@@ -46,12 +46,15 @@ Design (one PrimFunc, two kernels):
 
    * **FP8 cache** (``kv_scale`` given; :mod:`~.kv_fp8`'s storage: ``q``/``out``/``lse`` as
      ``kH`` pseudo-heads, pages of ``L / k + R`` slots, the first ``L / k`` holding ``k`` e4m3
-     latent bytes each, then the rope values): the SIMT block, whose page load reads 16-byte
-     slot vectors and writes the latent bytes decoded (shifts and masks, ``value / 256`` as
-     float16) and the rope values as they are into the same shared rows; the score sums of the
-     latent part and the rope part are kept apart and ``256 * kv_scale`` multiplies the
-     former, and the output (or the partial outputs). The float16 kernel's TIR is unchanged
-     (the FP8 code is chosen in Python while the script is built).
+     latent bytes each, then the rope values): float16 slots, 16 heads a block, ``L % 128 ==
+     0`` and ``R % 16 == 0`` (V2-Lite, V2): the pipelined tensor-core block over raw rows,
+     each page decoded in shared memory to the float16 page it reads (``pipe_source(kscale=)``);
+     otherwise the SIMT block, whose page load reads 16-byte slot vectors and writes the latent
+     bytes decoded (shifts and masks, ``value / 256`` as float16) and the rope values as they
+     are into the same shared rows. Both keep the score sums of the latent part and the rope
+     part apart, ``256 * kv_scale`` multiplying the former, and the output (or the partial
+     outputs). The float16 kernel's TIR is unchanged (the FP8 code is chosen in Python while
+     the script is built).
 
 2. **Merge kernel**, grid ``total * H * (L / merge_cols)``, 256 threads: combines the ``nsplit``
    partial states ``(o_s, lse_s)`` of a row/head from a float32 workspace
@@ -221,7 +224,9 @@ def build_mla_attention(
     SC_N = 8 if KV8 else 4  # score accumulators a thread (FP8: latent and rope parts apart)
     SLOT_T = getattr(T, dtype)  # the type of a cache slot
     # the pipelined tensor-core block: 16 heads of fp16, whole k-steps and 64-column n-tiles
-    pipe = not KV8 and dtype == "float16" and HG == 16 and D % 16 == 0 and DL % 64 == 0
+    # (FP8: whole k-steps of each part in every warp's latent / rope k-steps)
+    pipe = dtype == "float16" and HG == 16 and D % 16 == 0 and DL % 64 == 0
+    pipe = pipe and (not KV8 or (DL % 128 == 0 and rope_dim % 16 == 0))
     HGH = HG // 2
     TT = HGH * 8  # SIMT score tile threads: (head pair, token pair) per thread
     DS = NT // TT  # the head dim is split over DS thread groups
@@ -238,11 +243,12 @@ def build_mla_attention(
     LOAD_N = 0 if KV8 else LOAD_ITERS  # (FP8 pages load in their own loop)
     Q_ITERS = (HG * DV + NT - 1) // NT
     tag = f"{H}_{DL}_{D}"
-    ptag = f"{tag}_s{stages}_e"
-    pipe_src = pipe_source(ptag, D, DL, stages) if pipe else ""
-    pf_name, pf_src = _prefetch_source(tag, P * D * _ELEM_BYTES[dtype], NT) if pipe else ("", "")
+    ptag = f"{tag}_s{stages}_e" + ("_fp8" if KV8 else "")
+    pipe_src = pipe_source(ptag, D, DL, stages, kscale=kscale if KV8 else None) if pipe else ""
+    pf_tag, pf_bytes = (tag + "_fp8" if KV8 else tag), P * PD * _ELEM_BYTES[dtype]
+    pf_name, pf_src = _prefetch_source(pf_tag, pf_bytes, NT) if pipe else ("", "")
     wr_src = _wait_release_source()
-    SMEM_N = pipe_shared_halves(D, stages) if pipe else 1  # pipelined path: one buffer
+    SMEM_N = pipe_shared_halves(D, stages, DL if KV8 else 0) if pipe else 1  # one buffer
     SMEM_SCOPE = "shared.dyn" if SMEM_N * 2 > _MAX_SHARED_BYTES else "shared"
     if pipe:
         smem, smem_max = SMEM_N * 2, _MAX_DYN_SHARED_BYTES
@@ -416,7 +422,7 @@ def build_mla_attention(
                             if split < nsplit:
                                 T.cuda.func_call(
                                     f"mla_split_pipe_{ptag}",
-                                    T.address_of(q[row, h0, 0]),
+                                    T.address_of(q[row, h0 * K, 0]),
                                     T.address_of(pages[0, 0, 0]),
                                     T.address_of(page_values[page_begin + pg_lo]),
                                     pg_hi - pg_lo,
@@ -424,8 +430,8 @@ def build_mla_attention(
                                     n_vis,
                                     sm_scale * log2e,
                                     T.if_then_else(nsplit == 1, 1, 0),
-                                    T.address_of(output[row, h0, 0]),
-                                    T.address_of(lse[row, h0]),
+                                    T.address_of(output[row, h0 * K, 0]),
+                                    T.address_of(lse[row, h0 * K]),
                                     ws_o.data,  # opaque: the workspaces keep their size
                                     ws_lse.data,
                                     bx * H + h0,

@@ -18,11 +18,17 @@ P = 16  # page size (tokens)
 PS = 24  # P tile row stride (halves): conflict-free ldmatrix rows
 
 
-def pipe_shared_halves(D: int, stages: int) -> int:
+def pipe_shared_halves(D: int, stages: int, fp8_latent: int = 0) -> int:
     """Shared memory (halves) of one block of the pipelined path: ``stages`` page buffers of 16
     rows x ``D + 8`` halves, the 8 warps' partial scores (16 x 16 fp32 each), the P tile
-    (16 x ``PS`` fp16) and the per-head rescale / max / sum (3 x 16 fp32)."""
-    return stages * P * (D + 8) + 8 * 16 * 16 * 2 + 16 * PS + 3 * 16 * 2
+    (16 x ``PS`` fp16) and the per-head rescale / max / sum (3 x 16 fp32). ``fp8_latent``
+    (``L``; an FP8 cache): the buffers hold raw rows of ``L / 2 + R`` halves, and one decoded
+    page of ``D + 8`` halves a row follows them."""
+    if fp8_latent:
+        ring = stages * P * (fp8_latent // 2 + D - fp8_latent) + P * (D + 8)
+    else:
+        ring = stages * P * (D + 8)
+    return ring + 8 * 16 * 16 * 2 + 16 * PS + 3 * 16 * 2
 
 
 # The PTX primitives of the pipelined block (tests/test_mla_pipe_emulation.py swaps in CPU
@@ -68,7 +74,7 @@ _EARLY_COPY = (
     " valid0 - s0 * 16, tx);"
 )
 _PIPE_BODY = r"""
-// One page (16 rows of ${d} halves at src) -> the shared buffer at dst (rows of ${srow}
+// One page (16 rows of ${prow} halves at src) -> the shared buffer at dst (rows of ${rrow}
 // halves), 16-byte cp.async copies; rows >= valid are zero-filled (no global read).
 __device__ __forceinline__ void mlap_page_${tag}(unsigned dst, const half* src, int valid,
                                                 int tx) {
@@ -78,11 +84,11 @@ __device__ __forceinline__ void mlap_page_${tag}(unsigned dst, const half* src, 
     if (i < ${page_vecs}) {
       const int r = i / ${dv};
       const int c = i - r * ${dv};
-      mlap_cp_${tag}(dst + (r * ${srow} + c * 8) * 2, src + r * ${d} + c * 8,
+      mlap_cp_${tag}(dst + (r * ${rrow} + c * 8) * 2, src + r * ${prow} + c * 8,
                      r < valid ? 16 : 0);
     }
   }
-}
+}${decode_fn}
 // One split block (256 threads, 16 heads): pages ids[0, npg) of the row (tokens tok0...),
 // n_vis visible keys; q: the 16 heads x ${d} of the row; final_: write out (16 x ${dl},
 // head stride ${dl}) and lse (16), else the partial state to ws_o / ws_lse; n_early: only
@@ -126,8 +132,8 @@ ${early_copy}
   for (int i = 0; i < ${ksw}; ++i) {
     const int ks = w + 8 * i;
     if (ks < ${ks}) {
-      const half* p0 = q + g * ${d} + ks * 16 + t * 2;
-      const half* p1 = p0 + 8 * ${d};
+      const half* p0 = q + g * ${qs} + ks * 16 + t * 2;
+      const half* p1 = p0 + 8 * ${qs};
       qf[4 * i + 0] = *reinterpret_cast<const unsigned*>(p0);
       qf[4 * i + 1] = *reinterpret_cast<const unsigned*>(p1);
       qf[4 * i + 2] = *reinterpret_cast<const unsigned*>(p0 + 8);
@@ -163,14 +169,14 @@ ${early_copy}
       mlap_commit_${tag}();
       if (j + 1 < npg) nid = ids[j + 1];
     }
-    const unsigned kvb = kv0 + (i % ${stages}) * ${buf_bytes};
+${key_tile}
     // Partial scores of this warp's k-steps: S[16 heads, 16 tokens].
     float c[8];
 #pragma unroll
     for (int k = 0; k < 8; ++k) c[k] = 0.f;
 #pragma unroll
     for (int k = 0; k < ${ksw}; ++k) {
-      const int ks = w + 8 * k;
+${rope_scale}      const int ks = w + 8 * k;
       if (ks < ${ks}) {
         unsigned b[4];
         mlap_ldsm_${tag}(b, kvb + k_off + ks * 32);
@@ -233,7 +239,7 @@ ${early_copy}
   }
   __syncthreads();
   const float d0 = d_s[g], d1 = d_s[g + 8];
-  const float i0 = d0 > 0.f ? 1.f / d0 : 0.f, i1 = d1 > 0.f ? 1.f / d1 : 0.f;
+  const float i0 = d0 > 0.f ? ${one} / d0 : 0.f, i1 = d1 > 0.f ? ${one} / d1 : 0.f;
 #pragma unroll
   for (int j = 0; j < ${ntw}; ++j) {
     const int col = w * ${wcols} + j * 8 + t * 2;
@@ -250,13 +256,15 @@ ${early_copy}
   }
   if (tx < 16) {
     const float v = d_s[tx] > 0.f ? m_s[tx] + log2f(d_s[tx]) : -INFINITY;
-    if (final_) lse[tx] = v; else ws_lse[tx] = v;
+    if (final_) ${lse_final} else ws_lse[tx] = v;
   }
 }
 """
 
 
-def pipe_source(tag: str, D: int, DL: int, stages: int, prims: bool = True) -> str:
+def pipe_source(
+    tag: str, D: int, DL: int, stages: int, prims: bool = True, kscale: float | None = None
+) -> str:
     """CUDA source of ``mla_split_pipe_<tag>`` (module docstring), the split block of the
     tensor-core path for 16 heads, rows of ``D`` (latent + rope) halves, ``DL`` output columns
     (``D % 16 == 0``, ``DL % 64 == 0``) and ``stages`` (>= 2) page buffers; partial outputs in
@@ -266,11 +274,41 @@ def pipe_source(tag: str, D: int, DL: int, stages: int, prims: bool = True) -> s
     PDL wait and releases its dependents (:data:`~.cuda_call.WAIT_THEN_RELEASE`) before it
     issues the others and reads Q: the caller must not have waited. ``prims=False`` leaves out
     the PTX primitives (``mlap_{mma,ldsm,ldsm_t,ldsm_t2,cp,commit,wait}_<tag>``), the PDL
-    wait's definition and the include guard, for a CPU emulation."""
+    wait's definition and the include guard, for a CPU emulation.
+
+    ``kscale`` (``256 kv_scale``; ``DL % 128 == 0``, rope ``% 16 == 0``): the block over an FP8
+    cache (:mod:`~.kv_fp8`'s storage). ``q`` is head ``h``'s values at ``2h`` pseudo-heads of
+    ``DL / 2 + R`` (a head stride of ``DL + 2R`` halves), ``lse`` two per head; the ring holds
+    raw rows (``DL`` e4m3 bytes, then the rope halves), each page decoded into one float16 page
+    (:func:`_decode_source`) after its barrier, then one more barrier; each warp's latent
+    k-steps (``k < DL / 128``) are multiplied by ``kscale`` before its rope k-step adds, and the
+    output (or the partial one) by ``kscale``."""
     srow = D + 8
-    dv = D // 8
     ks = D // 16
-    body = _PIPE_BODY.replace("${early_copy}", _EARLY_COPY)
+    fp8 = kscale is not None
+    prow = DL // 2 + D - DL if fp8 else D  # halves a page row in global memory
+    rrow = prow if fp8 else srow  # ... and in a ring buffer
+    dv = prow // 8
+    buf_bytes = P * rrow * 2
+    if fp8:
+        dec = stages * P * rrow  # halves: the decoded page after the ring
+        decode_fn = "\n" + _decode_source(tag, D, DL, prow).rstrip("\n")
+        key_tile = f"""    // page i decoded (free: every warp is past the barrier above)
+    mlap_decode_{tag}(smem + {dec}, smem + (i % {stages}) * {P * rrow}, tx);
+    __syncthreads();
+    const unsigned kvb = kv0 + {dec * 2};"""
+        rope_scale = f"""      if (k == {DL // 128}) {{  // the latent k-steps' sums times s
+#pragma unroll
+        for (int e = 0; e < 8; ++e) c[e] *= {kscale!r}f;
+      }}
+"""
+        one, lse_final = f"{kscale!r}f", "{ lse[2 * tx] = v; lse[2 * tx + 1] = v; }"
+        kv_halves = dec + P * srow
+    else:
+        decode_fn, rope_scale, one, lse_final = "", "", "1.f", "lse[tx] = v;"
+        key_tile = "    const unsigned kvb = kv0 + (i % ${stages}) * ${buf_bytes};"
+        kv_halves = stages * P * srow
+    body = _PIPE_BODY.replace("${early_copy}", _EARLY_COPY).replace("${key_tile}", key_tile)
     body = _PIPE_PRIMS + body if prims else body
     if prims:
         body = f"\n#ifndef MLA_SPLIT_PIPE_{tag}\n#define MLA_SPLIT_PIPE_{tag}{body}#endif\n"
@@ -281,6 +319,13 @@ def pipe_source(tag: str, D: int, DL: int, stages: int, prims: bool = True) -> s
         d=D,
         dl=DL,
         srow=srow,
+        prow=prow,
+        rrow=rrow,
+        qs=2 * prow if fp8 else D,
+        decode_fn=decode_fn,
+        rope_scale=rope_scale,
+        one=one,
+        lse_final=lse_final,
         dv=dv,
         ps=PS,
         stages=stages,
@@ -291,8 +336,40 @@ def pipe_source(tag: str, D: int, DL: int, stages: int, prims: bool = True) -> s
         wcols=DL // 8,
         load_iters=(P * dv + 255) // 256,
         page_vecs=P * dv,
-        page_elems=P * D,
-        buf_bytes=P * srow * 2,
-        kv_halves=stages * P * srow,
+        page_elems=P * prow,
+        buf_bytes=buf_bytes,
+        kv_halves=kv_halves,
         p_halves=16 * PS,
     )
+
+
+def _decode_source(tag: str, D: int, DL: int, prow: int) -> str:
+    """CUDA of ``mlap_decode_<tag>(dec, raw, tx)``: a ring buffer's 16 raw rows (``prow``
+    halves: ``DL`` e4m3 bytes, then the rope halves) -> one decoded page (rows of ``D + 8``
+    halves). A byte ``b`` becomes the half ``(b & 0x80) << 8 | (b & 0x7f) << 7`` =
+    ``value(b) / 256`` (:func:`~.kv_fp8.e4m3_byte_f16`), two bytes a 32-bit word, 8 bytes (one
+    16-byte store) a thread and step; then the rope halves, 16 bytes a thread."""
+    R = D - DL
+    return f"""__device__ __forceinline__ unsigned mlap_e4m3x2_{tag}(unsigned w) {{
+  const unsigned u = ((w & 0xffu) << 8) | ((w & 0xff00u) << 16);  // bytes 0, 1 -> bits 8, 24
+  return (u & 0x80008000u) | ((u & 0x7f007f00u) >> 1);
+}}
+__device__ __forceinline__ void mlap_decode_{tag}(half* __restrict__ dec,
+                                                  const half* __restrict__ raw, int tx) {{
+  for (int i = tx; i < {P * DL // 8}; i += 256) {{
+    const int r = i / {DL // 8}, c = i - r * {DL // 8};
+    const uint2 w = *reinterpret_cast<const uint2*>(raw + r * {prow} + c * 4);
+    uint4 h;
+    h.x = mlap_e4m3x2_{tag}(w.x);
+    h.y = mlap_e4m3x2_{tag}(w.x >> 16);
+    h.z = mlap_e4m3x2_{tag}(w.y);
+    h.w = mlap_e4m3x2_{tag}(w.y >> 16);
+    *reinterpret_cast<uint4*>(dec + r * {D + 8} + c * 8) = h;
+  }}
+  for (int i = tx; i < {P * R // 8}; i += 256) {{
+    const int r = i / {R // 8}, c = i - r * {R // 8};
+    *reinterpret_cast<uint4*>(dec + r * {D + 8} + {DL} + c * 8) =
+        *reinterpret_cast<const uint4*>(raw + r * {prow} + {DL // 2} + c * 8);
+  }}
+}}
+"""

@@ -35,6 +35,19 @@ FLOPs (V2-Lite, one layer): ``2 x rows x P x 16 x (576 + 512)``; an 8K chunk ove
 18.7 TFLOP. Shared-memory traffic a tile and warp: 54 ``ldmatrix.x4`` for the 72 score MMAs and
 34 for the 64 PV MMAs (the score phase is bound near 1:1).
 
+**FP8 cache** (``kv_scale`` given; :mod:`.kv_fp8`'s storage, the contract of the split-KV
+kernel's FP8 variant): the query is ``[n, 2H, L/2 + R]`` (head ``h``'s ``L + R`` values at the
+start of pseudo-heads ``2h, 2h + 1``, the padding never read), a page row ``L/2 + R`` float16
+slots (the latent's ``L`` e4m3 bytes, then the rope values), the output ``[n, 2H, L/2]`` (a
+reshape of ``[n, H, L]``) and the lse ``[n, 2H]`` (a head's on both pseudo-heads). The ring
+stages a tile's raw rows (``cp.async``, 640 B a row: 20 KB a stage instead of 36.5), and after
+the tile's barrier the block decodes it into one float16 key tile of the layout above (a byte
+``b`` -> the half ``(b & 0x80) << 8 | (b & 0x7f) << 7`` = ``value(b) / 256``, two bytes a 32-bit
+word by shifts and masks; the rope halves copied), then one more barrier (4 a tile). The score
+k-steps of the latent part accumulate first, are multiplied by ``256 kv_scale``, then the rope
+part's k-steps add unscaled (``sm (s q_L . c + q_R . k_pe)``, as the split-KV reader); ``out =
+256 kv_scale O / l``. Shared memory at V2-Lite's shapes, 3 stages: 193 KB.
+
 :func:`with_extend_path` returns the cache's slot function: the split-KV PrimFunc with a host
 branch that launches this kernel instead when ``total_len >= min_rows * batch_size`` (tiles:
 ``"mla_extend"``). The split-KV kernels' device code is unchanged (the branch only adds kernels);
@@ -49,6 +62,7 @@ import tvm
 from tvm import tirx
 from tvm.script import tirx as T
 
+from .kv_fp8 import fp8_cache_dims, read_scale
 from .tiles import MLAExtendTiles, tuned
 
 __all__ = [
@@ -70,23 +84,32 @@ _MAX_DYN_SHARED_BYTES = 232448  # sm_90's opt-in limit of one block
 _LOG2E = math.log2(math.e)
 
 
-def _shared_halves(D: int, stages: int) -> int:
+def _shared_halves(D: int, stages: int, DL: int = 0, fp8: bool = False) -> int:
     """Shared memory (halves) of a block: Q (64 rows), the key ring, two score halves (fp32), the
-    P tile and the per-row rescale / max / sum (fp32)."""
+    P tile and the per-row rescale / max / sum (fp32). FP8 (latent width ``DL``): the ring holds
+    raw rows (``DL / 2 + R`` halves) and the decoded key tile follows it."""
     rows = TOKENS * HEADS
-    return (
-        rows * (D + _PAD)
-        + stages * KEYS * (D + _PAD)
-        + 2 * rows * _SS * 2
-        + rows * _PS
-        + 3 * rows * 2
+    ring = (
+        stages * KEYS * (DL // 2 + D - DL) + KEYS * (D + _PAD)
+        if fp8
+        else stages * KEYS * (D + _PAD)
     )
+    return rows * (D + _PAD) + ring + 2 * rows * _SS * 2 + rows * _PS + 3 * rows * 2
 
 
-def _check(num_heads: int, latent_dim: int, rope_dim: int, dtype: str, stages: int) -> None:
+def _check(
+    num_heads: int, latent_dim: int, rope_dim: int, dtype: str, stages: int, fp8: bool = False
+) -> None:
     D = latent_dim + rope_dim
     if dtype != "float16":
         raise ValueError(f"mla_extend_cuda supports float16 only, got {dtype}")
+    if fp8 and (rope_dim % 16 or latent_dim % 128):
+        # (whole k-steps of each part; latent % 128: the split-KV kernel's FP8 block is then its
+        # tensor-core one, whose body composes under the slot's branch without barriers in TIR)
+        raise ValueError(
+            "mla_extend_cuda over an FP8 cache needs rope % 16 == 0 and latent % 128 == 0, got "
+            f"{latent_dim} + {rope_dim}"
+        )
     if num_heads % HEADS:
         raise ValueError(f"mla_extend_cuda needs a multiple of {HEADS} heads, got {num_heads}")
     if D % 16 or latent_dim % 32 or latent_dim > 512:
@@ -96,26 +119,75 @@ def _check(num_heads: int, latent_dim: int, rope_dim: int, dtype: str, stages: i
         )
     if stages < 2:
         raise ValueError(f"stages must be >= 2, got {stages}")
-    smem = _shared_halves(D, stages) * 2
+    smem = _shared_halves(D, stages, latent_dim, fp8) * 2
     if smem > _MAX_DYN_SHARED_BYTES:
         raise ValueError(f"mla_extend_cuda needs {smem} bytes of shared memory ({stages} stages)")
 
 
 def mla_extend_cuda_supports(
-    num_heads: int, latent_dim: int, rope_dim: int, dtype: str = "float16"
+    num_heads: int,
+    latent_dim: int,
+    rope_dim: int,
+    dtype: str = "float16",
+    kv_scale: float | None = None,
 ) -> bool:
-    """Whether :func:`mla_extend_cuda` handles these shapes (float16, 16-head groups)."""
+    """Whether :func:`mla_extend_cuda` handles these shapes (float16, 16-head groups; with
+    ``kv_scale``: over an FP8 cache)."""
     try:
-        _check(num_heads, latent_dim, rope_dim, dtype, tuned("mla_extend").stages)
+        fp8 = kv_scale is not None
+        _check(num_heads, latent_dim, rope_dim, dtype, tuned("mla_extend").stages, fp8)
     except ValueError:
         return False
     return True
 
 
-def _cuda_source(tag: str, H: int, D: int, DL: int, stages: int) -> str:
+def _cuda_source(
+    tag: str, H: int, D: int, DL: int, stages: int, kscale: float | None = None
+) -> str:
     """CUDA of ``mla_extend_<tag>`` (module docstring) and its PTX primitives (each with the CPU
-    emulation's stand-in in its ``#else`` branch)."""
+    emulation's stand-in in its ``#else`` branch). ``kscale``: the FP8 cache's variant (module
+    docstring, "FP8 cache"), its decode factor ``256 kv_scale``."""
     ks = D // 16
+    fp8 = kscale is not None
+    K, PD = (2, DL // 2 + D - DL) if fp8 else (1, D)  # slots a page row (the cache's width)
+    QS = K * PD  # halves between the heads of a query row (FP8: a head's K pseudo-heads)
+    RROW = PD if fp8 else D + _PAD  # halves a row of the cp.async ring
+    RING = KEYS * RROW * 2  # bytes a ring buffer
+    CONV = KEYS * (D + _PAD) if fp8 else 0  # halves of the FP8 variant's decoded key tile
+    s_off = TOKENS * HEADS * (D + _PAD) + stages * KEYS * RROW + CONV  # the scores (halves)
+    one = f"{kscale!r}f" if fp8 else "1.f"  # the output's factor (FP8: the latent's decode)
+    decode, key_tile, scores = "", f"    const unsigned kvb = kv0 + (it % {stages}) * {RING};", ""
+    if fp8:
+        decode = _decode_source(tag, D, DL, PD)
+        q_end = TOKENS * HEADS * (D + _PAD)  # halves: Q, then the ring, then the decoded tile
+        key_tile = f"""    // tile it decoded (free: every warp is past the barrier above)
+    mlae_decode_{tag}(smem + {q_end + stages * KEYS * RROW},
+                      smem + {q_end} + (it % {stages}) * {KEYS * RROW}, tx);
+    __syncthreads();
+    const unsigned kvb = kv0 + {stages * RING};"""
+        scores = (
+            _score_loop(tag, "hf", DL // 16, D)
+            + "    // the latent part's sums times 256 kv_scale; the rope part's k-steps unscaled\n"
+            + "#pragma unroll\n"
+            + f"    for (int i = 0; i < 16; ++i) c[i] *= {kscale!r}f;\n"
+            + _score_loop(tag, f"{DL // 16} + hf", ks, D)
+        )
+    else:
+        scores = _score_loop(tag, "hf", ks, D)
+    lse_base = f"(size_t)(q_indptr[b] + pos0) * {H} + by * {HEADS}"
+    if fp8:
+        lse_base = f"({lse_base}) * {K}"
+    # the row's lse (FP8: to each of its head's K pseudo-heads)
+    lse_idx = (
+        [f"((sr >> 4) * {H} + (sr & 15)) * {K} + {i}" for i in range(K)]
+        if fp8
+        else [f"(sr >> 4) * {H} + (sr & 15)"]
+    )
+    lse_store = "\n".join(
+        f"      lb[{i}] = d_run > 0.f ? m_run + log2f(d_run) : -INFINITY;" for i in lse_idx
+    )
+    if fp8:  # (one statement under the token's if)
+        lse_store = "    {\n" + lse_store + "\n    }"
     return f"""
 #ifndef DSV2_MLA_EXTEND_{tag}
 #define DSV2_MLA_EXTEND_{tag}
@@ -182,16 +254,16 @@ __device__ __forceinline__ void mlae_wait_all_{tag}() {{
 __device__ __forceinline__ void mlae_tile_{tag}(unsigned dst, const half* __restrict__ pages,
                                                 const int* __restrict__ ids, int it, int n_keys,
                                                 int tx) {{
-  for (int i = tx; i < {KEYS * (D // 8)}; i += {THREADS}) {{
-    const int r = i / {D // 8}, c = i - r * {D // 8};
+  for (int i = tx; i < {KEYS * (PD // 8)}; i += {THREADS}) {{
+    const int r = i / {PD // 8}, c = i - r * {PD // 8};
     const int key = it * {KEYS} + r;
     const bool ok = key < n_keys;
-    const half* src = ok ? pages + ((size_t)ids[key >> 4] * {PAGE} + (key & 15)) * {D} + c * 8
+    const half* src = ok ? pages + ((size_t)ids[key >> 4] * {PAGE} + (key & 15)) * {PD} + c * 8
                          : pages;
-    mlae_cp_{tag}(dst + (r * {D + _PAD} + c * 8) * 2, src, ok ? 16 : 0);
+    mlae_cp_{tag}(dst + (r * {RROW} + c * 8) * 2, src, ok ? 16 : 0);
   }}
 }}
-// One block: 4 query tokens of one sequence x 16 heads (head group by) over the sequence's
+{decode}// One block: 4 query tokens of one sequence x 16 heads (head group by) over the sequence's
 // cached latent rows (module docstring).
 __device__ __forceinline__ void mla_extend_{tag}(
     const half* __restrict__ q, const int* __restrict__ q_indptr,
@@ -220,11 +292,11 @@ __device__ __forceinline__ void mla_extend_{tag}(
   }};
   const int n_keys = vis(n_tok - 1);
   const int ntile = (n_keys + {KEYS - 1}) / {KEYS};
-  const half* qb = q + ((size_t)(q_indptr[b] + pos0) * {H} + by * {HEADS}) * {D};
+  const half* qb = q + ((size_t)(q_indptr[b] + pos0) * {H} + by * {HEADS}) * {QS};
   half* ob = out + ((size_t)(q_indptr[b] + pos0) * {H} + by * {HEADS}) * {DL};
-  float* lb = lse + (size_t)(q_indptr[b] + pos0) * {H} + by * {HEADS};
+  float* lb = lse + {lse_base};
 
-  float* s_part = reinterpret_cast<float*>(smem + {(TOKENS * HEADS + stages * KEYS) * (D + _PAD)});
+  float* s_part = reinterpret_cast<float*>(smem + {s_off});
   half* p_s = reinterpret_cast<half*>(s_part + {2 * TOKENS * HEADS * _SS});
   float* r_s = reinterpret_cast<float*>(p_s + {TOKENS * HEADS * _PS});
   float* m_s = r_s + {TOKENS * HEADS};
@@ -237,11 +309,11 @@ __device__ __forceinline__ void mla_extend_{tag}(
     const int tok = r >> 4, head = r & 15;
     const bool ok = tok < n_tok;
     mlae_cp_{tag}(q0 + (r * {D + _PAD} + c * 8) * 2,
-                  ok ? qb + ((size_t)tok * {H} + head) * {D} + c * 8 : qb, ok ? 16 : 0);
+                  ok ? qb + ((size_t)tok * {H} + head) * {QS} + c * 8 : qb, ok ? 16 : 0);
   }}
 #pragma unroll
   for (int s = 0; s < {stages - 1}; ++s) {{
-    if (s < ntile) mlae_tile_{tag}(kv0 + s * {KEYS * (D + _PAD) * 2}, pages, ids, s, n_keys, tx);
+    if (s < ntile) mlae_tile_{tag}(kv0 + s * {RING}, pages, ids, s, n_keys, tx);
     mlae_commit_{tag}();
   }}
   const int w = tx >> 5, lane = tx & 31, g = lane >> 2, t = lane & 3;
@@ -268,26 +340,15 @@ __device__ __forceinline__ void mla_extend_{tag}(
     {{
       const int j = it + {stages - 1};
       if (j < ntile)
-        mlae_tile_{tag}(kv0 + (j % {stages}) * {KEYS * (D + _PAD) * 2}, pages, ids, j, n_keys, tx);
+        mlae_tile_{tag}(kv0 + (j % {stages}) * {RING}, pages, ids, j, n_keys, tx);
       mlae_commit_{tag}();
     }}
-    const unsigned kvb = kv0 + (it % {stages}) * {KEYS * (D + _PAD) * 2};
+{key_tile}
     // S[16 rows of token rt, 32 keys] over this warp's k-steps hf, hf + 2, ...
     float c[16];
 #pragma unroll
     for (int i = 0; i < 16; ++i) c[i] = 0.f;
-#pragma unroll 2
-    for (int ks = hf; ks < {ks}; ks += 2) {{
-      unsigned a[4], kb[4];
-      mlae_ldsm_{tag}(a, a_off + ks * 32);
-      mlae_ldsm_{tag}(kb, kvb + k_off + ks * 32);
-      mlae_mma_{tag}(c, a, kb[0], kb[1]);
-      mlae_mma_{tag}(c + 4, a, kb[2], kb[3]);
-      mlae_ldsm_{tag}(kb, kvb + k_off + {16 * (D + _PAD) * 2} + ks * 32);
-      mlae_mma_{tag}(c + 8, a, kb[0], kb[1]);
-      mlae_mma_{tag}(c + 12, a, kb[2], kb[3]);
-    }}
-#pragma unroll
+{scores}#pragma unroll
     for (int nt = 0; nt < 4; ++nt) {{
       float* r0 = s_part + (hf * {TOKENS * HEADS} + rt * 16 + g) * {_SS} + nt * 8 + t * 2;
       *reinterpret_cast<float2*>(r0) = make_float2(c[4 * nt], c[4 * nt + 1]);
@@ -360,12 +421,12 @@ __device__ __forceinline__ void mla_extend_{tag}(
     m_s[sr] = m_run;
     d_s[sr] = d_run;
     if ((sr >> 4) < n_tok)
-      lb[(sr >> 4) * {H} + (sr & 15)] = d_run > 0.f ? m_run + log2f(d_run) : -INFINITY;
+{lse_store}
   }}
   __syncthreads();
   if (rt < n_tok) {{
     const float d0 = d_s[rt * 16 + g], d1 = d_s[rt * 16 + g + 8];
-    const float i0 = d0 > 0.f ? 1.f / d0 : 0.f, i1 = d1 > 0.f ? 1.f / d1 : 0.f;
+    const float i0 = d0 > 0.f ? {one} / d0 : 0.f, i1 = d1 > 0.f ? {one} / d1 : 0.f;
     half* o = ob + (size_t)rt * {H * DL};
 #pragma unroll
     for (int j = 0; j < {DL // 16}; ++j) {{
@@ -378,6 +439,54 @@ __device__ __forceinline__ void mla_extend_{tag}(
   }}
 }}
 #endif
+"""
+
+
+def _score_loop(tag: str, first: str, end: int, D: int) -> str:
+    """CUDA: this warp's k-steps ``first, first + 2, .. < end`` of ``S = Q K^T`` into ``c``."""
+    return f"""#pragma unroll 2
+    for (int ks = {first}; ks < {end}; ks += 2) {{
+      unsigned a[4], kb[4];
+      mlae_ldsm_{tag}(a, a_off + ks * 32);
+      mlae_ldsm_{tag}(kb, kvb + k_off + ks * 32);
+      mlae_mma_{tag}(c, a, kb[0], kb[1]);
+      mlae_mma_{tag}(c + 4, a, kb[2], kb[3]);
+      mlae_ldsm_{tag}(kb, kvb + k_off + {16 * (D + _PAD) * 2} + ks * 32);
+      mlae_mma_{tag}(c + 8, a, kb[0], kb[1]);
+      mlae_mma_{tag}(c + 12, a, kb[2], kb[3]);
+    }}
+"""
+
+
+def _decode_source(tag: str, D: int, DL: int, PD: int) -> str:
+    """CUDA of the FP8 variant's ``mlae_decode_<tag>(dec, raw, tx)``: a ring buffer's 32 raw
+    rows (``PD`` halves: ``DL`` e4m3 bytes, then the rope halves) -> the decoded key tile
+    (rows of ``D + 8`` halves). Byte ``b`` becomes the half ``(b & 0x80) << 8 | (b & 0x7f) <<
+    7`` = ``value(b) / 256`` (:func:`~.kv_fp8.e4m3_byte_f16`), two bytes a 32-bit word; 8
+    bytes (one 16-byte store) a thread and step, then one 16-byte rope piece."""
+    R = D - DL
+    return f"""__device__ __forceinline__ unsigned mlae_e4m3x2_{tag}(unsigned w) {{
+  const unsigned u = ((w & 0xffu) << 8) | ((w & 0xff00u) << 16);  // bytes 0, 1 -> bits 8, 24
+  return (u & 0x80008000u) | ((u & 0x7f007f00u) >> 1);
+}}
+__device__ __forceinline__ void mlae_decode_{tag}(half* __restrict__ dec,
+                                                  const half* __restrict__ raw, int tx) {{
+  for (int i = tx; i < {KEYS * DL // 8}; i += {THREADS}) {{
+    const int r = i / {DL // 8}, c = i - r * {DL // 8};
+    const uint2 w = *reinterpret_cast<const uint2*>(raw + r * {PD} + c * 4);
+    uint4 h;
+    h.x = mlae_e4m3x2_{tag}(w.x);
+    h.y = mlae_e4m3x2_{tag}(w.x >> 16);
+    h.z = mlae_e4m3x2_{tag}(w.y);
+    h.w = mlae_e4m3x2_{tag}(w.y >> 16);
+    *reinterpret_cast<uint4*>(dec + r * {D + _PAD} + c * 8) = h;
+  }}
+  for (int i = tx; i < {KEYS * R // 8}; i += {THREADS}) {{
+    const int r = i / {R // 8}, c = i - r * {R // 8};
+    *reinterpret_cast<uint4*>(dec + r * {D + _PAD} + {DL} + c * 8) =
+        *reinterpret_cast<const uint4*>(raw + r * {PD} + {DL // 2} + c * 8);
+  }}
+}}
 """
 
 
@@ -417,8 +526,10 @@ def _extend_launch(
                     )
 
 
-def _header(H: int, D: int, DL: int, name: str) -> str:
-    """TVMScript of the slot function's signature and buffers (the split-KV kernel's)."""
+def _header(name: str, QH: int, QD: int, PD: int, ODL: int) -> str:
+    """TVMScript of the slot function's signature and buffers (the split-KV kernel's): ``QH``
+    query heads of ``QD`` values, page rows of ``PD``, outputs of ``ODL`` (the FP8 cache's
+    pseudo-heads and slots: :func:`~.kv_fp8.fp8_cache_dims`)."""
     return f"""
 @T.prim_func(s_tir=True)
 def {name}(var_q: T.handle, var_q_indptr: T.handle, var_pages: T.handle,
@@ -433,18 +544,18 @@ def {name}(var_q: T.handle, var_q_indptr: T.handle, var_pages: T.handle,
     page_indptr_elem_offset = T.int32()
     page_values_elem_offset = T.int32()
     length_info_elem_offset = T.int32()
-    q = T.match_buffer(var_q, (total_len, {H}, {D}), "float16")
+    q = T.match_buffer(var_q, (total_len, {QH}, {QD}), "float16")
     q_indptr = T.match_buffer(var_q_indptr, (batch_size + 1,), "int32",
                               elem_offset=q_indptr_elem_offset)
-    pages = T.match_buffer(var_pages, (max_num_pages, {PAGE}, {D}), "float16")
+    pages = T.match_buffer(var_pages, (max_num_pages, {PAGE}, {PD}), "float16")
     page_indptr = T.match_buffer(var_page_indptr, (batch_size + 1,), "int32",
                                  elem_offset=page_indptr_elem_offset)
     page_values = T.match_buffer(var_page_values, (nnz_pages,), "int32",
                                  elem_offset=page_values_elem_offset)
     length_info = T.match_buffer(var_length_info, (batch_size,), "int32",
                                  elem_offset=length_info_elem_offset)
-    output = T.match_buffer(var_output, (total_len, {H}, {DL}), "float16")
-    lse = T.match_buffer(var_lse, (total_len, {H}), "float32")
+    output = T.match_buffer(var_output, (total_len, {QH}, {ODL}), "float16")
+    lse = T.match_buffer(var_lse, (total_len, {QH}), "float32")
 """
 
 
@@ -454,32 +565,58 @@ _CALL = (
 )
 
 
-def _parts(num_heads: int, latent_dim: int, rope_dim: int, tiles: MLAExtendTiles):
+def _parts(
+    num_heads: int,
+    latent_dim: int,
+    rope_dim: int,
+    tiles: MLAExtendTiles,
+    kv_scale: float | None = None,
+):
+    """(buffer dims for :func:`_header`, kernel name, CUDA, launch call) of these shapes."""
     D = latent_dim + rope_dim
-    tag = f"{num_heads}_{latent_dim}_{D}_s{tiles.stages}"
+    fp8 = kv_scale is not None
+    tag = f"{num_heads}_{latent_dim}_{D}_s{tiles.stages}" + ("_fp8" if fp8 else "")
     name = f"mla_extend_{tag}"
-    src = _cuda_source(tag, num_heads, D, latent_dim, tiles.stages)
-    call = _CALL.format(n_hg=num_heads // HEADS, smem_n=_shared_halves(D, tiles.stages))
-    return D, name, src, call
+    kscale = read_scale(kv_scale) if fp8 else None
+    src = _cuda_source(tag, num_heads, D, latent_dim, tiles.stages, kscale)
+    smem_n = _shared_halves(D, tiles.stages, latent_dim, fp8)
+    call = _CALL.format(n_hg=num_heads // HEADS, smem_n=smem_n)
+    if fp8:
+        qh, qd, odl = fp8_cache_dims(num_heads, latent_dim, rope_dim, "float16")
+        dims = (qh, qd, qd, odl)
+    else:
+        dims = (num_heads, D, D, latent_dim)
+    return dims, name, src, call
 
 
 def build_mla_extend(
-    num_heads: int, latent_dim: int, rope_dim: int, dtype: str, tiles: MLAExtendTiles
+    num_heads: int,
+    latent_dim: int,
+    rope_dim: int,
+    dtype: str,
+    tiles: MLAExtendTiles,
+    kv_scale: float | None = None,
 ) -> tirx.PrimFunc:
-    """The row-tiled kernel alone, with the slot's signature (tests and the lab)."""
-    _check(num_heads, latent_dim, rope_dim, dtype, tiles.stages)
-    D, name, src, call = _parts(num_heads, latent_dim, rope_dim, tiles)
-    text = _header(num_heads, D, latent_dim, "batch_mla_paged_attention_extend") + "    " + call
+    """The row-tiled kernel alone, with the slot's signature (tests and the lab); with
+    ``kv_scale``, the variant over an FP8 cache (:mod:`~.kv_fp8`'s storage)."""
+    _check(num_heads, latent_dim, rope_dim, dtype, tiles.stages, kv_scale is not None)
+    dims, name, src, call = _parts(num_heads, latent_dim, rope_dim, tiles, kv_scale)
+    text = _header("batch_mla_paged_attention_extend", *dims) + "    " + call
     return tvm.script.from_source(
         text, extra_vars={"T": T, "extend": _extend_launch, "name": name, "src": src}
     )
 
 
 def mla_extend_cuda(
-    num_heads: int, latent_dim: int, rope_dim: int, dtype: str = "float16"
+    num_heads: int,
+    latent_dim: int,
+    rope_dim: int,
+    dtype: str = "float16",
+    kv_scale: float | None = None,
 ) -> tirx.PrimFunc:
     """:func:`build_mla_extend` with the tiles of :data:`~.tiles.TABLE` (``"mla_extend"``)."""
-    return build_mla_extend(num_heads, latent_dim, rope_dim, dtype, tuned("mla_extend"))
+    tiles = tuned("mla_extend")
+    return build_mla_extend(num_heads, latent_dim, rope_dim, dtype, tiles, kv_scale)
 
 
 _ROOT = '    # with T.sblock("root"):'
@@ -492,28 +629,30 @@ def with_extend_path(
     rope_dim: int,
     dtype: str,
     tiles: MLAExtendTiles | None = None,
+    kv_scale: float | None = None,
 ) -> tirx.PrimFunc:
     """The slot function: ``split_kv`` (:func:`~.mla_attention_cuda.mla_attention_cuda` for
     these shapes) when ``total_len < tiles.min_rows * batch_size``, this module's kernel
     otherwise (a host branch). ``split_kv`` comes back unchanged where this kernel does not
-    support the shapes or the dtype (its pages are not float16).
+    support the shapes or the dtype (its pages are not float16). ``kv_scale``: ``split_kv`` is
+    the FP8 cache's (built with that scale), and so is the added kernel.
 
     The branch is composed in TVMScript: ``split_kv``'s printed body under the ``if``, the same
     buffer declarations as its builder's, so its kernels lower to the same device code."""
     tiles = tiles or tuned("mla_extend")
-    if not mla_extend_cuda_supports(num_heads, latent_dim, rope_dim, dtype):
+    if not mla_extend_cuda_supports(num_heads, latent_dim, rope_dim, dtype, kv_scale):
         return split_kv
-    D, name, src, call = _parts(num_heads, latent_dim, rope_dim, tiles)
+    dims, name, src, call = _parts(num_heads, latent_dim, rope_dim, tiles, kv_scale)
     text = split_kv.script()
     lines = text.splitlines()
     sig = next((ln for ln in lines if ln.startswith("def ")), "")
-    fp16_pages = f'pages: T.Buffer(("max_num_pages", {PAGE}, {D}), "float16")'
+    fp16_pages = f'pages: T.Buffer(("max_num_pages", {PAGE}, {dims[2]}), "float16")'
     if _ROOT not in lines or fp16_pages not in sig:
         return split_kv  # (another page dtype or layout: keep the split-KV kernel alone)
     body = lines[lines.index(_ROOT) + 1 :]
     fname = sig[4 : sig.index("(")]
     composed = (
-        _header(num_heads, D, latent_dim, fname)
+        _header(fname, *dims)
         + f"    if total_len < {tiles.min_rows} * batch_size:\n"
         + "\n".join("    " + ln if ln else ln for ln in body)
         + "\n    else:\n        "

@@ -4,9 +4,10 @@ The e4m3 reference is ``ml_dtypes.float8_e4m3fn`` (round to nearest even; the va
 to +-448 first, which is what saturation means). Checked: the cache rows built from every finite
 float16 latent value (e4m3 bytes; the rope part copied bit-exactly; CPU kernel, and the CUDA
 kernel under ``tests/cuda_emulation.py``), the CPU attention over FP8 pages (float16 and float32
-slots), and the CUDA split-KV kernel's FP8 variant (V2-Lite's shapes, several splits, a causal
-chunk) under emulation, with controls that must fail: a kernel built with the wrong scale, and
-pages whose rope part was rounded to e4m3 as well.
+slots), and the CUDA split-KV kernel's FP8 variant (V2-Lite's shapes: its tensor-core block,
+the PTX primitives by the emulator's stand-ins; several splits, a causal chunk) under
+emulation, with controls that must fail: a kernel built with the wrong scale, and one that
+scales the rope part's scores too.
 """
 
 from __future__ import annotations
@@ -191,13 +192,48 @@ def test_cpu_attention_over_fp8_pages(dtype: str) -> None:
     _check(arrays, ref_out, ref_lse, heads, latent, tol, 1e-4)
 
 
-def _split_kv_fp8(tmp_path: Path, kv_scale_built: float, kv_scale: float = 0.5):
-    from test_mla_attention_emulation import _launch
+_EMU_CALLS = {
+    "mma": "const unsigned b[2] = {b0, b1}; dsv2_emu_mma16816(c, a, b);",
+    "ldsm": "dsv2_emu_ldmatrix_x4(r, addr, false);",
+    "ldsm_t": "dsv2_emu_ldmatrix_x4(r, addr, true);",
+    "ldsm_t2": "unsigned x[4]; dsv2_emu_ldmatrix_x4(x, addr, true); r[0] = x[0]; r[1] = x[1];",
+    "cp": "dsv2_emu_cp_async(dst, src, bytes);",
+    "commit": "dsv2_emu_cp_commit();",
+}
+
+
+def _emulated_prim(m) -> str:
+    """A PTX primitive of the split-KV kernel's tensor-core block (``mla_cuda_helpers``) as the
+    emulator's stand-in (``cp.async`` copies land at their ``wait_group``)."""
+    import re
+
+    kind, tag, params, asm = m.groups()
+    if kind == "wait":
+        (pending,) = re.findall(r"wait_group (\d+)", asm)
+        call = f"dsv2_emu_cp_wait({pending});"
+    else:
+        call = _EMU_CALLS[kind]
+    return f"static inline void mlap_{kind}_{tag}({params}) {{ {call} }}\n"
+
+
+def _rope_scaled_too(src: str) -> str:
+    """The tensor-core block scales the rope k-step's score sums by 256 kv_scale too."""
+    old = "      if (k == 4) {"
+    assert old in src
+    return src.replace(old, "      if (k == 5) {")
+
+
+def _split_kv_fp8(tmp_path: Path, kv_scale_built: float, kv_scale: float = 0.5, controls=()):
+    from test_mla_attention_emulation import _PRIM, _launch
 
     H, L, R = 16, 512, 64  # V2-Lite
     func = mla_attention_cuda(H, L, R, "float16", kv_scale=kv_scale_built)
 
     def patch(src: str) -> str:
+        src, n = _PRIM.subn(_emulated_prim, src)  # the tensor-core block's PTX (7 primitives)
+        assert n == 7, n
+        for control in controls:
+            src = control(src)
         return "#define CUDART_INF_F INFINITY  // (math_constants.h, in TVM's header)\n" + src
 
     split = emulate(func, tmp_path, "split", kernel=0, patch=patch)
@@ -226,6 +262,14 @@ def _split_kv_fp8(tmp_path: Path, kv_scale_built: float, kv_scale: float = 0.5):
 def test_cuda_split_kv_over_fp8_pages(tmp_path: Path) -> None:
     arrays, ref_out, ref_lse, H, L = _split_kv_fp8(tmp_path, 0.5)
     _check(arrays, ref_out, ref_lse, H, L, 4 * U16, 1e-4)
+
+
+@needs_toolchain
+def test_cuda_split_kv_rope_scaled_fails(tmp_path: Path) -> None:
+    """Control: the rope part's scores scaled by 256 kv_scale as well."""
+    arrays, ref_out, ref_lse, H, L = _split_kv_fp8(tmp_path, 0.5, controls=(_rope_scaled_too,))
+    with pytest.raises(AssertionError):
+        _check(arrays, ref_out, ref_lse, H, L, 4 * U16, 1e-4)
 
 
 @needs_toolchain

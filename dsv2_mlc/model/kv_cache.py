@@ -25,7 +25,9 @@ with ``k`` latent bytes a slot, ``k H`` heads and rows of ``L / k + R`` slots
 (:mod:`dsv2_mlc.schedules.kv_fp8`); :class:`KVFormat` is the model's side of it (build the rows
 before ``append_mla_kv``, pad and reshape the query / reshape the output to those pseudo-heads).
 Its kernels: the FP8 variants of the MLA attention (CPU: ``mla_paged_attention_fp8_cpu``; CUDA:
-the split-KV kernel's SIMT block, which decodes the bytes as it loads a page), the byte-copying
+the split-KV kernel's FP8 block, on V2's shapes its tensor-core block, which decodes each page
+in shared memory before its MMAs, and for long extends the row-tiled kernel's FP8 variant, which
+does the same a key tile), the byte-copying
 append / page copy / compaction at the slot width, TVM's merge of partial states at the
 pseudo-heads (exact: each head's ``lse`` is written to all its pseudo-heads), and for the
 ragged (self-attention) slot and ``merge_attn_output_inplace`` the kernels of the real head
@@ -286,8 +288,10 @@ class MLAPagedKVCache(PagedKVCache):  # pylint: disable=too-few-public-methods
             mla_kv = {"kv_scale": kv_scale} if fp8 else {}
             if mla_attention_cuda_supports(heads, kv_lora_rank, qk_rope_head_dim, dtype, **mla_kv):
                 func = mla_attention_cuda(heads, kv_lora_rank, qk_rope_head_dim, dtype, **mla_kv)
-                if target.kind.name == "cuda" and not fp8:  # long extends: the row-tiled kernel
-                    func = with_extend_path(func, heads, kv_lora_rank, qk_rope_head_dim, dtype)
+                if target.kind.name == "cuda":  # long extends: the row-tiled kernel
+                    func = with_extend_path(
+                        func, heads, kv_lora_rank, qk_rope_head_dim, dtype, **mla_kv
+                    )
                 gv = bb.add_func(func, "tir_attention_mla_split_kv")
                 slots[_TVM_MLA_SLOT_FUNC] = rx.Tuple([tvm.ir.StringImm("tirx"), gv])
             elif fp8:
