@@ -435,6 +435,7 @@ def _one_head_group(src: str) -> str:
 
 
 @pytest.mark.parametrize("controls", [(), (_one_head_group,)], ids=["kernel", "one_head_group"])
+@pytest.mark.wide
 def test_split_kv_attention_at_v2_heads(tmp_path_factory, controls):
     """DeepSeek-V2 (236B): 128 heads, 8 split blocks of 16 heads for each (row, split), where
     V2-Lite has one (``blockIdx.y``), with the tiles of its shape: every head group of every row

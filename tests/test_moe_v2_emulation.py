@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from dsv2_mlc.schedules.moe_decode_cuda import (
     MoeDecodeShape,
@@ -40,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from cuda_emulation import emulate, needs_toolchain, rel_l2  # noqa: E402
 from test_moe_decode_emulation import TOL, route_numpy  # noqa: E402
 
-pytestmark = needs_toolchain
+pytestmark = [needs_toolchain, pytest.mark.wide]  # minutes of emulation: pytest -m wide
 
 # V2's widths and routing, 24 experts instead of 160 (module docstring)
 V2_WIDTHS = MoeDecodeShape(5120, 1536, 3072, 24, 6, 128, 8, 3, False, 16.0)
