@@ -457,7 +457,18 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None] = print) -> dict[st
     from .model.config import DeepseekV2Config
     from .runtime.tvm_runtime import load_runtime
 
-    build_device = BuildConfig.read(opts.model).device
+    build = BuildConfig.read(opts.model)
+    build_device = build.device
+    if opts.gpu_memory is not None:  # a budget too small is refused before the runtime loads
+        from .runtime.engine import DEFAULT_PREFILL_CHUNK
+        from .runtime.memory_plan import plan_engine
+
+        ctx = opts.prompt_len + opts.gen_len
+        plan_engine(
+            opts.model, build, opts.gpu_memory, ctx, opts.batch, ctx * opts.batch,
+            opts.prefill_chunk, DEFAULT_PREFILL_CHUNK[build_device], opts.cuda_graph,
+            opts.experts,
+        )  # fmt: skip
     load_runtime(build_device, opts.lib_dir)
     memory = _MemoryTracker(build_device)
     memory.sample()  # before the model: the CUDA context (and nothing else)

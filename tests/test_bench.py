@@ -288,3 +288,19 @@ def test_long_prefill_script_times_every_chunk(random_builds):
     assert chunked["first_token"] == whole["first_token"]
     assert chunked["ttft_s"] >= sum(c["seconds"] for c in chunked["chunks"])
     assert chunked["memory"]["weight_bytes"] > 0
+
+
+def test_bench_refuses_a_small_budget_before_loading(random_builds, capsys, monkeypatch):
+    """--gpu-memory too small for the prompt: the planner's refusal (breakdown, what would fit)
+    comes before the TVM runtime is even loaded, so it needs no device."""
+    import dsv2_mlc.runtime.tvm_runtime as tvm_runtime
+
+    def no_runtime(*_args, **_kwargs):
+        raise AssertionError("the runtime was loaded before the budget was checked")
+
+    monkeypatch.setattr(tvm_runtime, "load_runtime", no_runtime)
+    argv = ["bench", str(random_builds["q4f32_g32"]), "--prompt-len", "64", "--gen-len", "8"]
+    rc = main([*argv, "--gpu-memory", "64KiB"])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert "cannot hold a context of 72 tokens" in err and "need a budget of at least" in err
