@@ -87,6 +87,7 @@ class BenchOptions:
     cuda_graph: bool = True
     prefill_chunk: int | None = None
     expert_major_from: int | None = None  # None: the engine's default
+    gemm_decode_from: int | None = None  # None: the engine's default
     token_major: bool = False  # every decode step on the fused per-token MoE kernels
     verify: bool = False  # hash the weight files too before loading them
     experts: str | None = None  # "gpu" or "host" (Engine(experts=...)); None: gpu or the plan
@@ -105,6 +106,8 @@ class BenchOptions:
             raise BenchError("--hbm-bandwidth must be positive (bytes/s)")
         if self.expert_major_from is not None and self.expert_major_from < 1:
             raise BenchError("--expert-major-from must be at least 1 sequence")
+        if self.gemm_decode_from is not None and self.gemm_decode_from < 1:
+            raise BenchError("--gemm-decode-from must be at least 1 sequence")
         if self.experts not in (None, "gpu", "host"):
             raise BenchError(f"--experts {self.experts}: use gpu or host")
 
@@ -299,12 +302,16 @@ def _one_run(engine: Any, prompts: np.ndarray, gen_len: int) -> dict[str, Any]:
 
 
 def _expert_major(opts: BenchOptions) -> dict[str, int | None]:
-    """The engine's ``expert_major_from`` keyword for ``opts`` (none: its default)."""
+    """The engine's ``expert_major_from`` / ``gemm_decode_from`` keywords for ``opts`` (none:
+    its defaults)."""
+    out: dict[str, int | None] = {}
+    if opts.gemm_decode_from is not None:
+        out["gemm_decode_from"] = opts.gemm_decode_from
     if opts.token_major:
-        return {"expert_major_from": None}
-    if opts.expert_major_from is None:
-        return {}
-    return {"expert_major_from": opts.expert_major_from}
+        return {**out, "expert_major_from": None, "gemm_decode_from": None}
+    if opts.expert_major_from is not None:
+        out["expert_major_from"] = opts.expert_major_from
+    return out
 
 
 def _graph_report(before: dict | None, after: dict | None) -> dict[str, Any] | None:
@@ -566,6 +573,8 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None] = print) -> dict[st
             "steps_per_run": n_steps,
             "expert_major": engine.expert_major_from is not None
             and opts.batch >= engine.expert_major_from,
+            "gemm_path": engine.gemm_decode_from is not None
+            and opts.batch >= engine.gemm_decode_from,
             "step_s": steps,
             "decode_tok_s": opts.batch * len(steps) / sum(steps) if steps else None,
             "tpot_ms_mean": float(np.mean(steps)) * 1e3 if steps else None,
@@ -704,7 +713,13 @@ def format_report(r: dict[str, Any]) -> str:
         lines.append(
             f"decode: {d['decode_tok_s']:,.1f} tok/s, TPOT p50 {d['tpot_ms_p50']:.3f} ms, "
             f"p99 {d['tpot_ms_p99']:.3f} ms ("
-            + ("expert-major MoE; " if d.get("expert_major") else "")
+            + (
+                "GEMM path; "
+                if d.get("gemm_path")
+                else "expert-major MoE; "
+                if d.get("expert_major")
+                else ""
+            )
             + (
                 f"arg-max on the device; on the host it would take {d['host_argmax_us']:.0f} us)"
                 if d.get("argmax_on_device")

@@ -125,6 +125,13 @@ def _add_bench_command(sub: argparse._SubParsersAction) -> None:
         "(the expert-major MoE kernels on tensor cores; default: the engine's, 16)",
     )
     p.add_argument(
+        "--gemm-decode-from",
+        type=int,
+        default=None,
+        help="decode batches of at least this many sequences run the GEMM path (projections "
+        "and experts as the prefill path runs them; default: the engine's, 64)",
+    )
+    p.add_argument(
         "--token-major",
         action="store_true",
         help="every decode step on the fused per-token MoE kernels",

@@ -49,7 +49,7 @@ def test_decode_greedy_equals_host_argmax_of_decode(name, batch, engines):
             eng.remove_sequence(s)
 
 
-def test_decode_greedy_splits_large_batches_like_decode(compiled):
+def test_decode_greedy_of_a_large_batch_like_decode(compiled):
     from dsv2_mlc.runtime.engine import MAX_DECODE_GROUP, Engine
 
     n = MAX_DECODE_GROUP + 2

@@ -203,3 +203,34 @@ def test_a_step_past_max_batch_size_is_refused(compiled, engines):
     for row, prompt, token in zip(pair, prompts[1:], [6, 7], strict=True):
         alone = engines["A"].logits(prompt + [token])[-1]
         assert np.abs(row - alone).max() < TOL
+
+
+@pytest.mark.parametrize("gemm_from", [None, 2], ids=["decode", "decode_gemm"])
+def test_large_decode_step_against_hf(compiled, hf_models, gemm_from):
+    """40 independent sequences (more than MAX_DECODE_GROUP) decode in one step, through
+    ``batch_decode`` or ``batch_decode_gemm`` (absorbed attention, the prefill path's
+    projections and experts); each row's logits against HF over its prompt and token."""
+    import torch
+    from hf_reference import hf_logits
+
+    from dsv2_mlc.runtime.engine import MAX_DECODE_GROUP, Engine
+
+    n = MAX_DECODE_GROUP + 9
+    eng = Engine(compiled["B"], context_window=32, max_batch_size=n, gemm_decode_from=gemm_from)
+    assert eng.gemm_decode_from == gemm_from
+    calls: list[str] = []
+    for name, fn in list(eng._fn.items()):  # which entry points one step calls
+        eng._fn[name] = lambda *a, _fn=fn, _name=name: (calls.append(_name), _fn(*a))[1]
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, 500, 1 + i % 11).tolist() for i in range(n)]
+    seqs = [eng.add_sequence() for _ in range(n)]
+    eng.prefill(seqs, prompts)
+    tokens = rng.integers(0, 500, n).tolist()
+    calls.clear()
+    got = eng.decode(seqs, tokens)
+    assert calls == ["batch_decode" if gemm_from is None else "batch_decode_gemm"]
+    model = hf_models["B"]
+    with torch.no_grad():
+        for i in (0, 1, 17, 31, 32, n - 1):
+            ref = hf_logits(model, prompts[i] + [tokens[i]])[-1]
+            assert np.abs(got[i] - ref).max() < 2e-3, i

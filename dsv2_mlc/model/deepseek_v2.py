@@ -14,6 +14,9 @@ batch from ``begin_forward``):
 * ``batch_decode_expert_major(input_ids[b, 1], cache)`` (CUDA builds): the same step with the
   MoE blocks' expert-major kernels instead of the fused per-token ones, for batches (each expert
   the batch selects read once for all its tokens).
+* ``batch_decode_gemm(input_ids[b, 1], cache)``: the same step for large batches (on CUDA):
+  the absorbed attention of ``batch_decode``, everything else as ``batch_extend`` runs it (dense
+  projections as GEMMs, the routed experts as expert-sorted grouped GEMMs on tensor cores).
 * ``create_paged_kv_cache(...)``: the MLA latent cache (only ``kv_lora_rank + rope`` values per
   token per layer), in pages of 16 tokens.
 
@@ -54,7 +57,9 @@ from .mla_ops import (
 )
 from .moe import DeepseekV2MLP, DeepseekV2MoE
 
-Mode = Literal["prefill", "extend", "decode"]
+# "decode_gemm": a decode step (absorbed attention over the pages, which already hold the new
+# token) whose projections and experts run the prefill path's GEMMs (``batch_decode_gemm``).
+Mode = Literal["prefill", "extend", "decode", "decode_gemm"]
 
 # DeepSeek's q_a_layernorm / kv_a_layernorm use a fixed epsilon, not rms_norm_eps.
 LORA_NORM_EPS = 1e-6
@@ -168,7 +173,7 @@ class DeepseekV2Attention(nn.Module):
             q = q_src if cfg.q_lora_rank is not None else op.split(qkv, [cfg.q_a_dim], axis=1)[0]
 
         out = None
-        if mode != "decode":
+        if mode not in ("decode", "decode_gemm"):
             # Non-absorbed (prefill) attention over the new tokens: decompress the latent.
             c_kv = op.split(latent, [lora], axis=1)[0]
             k_nope = op.matmul(c_kv, op.permute_dims(op.reshape(self.kv_b_proj.w_uk, (-1, lora))))
@@ -353,6 +358,17 @@ class DeepseekV2ForCausalLM(nn.Module):
         """One token for each sequence of the batch (absorbed attention)."""
         return self._decode(input_ids, paged_kv_cache, expert_major=False)
 
+    def batch_decode_gemm(
+        self, input_ids: Tensor, paged_kv_cache: PagedKVCache
+    ) -> tuple[Tensor, PagedKVCache]:
+        """``batch_decode`` for large batches: the absorbed attention over the
+        pages as there, the projections, ``lm_head`` and the routed experts as the prefill path
+        runs them (GEMMs that read each weight once for the batch's tokens); the engine runs it
+        for decode steps of ``Engine.gemm_decode_from`` sequences and more."""
+        x, cache = self._body(input_ids, paged_kv_cache, "decode_gemm")
+        logits = self._logits(x)
+        return op.reshape(logits, (input_ids.shape[0], 1, self.cfg.vocab_size)), cache
+
     def batch_decode_expert_major(
         self, input_ids: Tensor, paged_kv_cache: PagedKVCache
     ) -> tuple[Tensor, PagedKVCache]:
@@ -414,6 +430,8 @@ class DeepseekV2ForCausalLM(nn.Module):
         "batch_extend": "extend",
         "batch_decode": "decode",
         "batch_decode_expert_major": "decode",
+        # the passes give it the extend path's kernels (cuBLAS GEMMs, dequantised weights)
+        "batch_decode_gemm": "extend",
     }
 
     def annotate_entries(self, mod: IRModule) -> IRModule:
@@ -442,6 +460,7 @@ class DeepseekV2ForCausalLM(nn.Module):
             "batch_prefill": prefill,
             "batch_extend": dict(prefill),
             "batch_decode": decode,
+            "batch_decode_gemm": dict(decode),
             "create_paged_kv_cache": {
                 "max_batch_size": int,
                 "max_total_seq_len": int,

@@ -91,10 +91,11 @@ def gather_matmul(
 
 def use_grouped_experts(mode: str | None) -> bool:
     """Whether the routed experts run as grouped GEMMs (:mod:`dsv2_mlc.schedules.moe_grouped_cuda`):
-    prefill / extend on a CUDA target (``Target.current()``); decode and the CPU keep the gather
-    kernels."""
+    prefill / extend and the large-batch decode (``decode_gemm``) on a CUDA target
+    (``Target.current()``); decode and the CPU keep the gather kernels."""
     target = Target.current(allow_none=True)
-    return mode in ("prefill", "extend") and target is not None and target.kind.name == "cuda"
+    cuda = target is not None and target.kind.name == "cuda"
+    return cuda and mode in ("prefill", "extend", "decode_gemm")
 
 
 def grouped_experts(

@@ -56,13 +56,19 @@ DEFAULT_PREFILL_CHUNK = {"cpu": 512, "cuda": 8192}
 ALL_LOGITS_CHUNK = 512
 _POOLED_ALLOCATOR = 2
 # TVM's paged cache appends decode tokens *after* attention (so absorbed-only decode would miss
-# the new token) when 32+ sequences of one batch share a cached block (attn_utils.h
-# GetChunkedBlockIds, coalesce ratio >= 32). Decode batches are split below that.
+# the new token) when, at the last block depth, the batch's pages over the pages of its coalesced
+# (consecutive equal) blocks reach 32 (attn_utils.h GetChunkedBlockIds). Only sequences that
+# share pages (forks) coalesce, and the ratio is at most the number of them in the step: a
+# step with 32 or more of them is split into groups of at most this many sequences.
 MAX_DECODE_GROUP = 31
 # Decode steps of at least this many sequences run ``batch_decode_expert_major`` (each expert the
 # batch selects read once, on tensor cores) where the build has it; fewer run the fused per-token
 # MoE kernels, the faster ones up to batch 8 (docs/benchmarks.md, "Decode batches").
 EXPERT_MAJOR_FROM = 16
+# Decode steps of at least this many sequences run ``batch_decode_gemm`` (the prefill path's
+# GEMMs and grouped expert GEMMs, the decode path's attention) where the build has it
+# (docs/benchmarks.md, "Decode batches").
+GEMM_DECODE_FROM = 64
 
 
 def _shape(v: int) -> tvm_ffi.Shape:
@@ -109,6 +115,7 @@ class Engine(TextMixin):
         pdl: str | None = None,
         overlap_steps: bool = True,
         expert_major_from: int | None = EXPERT_MAJOR_FROM,
+        gemm_decode_from: int | None = GEMM_DECODE_FROM,
         verify: bool = False,
         experts: str | None = None,
         gpu_memory: int | str | None = None,
@@ -134,6 +141,9 @@ class Engine(TextMixin):
         ``expert_major_from``: decode steps of at least this many sequences run the MoE blocks'
         expert-major kernels (``batch_decode_expert_major``, CUDA builds that have it: each
         expert the batch selects read once); None: never (the fused per-token kernels).
+        ``gemm_decode_from``: decode steps of at least this many sequences run
+        ``batch_decode_gemm`` (builds that have it; on CUDA the projections and experts as
+        GEMMs on tensor cores, each weight read once for the step); None: never.
 
         Before anything is loaded the folder is checked against the sizes and SHA-256 recorded
         when it was made (:mod:`dsv2_mlc.runtime.integrity`: the library and the weight index
@@ -221,6 +231,14 @@ class Engine(TextMixin):
         self._major_from = expert_major_from if major else None
         if major:
             self._fn["batch_decode_expert_major"] = vm["batch_decode_expert_major"]
+        if gemm_decode_from is not None and gemm_decode_from < 1:
+            raise check.EngineOptionError(
+                f"gemm_decode_from must be at least 1 (got {gemm_decode_from})"
+            )
+        gemm = vm.implements_function("batch_decode_gemm")  # builds since it exists
+        self._gemm_from = gemm_decode_from if gemm else None
+        if gemm:
+            self._fn["batch_decode_gemm"] = vm["batch_decode_gemm"]
         # the device arg-max (``greedy_tokens``); builds compiled before it have none
         self._greedy = vm["greedy_tokens"] if vm.implements_function("greedy_tokens") else None
         self._kv_state = {
@@ -441,7 +459,7 @@ class Engine(TextMixin):
         lengths = [len(c) for c in chunks]
         if greedy and any(n != 1 for n in lengths):
             raise check.TokenIdError("greedy steps take one token per sequence")
-        if all(n == 1 for n in lengths) and len(seq_ids) > MAX_DECODE_GROUP:
+        if all(n == 1 for n in lengths) and self._split_decode(seq_ids):
             parts = range(0, len(seq_ids), MAX_DECODE_GROUP)
             return np.concatenate(
                 [
@@ -481,6 +499,13 @@ class Engine(TextMixin):
             self._seq_len[seq] += n
         logits = to_numpy(out[0])  # a copy on the host, whatever the device
         return logits.reshape(-1, self.config.vocab_size)
+
+    def _split_decode(self, seq_ids: Sequence[int]) -> bool:
+        """Whether a decode step of ``seq_ids`` runs in groups of :data:`MAX_DECODE_GROUP`: it
+        holds more than that many sequences that share pages."""
+        if len(seq_ids) <= MAX_DECODE_GROUP:
+            return False
+        return len(self._shared.intersection(seq_ids)) > MAX_DECODE_GROUP
 
     def _begin(self, seq_ids: list[int], lengths: list[int]) -> None:
         """``begin_forward`` for one chunk per sequence: after :meth:`settle`, or nothing when
@@ -566,8 +591,10 @@ class Engine(TextMixin):
         return self._graphs.run(key, ids, self._batch_decode, upload, copy_into, same_logits)
 
     def _batch_decode(self, ids_t: tvm_ffi.Tensor) -> Any:
-        batch, start = ids_t.shape[0], self._major_from
+        batch, start, gemm = ids_t.shape[0], self._major_from, self._gemm_from
         name = "batch_decode" if start is None or batch < start else "batch_decode_expert_major"
+        if gemm is not None and batch >= gemm:
+            name = "batch_decode_gemm"
         return self._fn[name](ids_t, self._cache, self._params)
 
     def _graph_key(self, seq_ids: list[int]) -> tuple[int, int] | None:
@@ -590,6 +617,11 @@ class Engine(TextMixin):
         """The smallest decode batch that runs the MoE blocks' expert-major kernels
         (``batch_decode_expert_major``); None: none does (a build without it, or turned off)."""
         return self._major_from
+
+    @property
+    def gemm_decode_from(self) -> int | None:
+        """The smallest decode batch that runs ``batch_decode_gemm``; None: none does."""
+        return self._gemm_from
 
     @property
     def cuda_graph_stats(self) -> dict[str, float] | None:
@@ -694,7 +726,7 @@ class Engine(TextMixin):
         seq_ids, tokens = self._step_args(seq_ids, tokens)
         if follow and not next_step:
             raise check.EngineOptionError("follow launches the next step: it needs next_step")
-        if self._greedy is None or len(seq_ids) > MAX_DECODE_GROUP:
+        if self._greedy is None or self._split_decode(seq_ids):
             tokens_now = self.decode_greedy(seq_ids, tokens)
             return PendingTokens(lambda: tokens_now)
         pending = self._claim_followed(seq_ids, tokens)
