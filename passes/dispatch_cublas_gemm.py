@@ -1,7 +1,8 @@
 """DispatchCublasGemm: prefill / extend ``x @ w.T`` (fp16/bf16) -> cuBLAS, whose GEMMs run ~3x
 faster than dlight's WMMA schedules on sm_90 (schedules/results/prefill_gemm.md).
 
-In the entry functions annotated ``prefill`` or ``extend`` (``ENTRY_KIND_ATTR``), a
+In the entry functions annotated ``prefill``, ``extend`` or ``decode_gemm`` (the large-batch
+decode step; ``ENTRY_KIND_ATTR``), a
 ``matmul(x, permute_dims(w))`` of a 2-D activation ``x [n, k]`` and a 2-D weight ``w [o, k]`` of
 the same 16-bit float dtype becomes ``call_dps_packed("dsv2.cublas.gemm_nt", (x, w))``, which
 ``dsv2_mlc/runtime/cublas_gemm.cc`` (compiled into the library) runs with float32 accumulation:
@@ -24,7 +25,7 @@ from tvm.ir import IRModule
 from ._rewrite import bound_call, entry_kind, rewrite_relax_functions
 
 GEMM_NT = "dsv2.cublas.gemm_nt"
-ENTRY_KINDS = ("prefill", "extend")
+ENTRY_KINDS = ("prefill", "extend", "decode_gemm")
 _DTYPES = ("float16", "bfloat16")
 
 

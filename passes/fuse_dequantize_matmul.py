@@ -5,12 +5,15 @@ full-precision copy of the weight is written to memory; accumulation is float32.
 kernels are recognised by the PrimFunc attribute that ``QuantizeInt4`` sets, not by name.
 
 Where it fires: everywhere on CPU. On GPU targets only in the decode entry point (batch-1 GEMVs,
-bandwidth-bound: reading INT4 is the point) and for weights whose float copy would exceed
-``MAX_MATERIALISED_BYTES`` (the vocab-sized lm_head, which prefill applies to one row per
-sequence). Prefill / extend GEMMs on GPU are compute-bound: there the weight is dequantised to a
-float buffer per call (a few MB, memory-bound, microseconds) and the float matmul gets dlight's
-tensor-core schedule, which a fused INT4 reduction does not (a fused INT4 reduction runs at a
-small fraction of the tensor cores' rate).
+bandwidth-bound: reading INT4 is the point) and, in prefill / extend, for weights whose float
+copy would exceed ``MAX_MATERIALISED_BYTES`` (the vocab-sized lm_head, which prefill applies to
+one row per sequence). Prefill / extend GEMMs on GPU are compute-bound: there the weight is
+dequantised to a float buffer per call (a few MB, memory-bound, microseconds) and the float
+matmul gets cuBLAS or dlight's tensor-core schedule, which a fused INT4 reduction does not (a
+fused INT4 reduction runs at a small fraction of the tensor cores' rate). The large-batch decode
+entry (kind ``decode_gemm``) materialises every weight, lm_head included: it multiplies 64-256
+rows by it, where the fused kernel (a GEMV schedule) took 44 ms a step for V2-Lite's lm_head at
+256 rows and the float copy plus a GEMM well under a millisecond.
 """
 
 from __future__ import annotations
@@ -59,10 +62,11 @@ def dequantize_matmul_te(
 
 @relax.expr_functor.mutator
 class _Rewriter(relax.PyExprMutator):
-    def __init__(self, mod: IRModule, min_bytes: int = 0):
+    def __init__(self, mod: IRModule, min_bytes: int | None = 0):
         super().__init__(mod)
         self.mod = mod
-        self.min_bytes = min_bytes  # fuse only weights whose float copy is at least this big
+        # fuse only weights whose float copy is at least this big (None: fuse none)
+        self.min_bytes = min_bytes
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:
         call = self.visit_expr_post_order(call)
@@ -80,7 +84,7 @@ class _Rewriter(relax.PyExprMutator):
             else None
         )
         group = primfunc_attr(self.mod, dequant, DEQUANTIZE_ATTR)
-        if group is None:
+        if group is None or self.min_bytes is None:
             return call
         qw, scale = dequant.args[1].fields
         w_ty = transpose.args[0].ty
@@ -105,8 +109,14 @@ def FuseDequantizeMatmul(mod: IRModule, _ctx: tvm.transform.PassContext) -> IRMo
     target = tvm.target.Target.current(allow_none=True)
     gpu = target is not None and "gpu" in target.keys
     decode = rewrite_relax_functions(mod, _Rewriter(mod), lambda f: entry_kind(f) == "decode")
+    done = ("decode",)
+    if gpu:  # (the rewriter's None: no weight is too large to materialise)
+        decode = rewrite_relax_functions(
+            decode, _Rewriter(decode, None), lambda f: entry_kind(f) == "decode_gemm"
+        )
+        done = ("decode", "decode_gemm")
     return rewrite_relax_functions(
         decode,
         _Rewriter(decode, MAX_MATERIALISED_BYTES if gpu else 0),
-        lambda f: entry_kind(f) != "decode",
+        lambda f: entry_kind(f) not in done,
     )

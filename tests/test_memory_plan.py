@@ -355,3 +355,18 @@ def test_gpu_memory_flag_rejects_junk(capsys):
         with pytest.raises(SystemExit):
             main([*command, "--gpu-memory", "4 gigs"])
         assert "cannot read '4 gigs' as a memory size" in capsys.readouterr().err
+
+
+def test_large_batch_workspace_holds_the_lm_head_copy():
+    """From GEMM_DECODE_FROM sequences a decode step runs batch_decode_gemm, whose workspace
+    holds the float16 copy of the INT4 lm_head: 102,400 x 2,048 x 2 B for V2-Lite."""
+    from dsv2_mlc.runtime.memory_plan import GEMM_DECODE_FROM
+
+    m = v2_lite()
+    assert m.lm_head_copy_bytes == 102400 * 2048 * 2
+    below, at = (
+        plan_memory(m, "80GiB", 1024, b, prefill_chunk_size=2048, constants=CONSTANTS)
+        for b in (GEMM_DECODE_FROM - 1, GEMM_DECODE_FROM)
+    )
+    logits = 102400 * 4  # one more sequence's float32 logits
+    assert at.workspace - below.workspace == m.lm_head_copy_bytes + logits

@@ -259,6 +259,12 @@ def test_dispatch_cublas_gemm():
     tvm.ir.assert_structural_equal(DispatchCublasGemm(_gemm_module("prefill")), GemmExpected)
 
 
+def test_dispatch_cublas_gemm_in_the_large_batch_decode():
+    """The large-batch decode entry (kind decode_gemm) gets the prefill path's GEMMs."""
+    after = DispatchCublasGemm(_gemm_module("decode_gemm"))
+    assert "dsv2.cublas.gemm_nt" in after.script()
+
+
 def test_dispatch_cublas_gemm_does_not_fire_in_decode():
     before = _gemm_module("decode")
     tvm.ir.assert_structural_equal(DispatchCublasGemm(before), before)
@@ -278,3 +284,60 @@ class BatchedMatmul:
 
 def test_dispatch_cublas_gemm_does_not_fire_on_batched_matmul():
     tvm.ir.assert_structural_equal(DispatchCublasGemm(BatchedMatmul), BatchedMatmul)
+
+
+def _dequant_sized(rows: int, cols: int, kind: str) -> tvm.IRModule:
+    """``x [4, cols] @ dequantize(qw, scale)^T`` with a ``rows x cols`` float16 weight, in an entry
+    of ``kind`` (shapes only: no data)."""
+    bb = relax.BlockBuilder()
+    x = _tensor("x", [4, cols], "float16")
+    qw, scale = _tensor("qw", [rows, cols // 8], "uint32"), _tensor("scale", [rows, cols // 32])
+
+    def dequantize(q: tvm.te.Tensor, s: tvm.te.Tensor) -> tvm.te.Tensor:
+        return tvm.te.compute(
+            (rows, cols),
+            lambda n, k: (
+                (
+                    ((q[n, k // 8] >> (k % 8 * 4).astype("uint32")) & 15).astype("float32") - 8.0
+                ).astype("float16")
+                * s[n, k // 32].astype("float16")
+            ),
+            name="dequantize",
+        )
+
+    with bb.function("main", [x, qw, scale]):
+        with bb.dataflow():
+            w = bb.emit(bb.call_te(dequantize, qw, scale, primfunc_name_hint="dequantize"))
+            y = bb.emit_output(relax.op.matmul(x, relax.op.permute_dims(w)))
+        bb.emit_func_output(y)
+    mod = bb.get()
+    gv = mod.get_global_var("dequantize")
+    mod[gv] = mod[gv].with_attr("dsv2_mlc.dequantize_int4_group", 32)
+    main = mod.get_global_var("main")
+    mod[main] = mod[main].with_attr("dsv2_mlc.entry_kind", kind)
+    return relax.transform.Normalize()(mod)
+
+
+def _fused(mod: tvm.IRModule) -> bool:
+    return any(gv.name_hint.startswith("fused_dequantize_matmul") for gv in mod.get_global_vars())
+
+
+def test_fuse_dequantize_matmul_on_gpu_by_entry_kind_and_size():
+    """On a GPU target a weight whose float copy exceeds MAX_MATERIALISED_BYTES (here 512 MiB) is
+    fused in prefill / extend (lm_head: one row per sequence) but materialised in the
+    large-batch decode entry; a small one is materialised in both; decode fuses every weight."""
+    big, small = (65536, 4096), (256, 4096)
+    with tvm.target.Target({"kind": "cuda", "arch": "sm_90"}):
+        for shape, kind, fused in (
+            (big, "extend", True),
+            (big, "decode_gemm", False),
+            (small, "extend", False),
+            (small, "decode_gemm", False),
+            (small, "decode", True),
+        ):
+            assert _fused(FuseDequantizeMatmul(_dequant_sized(*shape, kind))) == fused, (
+                shape,
+                kind,
+            )
+    # on the CPU every entry fuses (no tensor cores to feed)
+    assert _fused(FuseDequantizeMatmul(_dequant_sized(*big, "decode_gemm")))

@@ -430,8 +430,8 @@ class DeepseekV2ForCausalLM(nn.Module):
         "batch_extend": "extend",
         "batch_decode": "decode",
         "batch_decode_expert_major": "decode",
-        # the passes give it the extend path's kernels (cuBLAS GEMMs, dequantised weights)
-        "batch_decode_gemm": "extend",
+        # the passes give it the extend path's GEMMs (cuBLAS, dequantised weights, lm_head too)
+        "batch_decode_gemm": "decode_gemm",
     }
 
     def annotate_entries(self, mod: IRModule) -> IRModule:

@@ -23,7 +23,7 @@ from .device import copy_into, to_device, to_numpy
 from .generation import GenerationResult, GenerationStream, StreamDelta
 from .host_memory import HostWeights, load_params_placed
 from .integrity import verify_build
-from .memory_plan import plan_engine, reports_oom
+from .memory_plan import GEMM_DECODE_FROM, plan_engine, reports_oom
 from .pdl import PORTS as PDL_PORTS
 from .pending import PendingTokens
 from .placement import placed_bytes
@@ -65,10 +65,9 @@ MAX_DECODE_GROUP = 31
 # batch selects read once, on tensor cores) where the build has it; fewer run the fused per-token
 # MoE kernels, the faster ones up to batch 8 (docs/benchmarks.md, "Decode batches").
 EXPERT_MAJOR_FROM = 16
-# Decode steps of at least this many sequences run ``batch_decode_gemm`` (the prefill path's
-# GEMMs and grouped expert GEMMs, the decode path's attention) where the build has it
-# (docs/benchmarks.md, "Decode batches").
-GEMM_DECODE_FROM = 64
+# From GEMM_DECODE_FROM (memory_plan, which counts its workspace) sequences a decode step runs
+# ``batch_decode_gemm`` (the prefill path's GEMMs and grouped expert GEMMs, the decode path's
+# attention) where the build has it (docs/benchmarks.md, "Decode batches").
 
 
 def _shape(v: int) -> tvm_ffi.Shape:

@@ -69,6 +69,9 @@ KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 PAGE_SIZE = 16  # tokens a KV page holds (the engine's PAGE_SIZE)
 MIN_PREFILL_CHUNK = 512  # the smallest prefill chunk the planner picks
 LOGITS_ITEMSIZE = 4  # the logits come back in float32
+# decode steps of this many sequences and more run ``batch_decode_gemm`` (the engine's default
+# ``gemm_decode_from``): its workspace holds a float copy of an INT4 lm_head
+GEMM_DECODE_FROM = 64
 
 
 class MemoryBudgetError(Dsv2Error, ValueError):
@@ -207,14 +210,18 @@ class ModelMemory:
     workspace_per_token: int  # the analytic estimate (before the device's workspace_scale)
     logits_bytes_per_sequence: int
     max_context: int
+    # the float copy of an INT4 lm_head that a large-batch decode step multiplies (0: none)
+    lm_head_copy_bytes: int = 0
 
     @classmethod
     def from_params(
         cls, build: BuildConfig, params: Iterable[tuple[str, Sequence[int], str]]
     ) -> ModelMemory:
         """From the build config and its parameters ``(name, shape, dtype)``."""
-        resident = experts = 0
+        resident = experts = lm_head = 0
         for name, shape, dtype in params:
+            if name == "lm_head.q_weight":  # packed INT4: 8 values a 32-bit word
+                lm_head = param_bytes(shape, dtype) // 4 * 8 * dtype_bytes(build.dtype)
             if is_routed_expert(name):
                 experts += param_bytes(shape, dtype)
             else:
@@ -228,6 +235,7 @@ class ModelMemory:
             workspace_per_token=workspace_per_token(model, build.dtype),
             logits_bytes_per_sequence=int(model["vocab_size"]) * LOGITS_ITEMSIZE,
             max_context=int(model["max_position_embeddings"]),
+            lm_head_copy_bytes=lm_head,
         )
 
     @classmethod
@@ -350,10 +358,13 @@ def kv_pool_bytes(model: ModelMemory, kv_capacity: int, max_batch_size: int) -> 
 def workspace_bytes(
     model: ModelMemory, chunk: int, max_batch_size: int, constants: DeviceMemory
 ) -> int:
-    """Workspace of a prefill chunk of ``chunk`` tokens (a decode batch takes fewer tokens)."""
+    """Workspace of a prefill chunk of ``chunk`` tokens (a decode batch takes fewer tokens), and
+    from :data:`GEMM_DECODE_FROM` sequences the large-batch decode step's float copy of an INT4
+    lm_head."""
     per_token = model.workspace_per_token * constants.workspace_scale
     logits = max_batch_size * model.logits_bytes_per_sequence
-    return int(constants.workspace_fixed + per_token * chunk + logits)
+    gemm = model.lm_head_copy_bytes if max_batch_size >= GEMM_DECODE_FROM else 0
+    return int(constants.workspace_fixed + per_token * chunk + logits + gemm)
 
 
 def _chunks(default_chunk: int, kv_capacity: int) -> list[int]:
