@@ -5,13 +5,14 @@ What is measured (all wall-clock on the host, each model call synchronised: the 
 its kernels are *enqueued*, and the copy of the logits to the host waits for them; the
 ``sync_check`` section measures both halves of one decode step to show it):
 
-* **prefill**: ``batch`` fresh sequences of ``prompt_len`` random token ids in one call;
-  TTFT = prefill call + host arg-max of the first token; prefill tok/s = batch * prompt_len /
-  prefill call. ``prefill_chunk`` (default: the engine's ``prefill_chunk_size``, 8,192 tokens
-  on CUDA, so the activations of a long prompt stay bounded as in serving) bounds the tokens of
-  one model call: longer prompts go in chunks, the first a prefill and the rest extends
-  attending to the cached prefix, as ``Engine.prefill`` does for any prompt; a chunk as large as
-  the prompt gives one call.
+* **prefill**: ``batch`` fresh sequences of ``prompt_len`` random token ids in one call (with
+  ``mixed_lengths`` each sequence's length drawn from ``[prompt_len / 8, prompt_len]``, so the
+  decode steps hold sequences of different lengths); TTFT = prefill call + host arg-max of the
+  first token; prefill tok/s = prompt tokens / prefill call. ``prefill_chunk`` (default: the
+  engine's ``prefill_chunk_size``, 8,192 tokens on CUDA, so the activations of a long prompt
+  stay bounded as in serving) bounds the tokens of one model call: longer prompts go in
+  chunks, the first a prefill and the rest extends attending to the cached prefix, as
+  ``Engine.prefill`` does for any prompt; a chunk as large as the prompt gives one call.
 * **decode**: ``gen_len - 1`` greedy steps of one token per sequence: a step is
   ``Engine.launch_greedy`` and the wait for its tokens (ids in, the arg-max picked on the
   device, one int per sequence copied out; ``argmax_on_device``; the KV cache's bookkeeping of
@@ -88,6 +89,7 @@ class BenchOptions:
     prefill_chunk: int | None = None
     expert_major_from: int | None = None  # None: the engine's default
     gemm_decode_from: int | None = None  # None: the engine's default
+    mixed_lengths: bool = False  # prompt lengths drawn from [prompt_len / 8, prompt_len]
     token_major: bool = False  # every decode step on the fused per-token MoE kernels
     verify: bool = False  # hash the weight files too before loading them
     experts: str | None = None  # "gpu" or "host" (Engine(experts=...)); None: gpu or the plan
@@ -108,6 +110,8 @@ class BenchOptions:
             raise BenchError("--expert-major-from must be at least 1 sequence")
         if self.gemm_decode_from is not None and self.gemm_decode_from < 1:
             raise BenchError("--gemm-decode-from must be at least 1 sequence")
+        if self.mixed_lengths and self.compare_hf:
+            raise BenchError("--compare-hf takes prompts of one length: drop --mixed-lengths")
         if self.experts not in (None, "gpu", "host"):
             raise BenchError(f"--experts {self.experts}: use gpu or host")
 
@@ -264,12 +268,24 @@ def _host_argmax_us(batch: int, vocab: int, reps: int = 200) -> float:
     return float(np.median(times) * 1e6)
 
 
-def _one_run(engine: Any, prompts: np.ndarray, gen_len: int) -> dict[str, Any]:
-    """Prefill ``prompts`` [batch, len] on fresh sequences, then ``gen_len - 1`` greedy steps."""
+def bench_prompts(opts: BenchOptions, vocab: int) -> list[list[int]]:
+    """The ``batch`` prompts of random ids (seed ``opts.seed``): ``prompt_len`` tokens each, or
+    with ``mixed_lengths`` lengths drawn uniformly from ``[max(1, prompt_len // 8),
+    prompt_len]``."""
+    rng = np.random.default_rng(opts.seed)
+    ids = rng.integers(0, vocab, (opts.batch, opts.prompt_len), dtype=np.int64)
+    if not opts.mixed_lengths:
+        return ids.tolist()
+    lengths = rng.integers(max(1, opts.prompt_len // 8), opts.prompt_len + 1, opts.batch)
+    return [row[:n].tolist() for row, n in zip(ids, lengths, strict=True)]
+
+
+def _one_run(engine: Any, prompts: list[list[int]], gen_len: int) -> dict[str, Any]:
+    """Prefill ``prompts`` on fresh sequences, then ``gen_len - 1`` greedy steps."""
     seqs = [engine.add_sequence() for _ in range(len(prompts))]
     try:
         t0 = time.perf_counter()
-        logits = np.stack(engine.prefill(seqs, prompts.tolist()))
+        logits = np.stack(engine.prefill(seqs, prompts))
         t1 = time.perf_counter()
         tokens = logits.argmax(-1)
         t2 = time.perf_counter()
@@ -485,11 +501,11 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None] = print) -> dict[st
     engine, load_s = _open_engine(opts, log)
     memory.sample()
     cfg, vocab = DeepseekV2Config.from_dict(engine.build.model), engine.config.vocab_size
-    rng = np.random.default_rng(opts.seed)
-    prompts = rng.integers(0, vocab, (opts.batch, opts.prompt_len), dtype=np.int64)
+    prompts = bench_prompts(opts, vocab)
+    lengths = [len(p) for p in prompts]
 
     # Kernels are loaded lazily on first use: a short run first, then the warm-up runs.
-    _one_run(engine, prompts[:, : min(opts.prompt_len, 16)], 3)
+    _one_run(engine, [p[:16] for p in prompts], 3)
     first_run = None  # the first warm-up run: decode graphs captured (and checked) on the way
     for i in range(opts.warmup):
         log(f"warm-up {i + 1}/{opts.warmup}")
@@ -519,11 +535,11 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None] = print) -> dict[st
     n_steps = opts.gen_len - 1
     prefill_s = [r["prefill_s"] for r in runs]
     ttft_s = [r["ttft_s"] for r in runs]
-    mean_ctx = opts.prompt_len + (n_steps + 1) / 2  # step i attends to prompt + i + 1 tokens
-    per_step = decode_bytes(
-        ws, cfg, engine.build.cache_dtype, [mean_ctx] * opts.batch, engine.build.dtype
-    )
-    flops = prefill_flops(ws, cfg, opts.prompt_len, opts.batch)
+    # step i attends to prompt + i + 1 tokens
+    contexts = [n + (n_steps + 1) / 2 for n in lengths]
+    mean_ctx = float(np.mean(contexts))
+    per_step = decode_bytes(ws, cfg, engine.build.cache_dtype, contexts, engine.build.dtype)
+    flops = sum(prefill_flops(ws, cfg, n, 1) for n in lengths)
     report: dict[str, Any] = {
         "options": asdict(opts),
         "setup": {
@@ -562,13 +578,14 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None] = print) -> dict[st
             "placement": {"experts": engine.experts, "weight_bytes": engine.weight_bytes()},
         },
         "prefill": {
-            "tokens": opts.prompt_len * opts.batch,
+            "tokens": sum(lengths),
+            "prompt_lengths": lengths,
             "chunk_size": engine.prefill_chunk_size,
             "prefill_s": prefill_s,
             "ttft_s": ttft_s,
             "prefill_s_median": float(np.median(prefill_s)),
             "ttft_ms_median": float(np.median(ttft_s)) * 1e3,
-            "prefill_tok_s": opts.prompt_len * opts.batch / float(np.median(prefill_s)),
+            "prefill_tok_s": sum(lengths) / float(np.median(prefill_s)),
             "flops": flops,
             "tflop_s": flops / float(np.median(prefill_s)) / 1e12,
         },
@@ -601,7 +618,7 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None] = print) -> dict[st
         achieved = per_step["total_bytes"] / float(np.mean(steps))
         report["roofline"]["achieved_bytes_s"] = achieved
         report["roofline"]["fraction_of_hbm"] = achieved / opts.hbm_bandwidth
-    prompt0 = prompts[0].tolist()
+    prompt0 = prompts[0]
     # (a short prompt: the check is about one step's parts, and a 128K prefill takes a minute)
     report["sync_check"] = sync_check(engine, prompt0[:SYNC_CHECK_PROMPT])
     if opts.profile:
@@ -612,90 +629,10 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None] = print) -> dict[st
     if engine.memory_plan is not None:
         report["memory_plan"] = engine.memory_plan.to_dict()
     if opts.compare_hf:
+        from .bench_hf import compare_hf
+
         report["hf"] = compare_hf(engine, prompts, opts, runs[-1]["first_logits"], report, log)
     return report
-
-
-# -- Hugging Face transformers on the same weights -------------------------------------------------
-def compare_hf(
-    engine: Any,
-    prompts: np.ndarray,
-    opts: BenchOptions,
-    our_first_logits: np.ndarray,
-    ours: dict[str, Any],
-    log: Callable[[str], None],
-) -> dict[str, Any]:
-    """Time transformers on this model's weights (see the module docstring)."""
-    import torch
-
-    from .hf_export import load_into_hf
-
-    device = "cuda" if engine.device == "cuda" else "cpu"
-
-    def sync() -> None:
-        if device == "cuda":
-            torch.cuda.synchronize()
-
-    t0 = time.perf_counter()
-    model = load_into_hf(
-        engine, device=device, dtype=opts.hf_dtype, attn_implementation=opts.hf_attn
-    )
-    load_s = time.perf_counter() - t0
-    log(f"HF model ({opts.hf_dtype}, {opts.hf_attn}) built and filled in {load_s:.1f} s")
-    if device == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    ids = torch.tensor(prompts, device=device)
-
-    def run(
-        model: Any, tokens: torch.Tensor, n_decode: int
-    ) -> tuple[float, list[float], torch.Tensor]:
-        mask = torch.ones_like(tokens)
-        sync()
-        t0 = time.perf_counter()
-        out = model(input_ids=tokens, attention_mask=mask, use_cache=True)
-        sync()
-        prefill = time.perf_counter() - t0
-        logits, cache, steps = out.logits[:, -1], out.past_key_values, []
-        nxt = logits.argmax(-1, keepdim=True)
-        for _ in range(n_decode):
-            mask = torch.cat([mask, torch.ones_like(nxt)], dim=1)
-            s0 = time.perf_counter()
-            out = model(input_ids=nxt, attention_mask=mask, past_key_values=cache, use_cache=True)
-            nxt = out.logits[:, -1].argmax(-1, keepdim=True)
-            sync()
-            steps.append(time.perf_counter() - s0)
-            cache = out.past_key_values
-        return prefill, steps, logits
-
-    with torch.no_grad():
-        run(model, ids[:, : min(16, ids.shape[1])], 2)  # warm-up
-        prefill_s, steps, logits = run(model, ids, min(opts.hf_decode_tokens, opts.gen_len))
-    hf_first = logits[0].float().cpu().numpy()
-    decode_tok_s = opts.batch * len(steps) / sum(steps)
-    prefill_tok_s = ids.numel() / prefill_s
-    result = {
-        "dtype": opts.hf_dtype,
-        "attn_implementation": opts.hf_attn,
-        "load_s": load_s,
-        "prefill_s": prefill_s,
-        "prefill_tok_s": prefill_tok_s,
-        "decode_steps": len(steps),
-        "step_s": steps,
-        "decode_tok_s": decode_tok_s,
-        "tpot_ms_p50": _percentile(steps, 50) * 1e3,
-        "peak_torch_allocated_bytes": (
-            torch.cuda.max_memory_allocated() if device == "cuda" else None
-        ),
-        "first_logits_max_abs_diff": float(np.abs(hf_first - our_first_logits).max()),
-        "first_logits_max_abs": float(np.abs(hf_first).max()),
-        "first_token_agrees": bool(hf_first.argmax() == our_first_logits.argmax()),
-        "ratio_prefill_tok_s": ours["prefill"]["prefill_tok_s"] / prefill_tok_s,
-        "ratio_decode_tok_s": (ours["decode"]["decode_tok_s"] or 0.0) / decode_tok_s,
-    }
-    del model
-    if device == "cuda":
-        torch.cuda.empty_cache()
-    return result
 
 
 def format_report(r: dict[str, Any]) -> str:
@@ -704,7 +641,9 @@ def format_report(r: dict[str, Any]) -> str:
     lines = [
         f"model {r['model']['path']} ({r['model']['quantization']}, {r['setup']['device']}"
         + (f", {r['setup']['gpu']}" if "gpu" in r["setup"] else "")
-        + f"), batch {o['batch']}, prompt {o['prompt_len']}, gen {o['gen_len']}"
+        + f"), batch {o['batch']}, prompt {o['prompt_len']}"
+        + (" (mixed lengths)" if o.get("mixed_lengths") else "")
+        + f", gen {o['gen_len']}"
         + (
             f", prefill chunks of {p['chunk_size']}"
             if p.get("chunk_size", p["tokens"]) < p["tokens"]

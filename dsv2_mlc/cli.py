@@ -125,6 +125,12 @@ def _add_bench_command(sub: argparse._SubParsersAction) -> None:
         "(the expert-major MoE kernels on tensor cores; default: the engine's, 16)",
     )
     p.add_argument(
+        "--mixed-lengths",
+        action="store_true",
+        help="draw each sequence's prompt length from [prompt-len/8, prompt-len]: decode steps "
+        "over sequences of different lengths",
+    )
+    p.add_argument(
         "--gemm-decode-from",
         type=int,
         default=None,

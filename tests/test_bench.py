@@ -253,11 +253,36 @@ def test_bench_prefill_in_chunks(random_builds):
     assert r["prefill"]["prefill_tok_s"] > 0 and r["decode"]["decode_tok_s"] > 0
 
 
+def test_bench_mixed_prompt_lengths(random_builds):
+    """``mixed_lengths``: each sequence's prompt length in [prompt_len / 8, prompt_len], the same
+    for a seed; prefill tokens and the roofline's contexts follow the lengths; the first logits
+    are those of the first prompt alone."""
+    from dsv2_mlc.bench import BenchError, BenchOptions, _one_run, bench_prompts, run_bench
+
+    model = str(random_builds["q4f32_g32"])
+    opts = BenchOptions(model=model, batch=6, prompt_len=40, gen_len=3, warmup=0, repeat=1,
+                        mixed_lengths=True)  # fmt: skip
+    prompts = bench_prompts(opts, CONFIGS["A"]["vocab_size"])
+    lengths = [len(p) for p in prompts]
+    assert all(5 <= n <= 40 for n in lengths) and len(set(lengths)) > 1
+    assert prompts == bench_prompts(opts, CONFIGS["A"]["vocab_size"])
+    r = run_bench(opts, log=lambda _: None)
+    assert r["prefill"]["prompt_lengths"] == lengths and r["prefill"]["tokens"] == sum(lengths)
+    assert r["roofline"]["mean_context"] == pytest.approx(np.mean(lengths) + 1.5)
+    from dsv2_mlc.runtime.engine import Engine
+
+    engine = Engine(model, context_window=64, max_batch_size=6, random_weights=opts.seed)
+    first = _one_run(engine, prompts, 2)["first_logits"]  # the batch of mixed lengths
+    np.testing.assert_allclose(first, engine.logits(prompts[0])[-1], atol=1e-4)
+    with pytest.raises(BenchError, match="--mixed-lengths"):
+        BenchOptions(model=model, mixed_lengths=True, compare_hf=True).check()
+
+
 def test_bench_decode_loop_falls_back_to_the_host_argmax(random_builds, monkeypatch):
     from dsv2_mlc.bench import _one_run
 
     engine = _engine(random_builds["q0f32"], 2)
-    prompts = np.random.default_rng(0).integers(0, CONFIGS["A"]["vocab_size"], (2, 6))
+    prompts = np.random.default_rng(0).integers(0, CONFIGS["A"]["vocab_size"], (2, 6)).tolist()
     device = _one_run(engine, prompts, 4)
     monkeypatch.setattr(engine, "_greedy", None)  # a build compiled before greedy_tokens
     host = _one_run(engine, prompts, 4)
