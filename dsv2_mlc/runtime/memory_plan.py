@@ -97,16 +97,20 @@ class DeviceMemory:
 
 
 DEVICE_MEMORY: dict[str, DeviceMemory] = {
-    # Measured on the H200 (V2-Lite q4f16_g128, docs/benchmarks.md "Memory budget"): the CUDA
-    # context 527 MiB before anything loads, and ~380 MiB more once a model is loaded beyond its
-    # weights and KV pages (cuBLAS, the cache's auxiliary arrays, module images); a chunked
-    # prefill holds ~218 KB a chunk token at its peak (8,192-token chunks: 1.79 GB; one
-    # 4,160-token call: 0.88 GB), 1.81x workspace_per_token's estimate for V2-Lite. The decode
-    # graphs' buffers are inside those peaks; cuda_graphs is kept as a margin.
+    # Measured on the H200 (V2-Lite q4f16_g128, scripts/gpu_memory_calibration.py, raw in
+    # docs/bench-results/memory/): the CUDA context 527 MiB before anything loads, and ~380 MiB
+    # more once a model is loaded beyond its weights and KV pages (cuBLAS, the cache's auxiliary
+    # arrays, module images). A prefill chunk's workspace peaked at 413 / 568 / 1,005 / 1,883 MB
+    # for 1,024 / 2,048 / 4,096 / 8,192 tokens: a fixed part (the float copies of the INT4
+    # weights that prefill multiplies on cuBLAS, pooled by size) and ~205 KB a token, 1.70x
+    # workspace_per_token's estimate. The constants cover the 1K and 8K points and overestimate
+    # 2K and 4K by <= 60 MB (a plan with no fixed part under-counted a 131,072-token prompt in
+    # 1,024-token chunks by 136 MB: 4.11 GiB measured against 3.99 planned). The decode graphs'
+    # buffers are inside those peaks; cuda_graphs is kept as a margin.
     "cuda": DeviceMemory(
         runtime_overhead=908 * MiB,
-        workspace_fixed=0,
-        workspace_scale=1.81,
+        workspace_fixed=196 * MiB,
+        workspace_scale=1.70,
         cuda_graphs=64 * MiB,
         source="measured on an H200 (V2-Lite INT4)",
     ),
