@@ -36,6 +36,7 @@ first collective in every block, so that the others run ahead of it).
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import shutil
@@ -463,31 +464,56 @@ int main(int argc, char** argv) {
 """
 
 
+# the session's g++ outputs by (flags, source) digest: a source compiled again (the same kernel
+# in another test, or a control whose rewrite leaves the source as it was) is copied, not rebuilt
+_BUILT: dict[str, Path] = {}
+
+
 def compile_cpp(source: str, out: Path, *, shared: bool = False, sanitize: bool = False) -> Path:
-    """Compile C++20 ``source`` with g++ into ``out`` (an executable, or a shared library)."""
+    """Compile C++20 ``source`` with g++ into ``out`` (an executable, or a shared library); a
+    source the session compiled with the same flags before is copied from that build."""
     out.with_suffix(".cpp").write_text(source)
     flags = ["-std=c++20", "-O1", "-pthread", "-fno-strict-aliasing", "-w"]
     if shared:
         flags += ["-shared", "-fPIC"]
     if sanitize:
         flags += ["-fsanitize=address", "-fno-omit-frame-pointer"]
+    digest = hashlib.sha256("\0".join([*flags, source]).encode()).hexdigest()
+    done = _BUILT.get(digest)
+    if done is not None and done.is_file():
+        if done.resolve() != out.resolve():
+            shutil.copy2(done, out)
+        return out
     cmd = ["g++", *flags, "-o", str(out), str(out.with_suffix(".cpp"))]
     run = subprocess.run(cmd, capture_output=True, text=True)
     if run.returncode:
         raise AssertionError(f"g++ failed on {out.with_suffix('.cpp')}:\n{run.stderr[-4000:]}")
+    _BUILT[digest] = out
     return out
 
 
+# the session's CUDA sources by PrimFunc (structural equality, which ignores the names TVM makes
+# unique from one builder call to the next, plus the names of the parameters, which the source
+# and the emulation's buffers carry): one TVM + nvcc build of a kernel however many tests use it
+_SOURCES: dict[tuple, str] = {}
+
+
 def cuda_source(func: tvm.tirx.PrimFunc) -> str:
-    """TVM's CUDA source of ``func`` built for sm_90 (the project's CUDA codegen, nvcc)."""
+    """TVM's CUDA source of ``func`` built for sm_90 (the project's CUDA codegen, nvcc); built
+    once a session for a given ``func``."""
     import tvm
+    import tvm_ffi
 
     from dsv2_mlc.compiler.cuda import cuda_codegen, make_cuda_target
 
-    target = make_cuda_target("sm_90")
-    with cuda_codegen(), target:
-        exe = tvm.compile(tvm.IRModule({"p": func.with_attr("global_symbol", "p")}), target)
-    return exe.mod.imports_[0].inspect_source("cuda")
+    func = func.with_attr("global_symbol", "p")
+    key = (tvm_ffi.StructuralKey(func), tuple(str(p.name) for p in func.params))
+    if key not in _SOURCES:
+        target = make_cuda_target("sm_90")
+        with cuda_codegen(), target:
+            exe = tvm.compile(tvm.IRModule({"p": func}), target)
+        _SOURCES[key] = exe.mod.imports_[0].inspect_source("cuda")
+    return _SOURCES[key]
 
 
 DYN_SHARED_BYTES = 232448  # a block's dynamic shared memory in the emulation (sm_90's limit)
