@@ -138,7 +138,11 @@ thread_local bool t_first_collective;
 static dim3_ blockDim, gridDim;
 static std::barrier<>* g_block_bar;
 static std::barrier<>* g_warp_bar[32];
-static uint64_t g_lane_val[1024];
+// a warp exchange's values, in one of two buffers taken in turn (t_lane_buf): a lane writes a
+// buffer again two exchanges later, after the __syncwarp of the exchange between them, which
+// every lane passes only once it has read the buffer; so one __syncwarp an exchange suffices
+static uint64_t g_lane_val[2][1024];
+thread_local unsigned t_lane_buf;
 static int g_slow_warp = -1;
 static std::atomic<long long> g_naps{0};
 static std::atomic<long long> g_prefetches{0}, g_prefetch_bytes{0};
@@ -228,11 +232,11 @@ static inline unsigned __activemask() { return 0xffffffffu; }  // (whole warps o
 template <class T> static inline T emu_shfl(unsigned mask, T v, int src) {
   static_assert(sizeof(T) <= 8);
   const unsigned t = t_lin;
-  memcpy(&g_lane_val[t], &v, sizeof(T));
+  uint64_t* vals = g_lane_val[t_lane_buf ^= 1u];
+  memcpy(&vals[t], &v, sizeof(T));
   __syncwarp(mask);
   T r;
-  memcpy(&r, &g_lane_val[(t & ~31u) | (src & 31)], sizeof(T));
-  __syncwarp(mask);
+  memcpy(&r, &vals[(t & ~31u) | (src & 31)], sizeof(T));
   return r;
 }
 template <class T> static inline T __shfl_sync(unsigned mask, T v, int src, int width = 32) {
@@ -250,12 +254,12 @@ template <class T> static inline T __shfl_down_sync(unsigned mask, T v, unsigned
 }
 static inline unsigned __ballot_sync(unsigned mask, int pred) {
   const unsigned t = t_lin;
-  g_lane_val[t] = pred != 0;
+  uint64_t* vals = g_lane_val[t_lane_buf ^= 1u];
+  vals[t] = pred != 0;
   __syncwarp(mask);
   unsigned r = 0;
   for (unsigned l = 0; l < 32 && (t & ~31u) + l < blockDim.x * blockDim.y * blockDim.z; ++l)
-    r |= (unsigned)g_lane_val[(t & ~31u) + l] << l;
-  __syncwarp(mask);
+    r |= (unsigned)vals[(t & ~31u) + l] << l;
   return r;
 }
 // the grid, block after block (x fastest), on one std::thread per thread of a block (kept across
@@ -380,13 +384,16 @@ static inline void dsv2_emu_ldmatrix_x4(unsigned* r, unsigned addr, bool trans) 
 // fragments, lane (g, t) = (l / 4, l % 4) holding a[0] / a[1] rows g / g + 8 of A at k = 2t,
 // 2t + 1 and a[2] / a[3] the same rows at k = 2t + 8, 2t + 9, b[0] / b[1] column g of B at
 // those k; it computes its c[2 m + j] (row g + 8 m, column 2t + j): the products exact in
-// double, summed in double, rounded once to float (the hardware sums in fp32)
-static unsigned g_mma_frag[1024][6];
+// double, summed in double, rounded once to float (the hardware sums in fp32); the fragments
+// in one of two buffers taken in turn, as g_lane_val (one __syncwarp an mma)
+static unsigned g_mma_frag[2][1024][6];
+thread_local unsigned t_mma_buf;
 static inline void dsv2_emu_mma16816(float* c, const unsigned* a, const unsigned* b) {
   const unsigned t = threadIdx.x, w = t & ~31u, l = t & 31, g = l >> 2, tq = l & 3;
-  for (int r = 0; r < 4; ++r) g_mma_frag[t][r] = a[r];
-  g_mma_frag[t][4] = b[0];
-  g_mma_frag[t][5] = b[1];
+  unsigned (*frag)[6] = g_mma_frag[t_mma_buf ^= 1u];
+  for (int r = 0; r < 4; ++r) frag[t][r] = a[r];
+  frag[t][4] = b[0];
+  frag[t][5] = b[1];
   __syncwarp();
   auto f = [](unsigned v, int hi) {
     __half2 h;
@@ -396,14 +403,13 @@ static inline void dsv2_emu_mma16816(float* c, const unsigned* a, const unsigned
   double acc[4] = {c[0], c[1], c[2], c[3]};
   for (unsigned q = 0; q < 4; ++q)
     for (unsigned j = 0; j < 2; ++j) {
-      const unsigned* B = g_mma_frag[w + (2 * tq + j) * 4 + q];
+      const unsigned* B = frag[w + (2 * tq + j) * 4 + q];
       for (unsigned m = 0; m < 2; ++m) {
-        const unsigned* A = g_mma_frag[w + g * 4 + q];
+        const unsigned* A = frag[w + g * 4 + q];
         acc[2 * m + j] += f(A[m], 0) * f(B[4], 0) + f(A[m], 1) * f(B[4], 1) +
                           f(A[2 + m], 0) * f(B[5], 0) + f(A[2 + m], 1) * f(B[5], 1);
       }
     }
-  __syncwarp();
   for (int r = 0; r < 4; ++r) c[r] = (float)acc[r];
 }
 // ex2.approx.ftz.f32: 2^x, exact here (the hardware's relative error is about 2^-22), subnormal
