@@ -36,6 +36,7 @@ first collective in every block, so that the others run ahead of it).
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import shutil
@@ -137,7 +138,11 @@ thread_local bool t_first_collective;
 static dim3_ blockDim, gridDim;
 static std::barrier<>* g_block_bar;
 static std::barrier<>* g_warp_bar[32];
-static uint64_t g_lane_val[1024];
+// a warp exchange's values, in one of two buffers taken in turn (t_lane_buf): a lane writes a
+// buffer again two exchanges later, after the __syncwarp of the exchange between them, which
+// every lane passes only once it has read the buffer; so one __syncwarp an exchange suffices
+static uint64_t g_lane_val[2][1024];
+thread_local unsigned t_lane_buf;
 static int g_slow_warp = -1;
 static std::atomic<long long> g_naps{0};
 static std::atomic<long long> g_prefetches{0}, g_prefetch_bytes{0};
@@ -227,11 +232,11 @@ static inline unsigned __activemask() { return 0xffffffffu; }  // (whole warps o
 template <class T> static inline T emu_shfl(unsigned mask, T v, int src) {
   static_assert(sizeof(T) <= 8);
   const unsigned t = t_lin;
-  memcpy(&g_lane_val[t], &v, sizeof(T));
+  uint64_t* vals = g_lane_val[t_lane_buf ^= 1u];
+  memcpy(&vals[t], &v, sizeof(T));
   __syncwarp(mask);
   T r;
-  memcpy(&r, &g_lane_val[(t & ~31u) | (src & 31)], sizeof(T));
-  __syncwarp(mask);
+  memcpy(&r, &vals[(t & ~31u) | (src & 31)], sizeof(T));
   return r;
 }
 template <class T> static inline T __shfl_sync(unsigned mask, T v, int src, int width = 32) {
@@ -249,12 +254,12 @@ template <class T> static inline T __shfl_down_sync(unsigned mask, T v, unsigned
 }
 static inline unsigned __ballot_sync(unsigned mask, int pred) {
   const unsigned t = t_lin;
-  g_lane_val[t] = pred != 0;
+  uint64_t* vals = g_lane_val[t_lane_buf ^= 1u];
+  vals[t] = pred != 0;
   __syncwarp(mask);
   unsigned r = 0;
   for (unsigned l = 0; l < 32 && (t & ~31u) + l < blockDim.x * blockDim.y * blockDim.z; ++l)
-    r |= (unsigned)g_lane_val[(t & ~31u) + l] << l;
-  __syncwarp(mask);
+    r |= (unsigned)vals[(t & ~31u) + l] << l;
   return r;
 }
 // the grid, block after block (x fastest), on one std::thread per thread of a block (kept across
@@ -379,13 +384,16 @@ static inline void dsv2_emu_ldmatrix_x4(unsigned* r, unsigned addr, bool trans) 
 // fragments, lane (g, t) = (l / 4, l % 4) holding a[0] / a[1] rows g / g + 8 of A at k = 2t,
 // 2t + 1 and a[2] / a[3] the same rows at k = 2t + 8, 2t + 9, b[0] / b[1] column g of B at
 // those k; it computes its c[2 m + j] (row g + 8 m, column 2t + j): the products exact in
-// double, summed in double, rounded once to float (the hardware sums in fp32)
-static unsigned g_mma_frag[1024][6];
+// double, summed in double, rounded once to float (the hardware sums in fp32); the fragments
+// in one of two buffers taken in turn, as g_lane_val (one __syncwarp an mma)
+static unsigned g_mma_frag[2][1024][6];
+thread_local unsigned t_mma_buf;
 static inline void dsv2_emu_mma16816(float* c, const unsigned* a, const unsigned* b) {
   const unsigned t = threadIdx.x, w = t & ~31u, l = t & 31, g = l >> 2, tq = l & 3;
-  for (int r = 0; r < 4; ++r) g_mma_frag[t][r] = a[r];
-  g_mma_frag[t][4] = b[0];
-  g_mma_frag[t][5] = b[1];
+  unsigned (*frag)[6] = g_mma_frag[t_mma_buf ^= 1u];
+  for (int r = 0; r < 4; ++r) frag[t][r] = a[r];
+  frag[t][4] = b[0];
+  frag[t][5] = b[1];
   __syncwarp();
   auto f = [](unsigned v, int hi) {
     __half2 h;
@@ -395,14 +403,13 @@ static inline void dsv2_emu_mma16816(float* c, const unsigned* a, const unsigned
   double acc[4] = {c[0], c[1], c[2], c[3]};
   for (unsigned q = 0; q < 4; ++q)
     for (unsigned j = 0; j < 2; ++j) {
-      const unsigned* B = g_mma_frag[w + (2 * tq + j) * 4 + q];
+      const unsigned* B = frag[w + (2 * tq + j) * 4 + q];
       for (unsigned m = 0; m < 2; ++m) {
-        const unsigned* A = g_mma_frag[w + g * 4 + q];
+        const unsigned* A = frag[w + g * 4 + q];
         acc[2 * m + j] += f(A[m], 0) * f(B[4], 0) + f(A[m], 1) * f(B[4], 1) +
                           f(A[2 + m], 0) * f(B[5], 0) + f(A[2 + m], 1) * f(B[5], 1);
       }
     }
-  __syncwarp();
   for (int r = 0; r < 4; ++r) c[r] = (float)acc[r];
 }
 // ex2.approx.ftz.f32: 2^x, exact here (the hardware's relative error is about 2^-22), subnormal
@@ -463,31 +470,56 @@ int main(int argc, char** argv) {
 """
 
 
+# the session's g++ outputs by (flags, source) digest: a source compiled again (the same kernel
+# in another test, or a control whose rewrite leaves the source as it was) is copied, not rebuilt
+_BUILT: dict[str, Path] = {}
+
+
 def compile_cpp(source: str, out: Path, *, shared: bool = False, sanitize: bool = False) -> Path:
-    """Compile C++20 ``source`` with g++ into ``out`` (an executable, or a shared library)."""
+    """Compile C++20 ``source`` with g++ into ``out`` (an executable, or a shared library); a
+    source the session compiled with the same flags before is copied from that build."""
     out.with_suffix(".cpp").write_text(source)
     flags = ["-std=c++20", "-O1", "-pthread", "-fno-strict-aliasing", "-w"]
     if shared:
         flags += ["-shared", "-fPIC"]
     if sanitize:
         flags += ["-fsanitize=address", "-fno-omit-frame-pointer"]
+    digest = hashlib.sha256("\0".join([*flags, source]).encode()).hexdigest()
+    done = _BUILT.get(digest)
+    if done is not None and done.is_file():
+        if done.resolve() != out.resolve():
+            shutil.copy2(done, out)
+        return out
     cmd = ["g++", *flags, "-o", str(out), str(out.with_suffix(".cpp"))]
     run = subprocess.run(cmd, capture_output=True, text=True)
     if run.returncode:
         raise AssertionError(f"g++ failed on {out.with_suffix('.cpp')}:\n{run.stderr[-4000:]}")
+    _BUILT[digest] = out
     return out
 
 
+# the session's CUDA sources by PrimFunc (structural equality, which ignores the names TVM makes
+# unique from one builder call to the next, plus the names of the parameters, which the source
+# and the emulation's buffers carry): one TVM + nvcc build of a kernel however many tests use it
+_SOURCES: dict[tuple, str] = {}
+
+
 def cuda_source(func: tvm.tirx.PrimFunc) -> str:
-    """TVM's CUDA source of ``func`` built for sm_90 (the project's CUDA codegen, nvcc)."""
+    """TVM's CUDA source of ``func`` built for sm_90 (the project's CUDA codegen, nvcc); built
+    once a session for a given ``func``."""
     import tvm
+    import tvm_ffi
 
     from dsv2_mlc.compiler.cuda import cuda_codegen, make_cuda_target
 
-    target = make_cuda_target("sm_90")
-    with cuda_codegen(), target:
-        exe = tvm.compile(tvm.IRModule({"p": func.with_attr("global_symbol", "p")}), target)
-    return exe.mod.imports_[0].inspect_source("cuda")
+    func = func.with_attr("global_symbol", "p")
+    key = (tvm_ffi.StructuralKey(func), tuple(str(p.name) for p in func.params))
+    if key not in _SOURCES:
+        target = make_cuda_target("sm_90")
+        with cuda_codegen(), target:
+            exe = tvm.compile(tvm.IRModule({"p": func}), target)
+        _SOURCES[key] = exe.mod.imports_[0].inspect_source("cuda")
+    return _SOURCES[key]
 
 
 DYN_SHARED_BYTES = 232448  # a block's dynamic shared memory in the emulation (sm_90's limit)

@@ -5,7 +5,6 @@ shipped configs (``SHIPPED``) are only compiled here (lab marker)."""
 
 from __future__ import annotations
 
-import json
 import re
 import sys
 from dataclasses import replace
@@ -16,7 +15,7 @@ import pytest
 import tvm
 from tvm import te, tirx
 
-from dsv2_mlc.compiler.compile import compile_random_model, make_target
+from dsv2_mlc.compiler.compile import make_target
 from dsv2_mlc.compiler.cuda import cuda_codegen
 from dsv2_mlc.model.moe import gate_logits_te
 from dsv2_mlc.passes.fuse_add_rms_norm import add_rms_norm_te
@@ -28,7 +27,7 @@ from dsv2_mlc.schedules.rms_norm_cuda import schedule_add_rms_norm
 from dsv2_mlc.schedules.tiles import TABLE, GemvConfig
 
 sys.path.insert(0, str(Path(__file__).parent))
-from cuda_builds import needs_nvcc  # noqa: E402
+from cuda_builds import model_build, needs_nvcc  # noqa: E402
 from hf_reference import CONFIG_A  # noqa: E402
 
 N = tirx.Var("n", "int64")
@@ -86,15 +85,9 @@ def test_scheduled_kernels_compile_for_sm90():
 
 
 @needs_nvcc
-def test_tiny_cuda_build_gives_decode_its_own_scheduled_kernels(tmp_path: Path):
-    cfg = tmp_path / "config.json"
-    cfg.write_text(json.dumps(CONFIG_A))
-    dump = tmp_path / "ir"
-    compile_random_model(
-        cfg, tmp_path / "out", device="cuda", quantization="q4f16_g32", arch="sm_90",
-        dump_ir=dump,
-    )  # fmt: skip
-    ir = (dump / "04-schedule.py").read_text()
+def test_tiny_cuda_build_gives_decode_its_own_scheduled_kernels():
+    # the session's INT4 CUDA build of CONFIG_A for sm_90 (its IR of every phase dumped)
+    ir = model_build(CONFIG_A, "q4f16_g32", "cuda").ir("04-schedule.py")
     copies = set(re.findall(r"def (\w+_decode)\(", ir)) - {"batch_decode"}
     # (the INT4 routed and shared experts of decode run as moe_decode_cuda's fused kernels, the
     # router logits with the post-attention norm: norm_gemv_cuda)

@@ -6,24 +6,28 @@ kernels; LLVM builds have no such entry. Traced to the fuse phase (no CUDA compi
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
 import pytest
 import tvm
 
+from dsv2_mlc.layout import LIBRARY
 from dsv2_mlc.model.config import DeepseekV2Config
 from dsv2_mlc.quant import get_quantization
 
 sys.path.insert(0, str(Path(__file__).parent))
-from cuda_builds import needs_nvcc  # noqa: E402
+from cuda_builds import model_build, needs_nvcc  # noqa: E402
 from hf_reference import CONFIG_A  # noqa: E402
+from scripts_module import load_script  # noqa: E402
 from test_moe_grouped import _called  # noqa: E402
 
 EXPERT_MAJOR = {"moe_expert_major_gate_up", "moe_expert_major_down"}
 FUSED = {"moe_decode_gate_up"}
 # CONFIG_A with MoE widths the MMA kernels tile (multiples of 128)
 CONFIG_MMA = {**CONFIG_A, "hidden_size": 256, "moe_intermediate_size": 128}
+V2_SHAPED = load_script("gpu_v2_numerics").V2_SHAPED
 
 
 def _entries(cfg: dict, target: tvm.target.Target) -> dict[str, set]:
@@ -57,19 +61,16 @@ def test_expert_major_entry_calls_the_mma_kernels_where_they_fit(cfg: dict, mma:
 
 
 @needs_nvcc
-def test_cuda_build_with_the_mma_kernels_compiles(tmp_path: Path) -> None:
+def test_cuda_build_with_the_mma_kernels_compiles() -> None:
     """The whole module compiles for sm_90 with the MMA kernels beside the attention and grouped
     GEMM kernels (one ``extern __shared__`` array for all of them: the same element type) and
-    exports the entry point."""
-    import json
-
-    from dsv2_mlc.compiler.compile import compile_random_model
-
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps(CONFIG_MMA))
-    out = tmp_path / "out"
-    compile_random_model(path, out, device="cuda", quantization="q4f16_g32", arch="sm_90")
-    lib = (out / "model.so").read_bytes()
+    exports the entry point. The build: the session's of the DeepSeek-V2-shaped config
+    (``tests/test_v2_cuda_build.py``), whose MoE widths the MMA kernels tile."""
+    build = model_build(V2_SHAPED, "q4f16_g128", "cuda")
+    (major,) = build.entries(("batch_decode_expert_major",), "03-fuse.py")
+    called = set(re.findall(r"cls\.(\w+),", major))
+    assert EXPERT_MAJOR <= called and not called & FUSED, sorted(called)
+    lib = (build.out_dir / LIBRARY).read_bytes()
     assert b"batch_decode_expert_major" in lib and b"batch_decode_gemm" in lib
 
 

@@ -131,7 +131,7 @@ def _errors(out, lse, ref_out, ref_lse) -> tuple[float, float]:
 CASES = [
     ([(1, 5)], 0),  # a one-row prefix, 5 query rows (a block of 1 row)
     ([(1000, 7), (37, 66)], 0),  # partial last pages, 32 key tiles; two sequences
-    ([(300, 130)], 0),  # 130 rows (33 blocks, the last of 2 rows)
+    ([(300, 10)], 0),  # one sequence: 10 key tiles, the last partial; 3 blocks, the last of 2 rows
     ([(0, 3), (50, 9)], 0),  # a sequence without a cached page
     ([(70, 6), (16, 5)], 1),  # causal: the rows see 65..70 and 12..16 keys
 ]
