@@ -67,6 +67,7 @@ few-token skewed case.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 from tvm import s_tir, te, tirx
@@ -98,6 +99,7 @@ __all__ = [
     "num_tiles",
     "pick_tiles",
     "schedule_grouped_gemm",
+    "wide_index",
 ]
 
 
@@ -321,6 +323,23 @@ def moe_align_warps(num_experts: int, top_k: int, tm: int = TM) -> tirx.PrimFunc
 
 
 # -- 2. grouped GEMM ----------------------------------------------------------------------------
+def wide_index(t: te.Tensor) -> te.Tensor:
+    """``t`` as a placeholder with int64 dimensions where its elements do not fit int32 indices.
+
+    TVM computes a buffer's flat offsets in the dtype of its shape: a stacked expert weight whose
+    shape is Python ints (int32) is indexed ``expert * stride + ...`` in 32-bit arithmetic, which
+    wraps past 2**31 - 1 elements (DeepSeek-V2's float16 gate/up ``[160, 3072, 5120]``: 2.5e9,
+    expert 137 on). With int64 dimensions every product of the offset is 64-bit. Smaller tensors
+    (V2-Lite's, packed INT4) keep their int32 shape, so their generated code does not change."""
+    dims = list(t.shape)
+    if not isinstance(t.op, te.PlaceholderOp) or not all(isinstance(d, tirx.IntImm) for d in dims):
+        return t
+    if all(str(d.ty) == "int64" for d in dims) or math.prod(int(d) for d in dims) < 2**31:
+        return t
+    shape = [tirx.IntImm("int64", int(d)) for d in dims]
+    return te.placeholder(shape, t.dtype, name=t.op.name)
+
+
 def grouped_gemm_te(
     x: te.Tensor,
     rows: te.Tensor,
@@ -471,7 +490,9 @@ def grouped_gemm_cuda(
     """:func:`grouped_gemm_te` as a scheduled CUDA PrimFunc ``f(x, rows, tile_expert, *weights,
     out)``: the tensor-core kernel (:func:`grouped_gemm_mma`) where ``mma`` is true or None (the
     default: wherever :func:`mma_supported`; it assumes ``read`` is the INT4 dequantisation of
-    :func:`int4_group`'s layout), the SIMT schedule (``tiles``) otherwise."""
+    :func:`int4_group`'s layout), the SIMT schedule (``tiles``) otherwise. A weight of
+    2**31 elements or more is indexed with 64-bit offsets (:func:`wide_index`)."""
+    weights = [wide_index(w) for w in weights]
     use_mma = mma_supported(x, rows, weights, out_dim, halves) if mma is None else mma
     if use_mma:
         return grouped_gemm_mma(x, rows, tile_expert, weights, out_dim, halves, gathered, name)

@@ -13,7 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tvm
+import tvm_ffi
 from tvm import te, tirx
+from tvm.ir.expr import TensorLoad
 
 from dsv2_mlc.model.config import DeepseekV2Config
 from dsv2_mlc.quant import get_quantization, quantize_int4
@@ -376,3 +378,87 @@ def test_grouped_gemm_te_float_weights():
     (out,) = _run(f_comb, [down, a["inv"], weights], [((n, hidden), "float16")])
     scale = float(np.abs(want.astype(np.float32)).max())
     np.testing.assert_allclose(out.astype(np.float32), want, rtol=2e-2, atol=1e-2 * scale)
+
+
+# -- 64-bit offsets for stacked experts of 2**31 elements or more ------------------------------
+def _nodes(root: object) -> list[object]:
+    """Every TIR node reachable from ``root`` through its fields (not spans or types), once."""
+    out, seen, stack = [], set(), [root]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, tvm_ffi.Array):
+            stack.extend(node)
+            continue
+        if not isinstance(node, tvm_ffi.Object) or isinstance(node, tvm_ffi.Map):
+            continue
+        if node.__chandle__() in seen:
+            continue
+        seen.add(node.__chandle__())
+        out.append(node)
+        info = type(node).__tvm_ffi_type_info__
+        while info is not None:
+            stack.extend(getattr(node, f.name) for f in info.fields if f.name not in ("span", "ty"))
+            info = info.parent_type_info
+    return out
+
+
+def _weight_offset_dtypes(func: tirx.PrimFunc, weight: str) -> tuple[set[str], set[str]]:
+    """Lower a scheduled CUDA PrimFunc through TVM's TIR pipeline (no codegen, no nvcc) and return
+    the dtypes of the flat offsets of every load of buffer ``weight`` in the device kernel and of
+    every product in them, let-bound subexpressions included."""
+    target = tvm.target.Target({"kind": "cuda", "arch": "sm_90"}, host={"kind": "llvm"})
+    mod = tvm.IRModule({"main": func.with_attr("global_symbol", "main")})
+    with target:
+        mod = tvm.tirx.transform.BindTarget(target)(mod)
+        mod = tvm.tirx.get_default_tir_pipeline(target)[0](mod)
+    (kernel,) = [gv for gv in mod.get_global_vars() if gv.name_hint != "main"]
+    nodes = _nodes(mod[kernel].body)
+    lets = {n.var.__chandle__(): n.value for n in nodes if isinstance(n, tvm.tirx.stmt.Bind)}
+    offsets = [n.indices[0] for n in nodes if isinstance(n, TensorLoad) and n.source.name == weight]
+    assert offsets, f"no load of {weight}"
+    products, stack, seen = set(), list(offsets), set()
+    while stack:
+        for node in _nodes(stack.pop()):
+            if isinstance(node, tirx.Mul):
+                products.add(str(node.ty))
+            handle = node.__chandle__()
+            if isinstance(node, tirx.Var) and handle in lets and handle not in seen:
+                seen.add(handle)
+                stack.append(lets[handle])
+    return {str(o.ty) for o in offsets}, products
+
+
+@pytest.mark.parametrize(
+    ("experts", "hidden", "inter", "halves", "wide"),
+    [
+        (160, 5120, 1536, 2, True),  # V2 gate/up: 160 x 3072 x 5120 = 2.5e9 elements
+        (160, 5120, 1536, 1, False),  # V2 down: 160 x 5120 x 1536 = 1.26e9
+        (64, 2048, 1408, 2, False),  # V2-Lite gate/up: 64 x 2816 x 2048 = 3.7e8
+    ],
+)
+def test_float_expert_offsets_are_64_bit_past_int32(
+    experts: int, hidden: int, inter: int, halves: int, wide: bool
+):
+    """Float16 stacked experts (q0f16) come to the grouped GEMM with int32 shapes (Python ints,
+    as ``grouped_experts`` builds them); the weight's flat offset ``expert * stride + ...`` must
+    be 64-bit arithmetic where the tensor has 2**31 elements or more (in 32 bits it wraps from
+    expert 137 of V2's gate/up: an illegal address on the GPU) and stays 32-bit below (V2-Lite's
+    and V2's down kernels unchanged)."""
+    from dsv2_mlc.model.moe import read_float_weight
+
+    nt, n = tirx.Var("nt", "int64"), tirx.Var("n", "int64")
+    rows = te.placeholder((nt, grouped.TM), "int32", name="rows")
+    tile_expert = te.placeholder((nt,), "int32", name="tile_expert")
+    gate_up = halves == 2
+    red, out_dim = (hidden, inter) if gate_up else (inter, hidden)
+    x_shape = (n, red) if gate_up else (nt, grouped.TM, red)
+    x = te.placeholder(x_shape, "float16", name="x")
+    w = te.placeholder((experts, halves * out_dim, red), "float16", name="w0")
+    assert (grouped.wide_index(w) is w) is not wide
+    func = grouped.grouped_gemm_cuda(
+        x, rows, tile_expert, [w], read_float_weight, out_dim, halves, gate_up, "gemm"
+    )
+    offsets, products = _weight_offset_dtypes(func, "w0")
+    want = {"int64"} if wide else {"int32"}
+    assert offsets == want
+    assert products == want
