@@ -253,7 +253,8 @@ def _build(
     _compile_library(mod, target, device, tmp, dump_ir, options)
 
     def params() -> Iterator[tuple[str, np.ndarray]]:
-        stream = quantize_params(convert(convs, ckpt, convert_dtypes), plan)
+        # stacked experts reach the quantizer one expert at a time (never a float32 stack)
+        stream = quantize_params(convert(convs, ckpt, convert_dtypes, blockwise=plan), plan)
         if progress:
             from tqdm import tqdm
 
