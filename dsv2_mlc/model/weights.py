@@ -248,8 +248,12 @@ def convert(
             stack = ExpertStack(conv, ckpt)
             yield name, stack if name in blockwise else stack.materialize(dtypes[name])
             continue
-        arrays = [ckpt.get(name) for name, _ in conv.sources]
-        outputs = conv.apply(arrays)
-        del arrays
-        for name, arr in zip(conv.targets, outputs, strict=True):
-            yield name, np.ascontiguousarray(arr.astype(dtypes[name], copy=False))
+        outputs = conv.apply([ckpt.get(name) for name, _ in conv.sources])
+        if len(outputs) != len(conv.targets):
+            raise AssertionError(f"{conv.targets}: the transform made {len(outputs)} arrays")
+        for name in conv.targets:
+            # drop each reference before yielding / resuming, so a consumer that lets go of an
+            # array frees it (the float32 source of a cast output is freed as it is yielded)
+            out = np.ascontiguousarray(outputs.pop(0).astype(dtypes[name], copy=False))
+            yield name, out
+            del out

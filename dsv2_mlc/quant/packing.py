@@ -116,7 +116,11 @@ def quantize_params(
         if name in plan:
             p = plan[name]
             packed, scale = quantize_blockwise(arr, p.group_size, p.scale_dtype)
+            del arr  # the float input is freed while the packed arrays are consumed
             yield p.q_weight, packed
+            del packed
             yield p.q_scale, scale
+            del scale
         else:
             yield name, arr
+            del arr
