@@ -41,17 +41,23 @@ def quantize_int4(
             f"cannot pack a weight with {k} input features into INT4 (need % 8)"
         )
     groups = -(-k // group_size)
-    padded = np.zeros((*lead, groups * group_size), np.float32)
-    padded[..., :k] = w
-    grouped = padded.reshape(*lead, groups, group_size)
+    if k == groups * group_size and w.dtype == np.float32:
+        grouped = w.reshape(*lead, groups, group_size)  # read only
+    else:
+        padded = np.zeros((*lead, groups * group_size), np.float32)
+        padded[..., :k] = w
+        grouped = padded.reshape(*lead, groups, group_size)
     scale = (np.abs(grouped).max(axis=-1) / 7.0).astype(scale_dtype)
     safe = np.where(scale == 0, 1, scale).astype(np.float32)
-    q = np.clip(np.rint(grouped / safe[..., None]), -8, 7).astype(np.int64) + 8
-    q = q.reshape(*lead, groups * group_size)[..., :k].reshape(*lead, k // 8, 8)
-    packed = np.zeros((*lead, k // 8), np.uint32)
-    for i in range(8):
-        packed |= (q[..., i].astype(np.uint32) << np.uint32(4 * i)).astype(np.uint32)
-    return packed, scale
+    q = np.divide(grouped, safe[..., None])
+    np.rint(q, out=q)
+    np.clip(q, -8, 7, out=q)
+    q += 8  # the nibbles 0..15, exact in float32
+    nib = q.reshape(*lead, groups * group_size)[..., :k].astype(np.uint8).reshape(*lead, k // 2, 2)
+    # byte b of a word holds elements 2b (low nibble) and 2b + 1; four bytes make a
+    # little-endian uint32, so nibble i of word j is element 8 j + i
+    byte = nib[..., 0] | (nib[..., 1] << np.uint8(4))
+    return byte.view(np.dtype("<u4")).astype(np.uint32, copy=False), scale
 
 
 def dequantize_int4(packed: np.ndarray, scale: np.ndarray, group_size: int) -> np.ndarray:
