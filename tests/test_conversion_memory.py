@@ -164,3 +164,27 @@ def test_blockwise_quantization_is_bytewise_one_call(group, block_values):
     stack = _Stack(w)
     quantize_blockwise(stack, group, "float16", block_values)
     assert stack.reads == list(range(5))  # each entry read once, in order
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_checkpoint_reads_into_out(tmp_path, dtype):
+    torch = pytest.importorskip("torch")
+    from safetensors.torch import save_file
+
+    gen = torch.Generator().manual_seed(0)
+    t = torch.randn(300, 40, generator=gen).to(getattr(torch, dtype))
+    pad = torch.ones(3, dtype=torch.float16)  # a second tensor: "w" need not start the data
+    save_file({"w": t, "pad": pad}, str(tmp_path / "m.safetensors"))
+    ref = t.float().numpy()
+    ckpt = SafetensorsCheckpoint(tmp_path)
+    try:
+        np.testing.assert_array_equal(ckpt.get("w"), ref)
+        block = np.full((700, 40), np.nan, np.float32)
+        rows = block[200:500]
+        assert ckpt.get("w", out=rows) is rows
+        np.testing.assert_array_equal(block[200:500], ref)
+        assert np.isnan(block[:200]).all() and np.isnan(block[500:]).all()
+        with pytest.raises(ValueError, match="shape"):
+            ckpt.get("w", out=block[:10])
+    finally:
+        ckpt.close()

@@ -43,8 +43,8 @@ _ITEM_SIZES = {"BF16": 2, **{k: np.dtype(v).itemsize for k, v in _NUMPY_DTYPES.i
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
 """The safetensors dtypes a weight may have (the model's parameters are floating point)."""
 
-BF16_STAGING_VALUES = 1 << 23
-"""bfloat16 values read per step into the staging buffer before widening to float32 (16 MB)."""
+BF16_STAGING_VALUES = 1 << 20
+"""bfloat16 values read per step into the staging buffer before widening to float32 (2 MB)."""
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 """The largest JSON header read (the safetensors format's own limit)."""
@@ -204,29 +204,45 @@ class SafetensorsCheckpoint:
         """The stored shape of tensor ``name``."""
         return self.tensors[name].shape
 
-    def get(self, name: str) -> np.ndarray:
-        """Tensor ``name`` as a NumPy array (bfloat16 is widened to float32, exactly)."""
+    def get(self, name: str, out: np.ndarray | None = None) -> np.ndarray:
+        """Tensor ``name`` as a NumPy array (bfloat16 is widened to float32, exactly).
+
+        With ``out`` (an array of the tensor's shape; C-contiguous float32 for a bfloat16 or
+        float32 tensor to be read into it directly) the values are written there and ``out``
+        is returned."""
         info = self.tensors[name]
         if info.dtype != "BF16" and info.dtype not in _NUMPY_DTYPES:
             raise CheckpointError(
                 f"{info.file}: tensor {name!r} has unsupported dtype {info.dtype}"
             )
+        if out is not None and tuple(out.shape) != info.shape:
+            raise ValueError(f"{name}: out has shape {out.shape}, the tensor {info.shape}")
         fd = self._files.get(info.file)
         if fd is None:
             fd = self._files[info.file] = os.open(info.file, os.O_RDONLY)
         count = math.prod(info.shape)
+        direct = (
+            out is not None
+            and out.dtype == np.float32
+            and out.flags.c_contiguous
+            and info.dtype in ("BF16", "F32")
+        )
         if info.dtype != "BF16":
-            arr = np.empty(count, _NUMPY_DTYPES[info.dtype])
+            arr = out.reshape(-1) if direct else np.empty(count, _NUMPY_DTYPES[info.dtype])
             self._read(fd, info, info.begin, arr)
+        else:
+            arr = out.reshape(-1).view(np.uint32) if direct else np.empty(count, np.uint32)
+            staging = np.empty(min(count, BF16_STAGING_VALUES), np.uint16)
+            for start in range(0, count, BF16_STAGING_VALUES):
+                n = min(count - start, BF16_STAGING_VALUES)
+                self._read(fd, info, info.begin + 2 * start, staging[:n])
+                np.left_shift(staging[:n], 16, out=arr[start : start + n], dtype=np.uint32)
+            arr = arr.view(np.float32)
+        if out is None:
             return arr.reshape(info.shape)
-        out = np.empty(count, np.uint32)
-        staging = np.empty(min(count, BF16_STAGING_VALUES), np.uint16)
-        for start in range(0, count, BF16_STAGING_VALUES):
-            n = min(count - start, BF16_STAGING_VALUES)
-            self._read(fd, info, info.begin + 2 * start, staging[:n])
-            out[start : start + n] = staging[:n]
-        out <<= 16
-        return out.view(np.float32).reshape(info.shape)
+        if not direct:
+            out[...] = arr.reshape(info.shape)
+        return out
 
     @staticmethod
     def _read(fd: int, info: TensorInfo, offset: int, dest: np.ndarray) -> None:

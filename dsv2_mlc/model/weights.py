@@ -43,8 +43,9 @@ class WeightMapError(Dsv2Error, ValueError):
 class Conversion:
     """Checkpoint tensors ``sources`` (name, expected shape) -> parameters ``targets``.
 
-    With ``experts`` > 0 the sources are that many equal groups, one per expert, each
-    transformed into one block, and the single target is the stack of the blocks [experts, ...].
+    With ``experts`` > 0 the sources are that many equal groups, one per expert, whose rows are
+    concatenated (in order) into that expert's block; the single target is the stack of the
+    blocks [experts, ...] and ``transform`` is unused.
     """
 
     sources: tuple[tuple[str, tuple[int, ...]], ...]
@@ -56,25 +57,19 @@ class Conversion:
         """Run the transform (identity when there is none) on all sources at once."""
         if self.experts:
             per = len(arrays) // self.experts
-            return [
-                np.stack(
-                    [self._block(arrays[e * per : (e + 1) * per]) for e in range(self.experts)]
-                )
-            ]
+            blocks = [_concat_rows(arrays[e * per : (e + 1) * per])[0] for e in range(self.experts)]
+            return [np.stack(blocks)]
         return arrays if self.transform is None else self.transform(arrays)
-
-    def _block(self, arrays: list[np.ndarray]) -> np.ndarray:
-        return arrays[0] if self.transform is None else self.transform(arrays)[0]
 
 
 class ExpertStack:
     """The stacked parameter of an expert :class:`Conversion`, read one expert at a time.
 
     ``shape``, ``ndim`` and ``dtype`` (float32) describe the whole ``[experts, ...]`` array;
-    ``stack[e]`` reads expert ``e``'s checkpoint tensors and returns its block. Converting a
-    DeepSeek-V2 MoE layer through the whole stack would hold 160 experts in float32 at once
-    (10 GB for ``gate_up_proj``); consumers that work block by block (the INT4 quantizer, or
-    :meth:`materialize` into the final dtype) hold one expert's float32 block at a time.
+    ``stack[e]`` reads expert ``e``'s checkpoint tensors straight into the rows of a new block.
+    Converting a DeepSeek-V2 MoE layer through the whole stack would hold 160 experts in float32
+    at once (10 GB for ``gate_up_proj``); consumers that work block by block (the INT4
+    quantizer, or :meth:`materialize` into the final dtype) hold one expert's block at a time.
     """
 
     dtype = np.dtype(np.float32)
@@ -93,9 +88,12 @@ class ExpertStack:
     def __getitem__(self, e: int) -> np.ndarray:
         if not 0 <= e < len(self):
             raise IndexError(f"expert {e} out of range [0, {len(self)})")
-        group = self.conv.sources[e * self.per : (e + 1) * self.per]
-        block = self.conv._block([self.ckpt.get(name) for name, _ in group])
-        return np.asarray(block, np.float32)
+        block = np.empty(self.shape[1:], np.float32)
+        row = 0
+        for name, shape in self.conv.sources[e * self.per : (e + 1) * self.per]:
+            self.ckpt.get(name, out=block[row : row + shape[0]])
+            row += shape[0]
+        return block
 
     def materialize(self, dtype: str) -> np.ndarray:
         """The whole stack as one contiguous array of ``dtype``, filled expert by expert."""
@@ -168,7 +166,7 @@ def _moe(cfg: DeepseekV2Config, p: str) -> list[Conversion]:
     convs = [
         _same(f"{p}.gate.weight", (n, h)),
         # per expert: [gate_e; up_e] -> [2I, H] (gate rows first); down_e as it is
-        Conversion(gate_up, (f"{p}.experts.gate_up_proj",), _concat_rows, experts=n),
+        Conversion(gate_up, (f"{p}.experts.gate_up_proj",), experts=n),
         Conversion(down, (f"{p}.experts.down_proj",), experts=n),
     ]
     if cfg.n_shared_experts:

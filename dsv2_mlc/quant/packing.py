@@ -6,7 +6,7 @@ is element ``8 j + i`` of the row.
 
 Groups run along a row, so rows quantize independently: :func:`quantize_params` quantizes a
 parameter a block of rows at a time into its preallocated packed arrays (the same bytes as one
-:func:`quantize_int4` call), which bounds the quantizer's temporaries (float32 and int64 copies of
+:func:`quantize_int4` call), which bounds the quantizer's temporaries (float32 and uint8 copies of
 its input) by the block instead of the weight, and lets a stack of experts arrive one expert at a
 time.
 """
@@ -20,9 +20,10 @@ import numpy as np
 
 from .spec import QuantizationError, QuantizedParam
 
-BLOCK_VALUES = 1 << 22
-"""Values quantized per :func:`quantize_int4` call in :func:`quantize_blockwise` (16 MB of
-float32; the call's temporaries are a few times that)."""
+BLOCK_VALUES = 1 << 20
+"""Values quantized per :func:`quantize_int4` call in :func:`quantize_blockwise` (4 MB of
+float32): the call's temporaries, a few times that, stay in the allocator's heap instead of
+fresh pages faulted in for every block."""
 
 
 def packed_shape(shape: tuple[int, ...], group_size: int) -> tuple[tuple, tuple]:
