@@ -86,9 +86,13 @@ class ExpertStack:
         return self.shape[0]
 
     def __getitem__(self, e: int) -> np.ndarray:
+        return self.read(e)
+
+    def read(self, e: int, out: np.ndarray | None = None) -> np.ndarray:
+        """Expert ``e``'s block, read into ``out`` (C-contiguous float32) or a new array."""
         if not 0 <= e < len(self):
             raise IndexError(f"expert {e} out of range [0, {len(self)})")
-        block = np.empty(self.shape[1:], np.float32)
+        block = np.empty(self.shape[1:], np.float32) if out is None else out
         row = 0
         for name, shape in self.conv.sources[e * self.per : (e + 1) * self.per]:
             self.ckpt.get(name, out=block[row : row + shape[0]])
@@ -99,7 +103,10 @@ class ExpertStack:
         """The whole stack as one contiguous array of ``dtype``, filled expert by expert."""
         out = np.empty(self.shape, dtype)
         for e in range(len(self)):
-            out[e] = self[e]
+            if out.dtype == np.float32:
+                self.read(e, out=out[e])
+            else:
+                out[e] = self.read(e)
         return out
 
 
