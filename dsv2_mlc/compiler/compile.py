@@ -238,12 +238,9 @@ def _build(
 ) -> BuildConfig:
     from tvm.contrib import tvmjs
 
-    from ..quant import quantize_params
-
     mod, named_params, plan = _export(cfg, target, quant, options)
     param_dtypes = {name: str(p.dtype) for name, p in named_params}
     param_shapes = {name: tuple(int(s) for s in p.shape) for name, p in named_params}
-    convert_dtypes = {**param_dtypes, **{name: "float32" for name in plan}}
     produced = []
     for name in (t for conv in convs for t in conv.targets):
         produced += [plan[name].q_weight, plan[name].q_scale] if name in plan else [name]
@@ -253,7 +250,7 @@ def _build(
     _compile_library(mod, target, device, tmp, dump_ir, options)
 
     def params() -> Iterator[tuple[str, np.ndarray]]:
-        stream = quantize_params(convert(convs, ckpt, convert_dtypes), plan)
+        stream = converted_params(convs, ckpt, param_dtypes, plan)
         if progress:
             from tqdm import tqdm
 
@@ -264,12 +261,27 @@ def _build(
                     f"{name}: converted to {arr.shape}, model needs a different one"
                 )
             yield name, arr
+            del arr  # not held while the next parameter is converted
 
     with contextlib.redirect_stdout(io.StringIO()):  # it prints its own progress lines
         tvmjs.dump_tensor_cache(
             params(), str(tmp / PARAMS_DIR), encode_format="raw", show_progress=False
         )
     return _write_build_config(cfg, quant, device, target, produced, tmp, options)
+
+
+def converted_params(
+    convs: list, ckpt: SafetensorsCheckpoint, param_dtypes: dict[str, str], plan: dict
+) -> Iterator[tuple[str, np.ndarray]]:
+    """The model's parameters from the checkpoint, in order and one at a time: converted
+    (:func:`~dsv2_mlc.model.weights.convert`) into ``param_dtypes``, or for the names in
+    ``plan`` INT4-quantized from float32. Stacked experts reach the quantizer one expert at a
+    time, never as a float32 stack, so the largest transient is a few times one expert's or one
+    checkpoint tensor's float32 size besides the array being yielded."""
+    from ..quant import quantize_params
+
+    dtypes = {**param_dtypes, **{name: "float32" for name in plan}}
+    return quantize_params(convert(convs, ckpt, dtypes, blockwise=plan), plan)
 
 
 def _export(

@@ -2,8 +2,15 @@
 
 The ``safetensors`` package's NumPy backend cannot represent bfloat16, the dtype DeepSeek publishes
 in, so this reads the (simple, documented) safetensors layout itself: an 8-byte little-endian header
-size, a JSON header, then raw data. Files are memory-mapped; a tensor is copied out only when asked
-for, so converting never holds the model twice in memory.
+size, a JSON header, then raw data. A tensor is read from its file only when asked for, straight
+into the array returned (bfloat16 through a bounded staging buffer), so converting holds one
+conversion's tensors at a time, never a shard or the model. The files are read, not
+memory-mapped: the pages of a mapping the converter has touched would stay in its resident set
+until the file is closed, growing it by up to a whole shard. Each tensor is read once, so its
+pages are dropped from the page cache once read: a checkpoint larger than memory otherwise fills
+the cache, and every array the converter allocates first has the kernel reclaim cache pages
+(measured on DeepSeek-V2's experts: half the conversion's system time), evicting other
+processes' cached files on the way.
 """
 
 from __future__ import annotations
@@ -11,7 +18,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
-import mmap
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +46,9 @@ _NUMPY_DTYPES = {
 _ITEM_SIZES = {"BF16": 2, **{k: np.dtype(v).itemsize for k, v in _NUMPY_DTYPES.items()}}
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
 """The safetensors dtypes a weight may have (the model's parameters are floating point)."""
+
+BF16_STAGING_VALUES = 1 << 20
+"""bfloat16 values read per step into the staging buffer before widening to float32 (2 MB)."""
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 """The largest JSON header read (the safetensors format's own limit)."""
@@ -141,7 +151,7 @@ class SafetensorsCheckpoint:
     def __init__(self, model_dir: str | Path):
         self.model_dir = Path(model_dir)
         self.tensors: dict[str, TensorInfo] = {}
-        self._maps: dict[Path, mmap.mmap] = {}
+        self._files: dict[Path, int] = {}  # open file descriptors, by path
         for file in self._shard_files():
             data_start, header = _read_header(file)
             size = file.stat().st_size - data_start
@@ -198,27 +208,64 @@ class SafetensorsCheckpoint:
         """The stored shape of tensor ``name``."""
         return self.tensors[name].shape
 
-    def get(self, name: str) -> np.ndarray:
-        """Tensor ``name`` as a NumPy array (bfloat16 is widened to float32, exactly)."""
+    def get(self, name: str, out: np.ndarray | None = None) -> np.ndarray:
+        """Tensor ``name`` as a NumPy array (bfloat16 is widened to float32, exactly).
+
+        With ``out`` (an array of the tensor's shape; C-contiguous float32 for a bfloat16 or
+        float32 tensor to be read into it directly) the values are written there and ``out``
+        is returned."""
         info = self.tensors[name]
-        buf = self._maps.get(info.file)
-        if buf is None:
-            with open(info.file, "rb") as f:
-                buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-            self._maps[info.file] = buf
-        count = int(np.prod(info.shape, dtype=np.int64))
-        if info.dtype == "BF16":
-            bits = np.frombuffer(buf, np.uint16, count, info.begin).astype(np.uint32) << 16
-            return bits.view(np.float32).reshape(info.shape)
-        if info.dtype not in _NUMPY_DTYPES:
+        if info.dtype != "BF16" and info.dtype not in _NUMPY_DTYPES:
             raise CheckpointError(
                 f"{info.file}: tensor {name!r} has unsupported dtype {info.dtype}"
             )
-        arr = np.frombuffer(buf, _NUMPY_DTYPES[info.dtype], count, info.begin)
-        return arr.reshape(info.shape).copy()
+        if out is not None and tuple(out.shape) != info.shape:
+            raise ValueError(f"{name}: out has shape {out.shape}, the tensor {info.shape}")
+        fd = self._files.get(info.file)
+        if fd is None:
+            fd = self._files[info.file] = os.open(info.file, os.O_RDONLY)
+        count = math.prod(info.shape)
+        direct = (
+            out is not None
+            and out.dtype == np.float32
+            and out.flags.c_contiguous
+            and info.dtype in ("BF16", "F32")
+        )
+        if info.dtype != "BF16":
+            arr = out.reshape(-1) if direct else np.empty(count, _NUMPY_DTYPES[info.dtype])
+            self._read(fd, info, info.begin, arr)
+        else:
+            arr = out.reshape(-1).view(np.uint32) if direct else np.empty(count, np.uint32)
+            staging = np.empty(min(count, BF16_STAGING_VALUES), np.uint16)
+            for start in range(0, count, BF16_STAGING_VALUES):
+                n = min(count - start, BF16_STAGING_VALUES)
+                self._read(fd, info, info.begin + 2 * start, staging[:n])
+                np.left_shift(staging[:n], 16, out=arr[start : start + n], dtype=np.uint32)
+            arr = arr.view(np.float32)
+        if hasattr(os, "posix_fadvise"):  # Linux: the page cache need not keep what was read
+            os.posix_fadvise(fd, info.begin, info.end - info.begin, os.POSIX_FADV_DONTNEED)
+        if out is None:
+            return arr.reshape(info.shape)
+        if not direct:
+            out[...] = arr.reshape(info.shape)
+        return out
+
+    @staticmethod
+    def _read(fd: int, info: TensorInfo, offset: int, dest: np.ndarray) -> None:
+        """Fill ``dest`` with the file's bytes from ``offset`` (refusing a short file)."""
+        view = memoryview(dest).cast("B")
+        done = 0
+        while done < len(view):
+            n = os.preadv(fd, [view[done:]], offset + done)
+            if n <= 0:
+                raise CheckpointError(
+                    f"{info.file}: the file ends before its tensors do (truncated download?); "
+                    "download the shard again"
+                )
+            done += n
 
     def close(self) -> None:
-        """Unmap the files."""
-        for buf in self._maps.values():
-            buf.close()
-        self._maps.clear()
+        """Close the files."""
+        for fd in self._files.values():
+            os.close(fd)
+        self._files.clear()

@@ -11,7 +11,8 @@ name; four are not:
   concatenated, query rows first, into ``self_attn.qkv_a_proj.weight`` [q_a_dim + L + R, H]
   (one matmul; the forward pass reads the query and the latent at their column offsets);
 * routed experts ``mlp.experts.E.{gate,up,down}_proj.weight`` are stacked into
-  ``mlp.experts.gate_up_proj`` [E, 2I, H] and ``mlp.experts.down_proj`` [E, H, I];
+  ``mlp.experts.gate_up_proj`` [E, 2I, H] and ``mlp.experts.down_proj`` [E, H, I] (these
+  conversions work expert by expert: see :class:`ExpertStack`);
 * ``self_attn.kv_b_proj.weight`` [heads * (nope + v), kv_lora_rank] is split per head into
   ``kv_b_proj.w_uk`` [heads, nope, lora] and ``kv_b_proj.w_uv`` [heads, v, lora] (absorbed decode
   multiplies by them; prefill decompresses with the same matrices).
@@ -22,7 +23,7 @@ present with its shape and that every checkpoint tensor is consumed, listing all
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -40,29 +41,77 @@ class WeightMapError(Dsv2Error, ValueError):
 
 @dataclass(frozen=True)
 class Conversion:
-    """Checkpoint tensors ``sources`` (name, expected shape) -> parameters ``targets``."""
+    """Checkpoint tensors ``sources`` (name, expected shape) -> parameters ``targets``.
+
+    With ``experts`` > 0 the sources are that many equal groups, one per expert, whose rows are
+    concatenated (in order) into that expert's block; the single target is the stack of the
+    blocks [experts, ...] and ``transform`` is unused.
+    """
 
     sources: tuple[tuple[str, tuple[int, ...]], ...]
     targets: tuple[str, ...]
     transform: Transform | None = None
+    experts: int = 0
 
     def apply(self, arrays: list[np.ndarray]) -> list[np.ndarray]:
-        """Run the transform (identity when there is none)."""
+        """Run the transform (identity when there is none) on all sources at once."""
+        if self.experts:
+            per = len(arrays) // self.experts
+            blocks = [_concat_rows(arrays[e * per : (e + 1) * per])[0] for e in range(self.experts)]
+            return [np.stack(blocks)]
         return arrays if self.transform is None else self.transform(arrays)
+
+
+class ExpertStack:
+    """The stacked parameter of an expert :class:`Conversion`, read one expert at a time.
+
+    ``shape``, ``ndim`` and ``dtype`` (float32) describe the whole ``[experts, ...]`` array;
+    ``stack[e]`` reads expert ``e``'s checkpoint tensors straight into the rows of a new block.
+    Converting a DeepSeek-V2 MoE layer through the whole stack would hold 160 experts in float32
+    at once (10 GB for ``gate_up_proj``); consumers that work block by block (the INT4
+    quantizer, or :meth:`materialize` into the final dtype) hold one expert's block at a time.
+    """
+
+    dtype = np.dtype(np.float32)
+
+    def __init__(self, conv: Conversion, ckpt: SafetensorsCheckpoint):
+        self.conv, self.ckpt = conv, ckpt
+        self.per = len(conv.sources) // conv.experts
+        group = conv.sources[: self.per]
+        rows = sum(shape[0] for _, shape in group)
+        self.shape = (conv.experts, rows, *group[0][1][1:])
+        self.ndim = len(self.shape)
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, e: int) -> np.ndarray:
+        return self.read(e)
+
+    def read(self, e: int, out: np.ndarray | None = None) -> np.ndarray:
+        """Expert ``e``'s block, read into ``out`` (C-contiguous float32) or a new array."""
+        if not 0 <= e < len(self):
+            raise IndexError(f"expert {e} out of range [0, {len(self)})")
+        block = np.empty(self.shape[1:], np.float32) if out is None else out
+        row = 0
+        for name, shape in self.conv.sources[e * self.per : (e + 1) * self.per]:
+            self.ckpt.get(name, out=block[row : row + shape[0]])
+            row += shape[0]
+        return block
+
+    def materialize(self, dtype: str) -> np.ndarray:
+        """The whole stack as one contiguous array of ``dtype``, filled expert by expert."""
+        out = np.empty(self.shape, dtype)
+        for e in range(len(self)):
+            if out.dtype == np.float32:
+                self.read(e, out=out[e])
+            else:
+                out[e] = self.read(e)
+        return out
 
 
 def _same(name: str, shape: tuple[int, ...]) -> Conversion:
     return Conversion(((name, shape),), (name,))
-
-
-def _stack_gate_up(arrays: list[np.ndarray]) -> list[np.ndarray]:
-    # arrays = [gate_0, up_0, gate_1, up_1, ...] -> [E, 2I, H] with gate rows first per expert.
-    pairs = [np.concatenate(arrays[i : i + 2], axis=0) for i in range(0, len(arrays), 2)]
-    return [np.stack(pairs)]
-
-
-def _stack(arrays: list[np.ndarray]) -> list[np.ndarray]:
-    return [np.stack(arrays)]
 
 
 def _split_kv_b(cfg: DeepseekV2Config) -> Transform:
@@ -123,8 +172,9 @@ def _moe(cfg: DeepseekV2Config, p: str) -> list[Conversion]:
     down = tuple((f"{p}.experts.{e}.down_proj.weight", (h, inter)) for e in range(n))
     convs = [
         _same(f"{p}.gate.weight", (n, h)),
-        Conversion(gate_up, (f"{p}.experts.gate_up_proj",), _stack_gate_up),
-        Conversion(down, (f"{p}.experts.down_proj",), _stack),
+        # per expert: [gate_e; up_e] -> [2I, H] (gate rows first); down_e as it is
+        Conversion(gate_up, (f"{p}.experts.gate_up_proj",), experts=n),
+        Conversion(down, (f"{p}.experts.down_proj",), experts=n),
     ]
     if cfg.n_shared_experts:
         convs += _mlp(f"{p}.shared_experts", h, inter * cfg.n_shared_experts)
@@ -186,12 +236,29 @@ def check_checkpoint(convs: list[Conversion], ckpt: SafetensorsCheckpoint) -> No
 
 
 def convert(
-    convs: list[Conversion], ckpt: SafetensorsCheckpoint, dtypes: dict[str, str]
-) -> Iterator[tuple[str, np.ndarray]]:
-    """Yield ``(parameter name, array)`` in order, cast to ``dtypes[name]``, one at a time."""
+    convs: list[Conversion],
+    ckpt: SafetensorsCheckpoint,
+    dtypes: dict[str, str],
+    blockwise: Collection[str] = (),
+) -> Iterator[tuple[str, np.ndarray | ExpertStack]]:
+    """Yield ``(parameter name, array)`` in order, cast to ``dtypes[name]``, one at a time.
+
+    A stacked expert parameter named in ``blockwise`` is yielded as an :class:`ExpertStack` for
+    the consumer to read expert by expert (the INT4 quantizer does); any other is built in its
+    final dtype one expert at a time. Either way the largest transient is one expert's float32
+    block (or, for the other parameters, one conversion's checkpoint tensors)."""
     for conv in convs:
-        arrays = [ckpt.get(name) for name, _ in conv.sources]
-        outputs = conv.apply(arrays)
-        del arrays
-        for name, arr in zip(conv.targets, outputs, strict=True):
-            yield name, np.ascontiguousarray(arr.astype(dtypes[name], copy=False))
+        if conv.experts:
+            (name,) = conv.targets
+            stack = ExpertStack(conv, ckpt)
+            yield name, stack if name in blockwise else stack.materialize(dtypes[name])
+            continue
+        outputs = conv.apply([ckpt.get(name) for name, _ in conv.sources])
+        if len(outputs) != len(conv.targets):
+            raise AssertionError(f"{conv.targets}: the transform made {len(outputs)} arrays")
+        for name in conv.targets:
+            # drop each reference before yielding / resuming, so a consumer that lets go of an
+            # array frees it (the float32 source of a cast output is freed as it is yielded)
+            out = np.ascontiguousarray(outputs.pop(0).astype(dtypes[name], copy=False))
+            yield name, out
+            del out

@@ -8,7 +8,13 @@ dequantises weights without TVM); :mod:`.modules`, :mod:`.mutator` and :mod:`.de
 TVM.
 """
 
-from .packing import dequantize_int4, packed_shape, quantize_int4, quantize_params
+from .packing import (
+    dequantize_int4,
+    packed_shape,
+    quantize_blockwise,
+    quantize_int4,
+    quantize_params,
+)
 from .spec import (
     QUANTIZATIONS,
     Quantization,
@@ -25,6 +31,7 @@ __all__ = [
     "dequantize_int4",
     "get_quantization",
     "packed_shape",
+    "quantize_blockwise",
     "quantize_int4",
     "quantize_params",
 ]
