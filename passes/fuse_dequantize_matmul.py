@@ -62,11 +62,10 @@ def dequantize_matmul_te(
 
 @relax.expr_functor.mutator
 class _Rewriter(relax.PyExprMutator):
-    def __init__(self, mod: IRModule, min_bytes: int | None = 0):
+    def __init__(self, mod: IRModule, min_bytes: int = 0):
         super().__init__(mod)
         self.mod = mod
-        # fuse only weights whose float copy is at least this big (None: fuse none)
-        self.min_bytes = min_bytes
+        self.min_bytes = min_bytes  # fuse only weights whose float copy is at least this big
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:
         call = self.visit_expr_post_order(call)
@@ -84,7 +83,7 @@ class _Rewriter(relax.PyExprMutator):
             else None
         )
         group = primfunc_attr(self.mod, dequant, DEQUANTIZE_ATTR)
-        if group is None or self.min_bytes is None:
+        if group is None:
             return call
         qw, scale = dequant.args[1].fields
         w_ty = transpose.args[0].ty
@@ -109,12 +108,8 @@ def FuseDequantizeMatmul(mod: IRModule, _ctx: tvm.transform.PassContext) -> IRMo
     target = tvm.target.Target.current(allow_none=True)
     gpu = target is not None and "gpu" in target.keys
     decode = rewrite_relax_functions(mod, _Rewriter(mod), lambda f: entry_kind(f) == "decode")
-    done = ("decode",)
-    if gpu:  # (the rewriter's None: no weight is too large to materialise)
-        decode = rewrite_relax_functions(
-            decode, _Rewriter(decode, None), lambda f: entry_kind(f) == "decode_gemm"
-        )
-        done = ("decode", "decode_gemm")
+    # on GPU the large-batch decode entry fuses nothing: every weight is materialised
+    done = ("decode", "decode_gemm") if gpu else ("decode",)
     return rewrite_relax_functions(
         decode,
         _Rewriter(decode, MAX_MATERIALISED_BYTES if gpu else 0),
