@@ -9,11 +9,13 @@ arg-max, tokens back) through each way of running a step of one token per sequen
   more), expert-major kernels, CUDA graphs;
 * ``whole``: ``batch_decode_expert_major`` over the whole batch in one step (CUDA graphs);
 * ``gemm``: ``batch_decode_gemm`` (the prefill path's GEMMs and grouped expert GEMMs, the decode
-  path's attention) over the whole batch, CUDA graphs; ``gemm_eager``: the same without graphs.
+  path's attention) over the whole batch, CUDA graphs; ``gemm_eager``: the same without graphs;
+* ``default``: the entry the engine picks for the batch by itself (CUDA graphs).
 
 ``check``: one step from the same cache state through ``whole`` and ``gemm``: arg-max agreement
 and the largest logit difference. With ``--profile`` the kernels of ``--profile-steps`` eager
-``gemm`` steps at the largest batch are recorded by CUPTI (torch.profiler). Writes
+``--profile-mode`` steps (default ``gemm``) at the largest batch are recorded by CUPTI
+(torch.profiler); with ``--profile-prefill`` also the prefill of the largest batch. Writes
 ``large_batches.json``.
 """
 
@@ -50,8 +52,10 @@ def run_batch(args: argparse.Namespace, b: int) -> dict:
     from dsv2_mlc.runtime.engine import Engine
 
     ctx = args.prompt_len + 4 * (args.warmup + args.steps) + 64
-    engine = Engine(args.build, cuda_graph=True, context_window=ctx, max_batch_size=b,
-                    kv_capacity=b * ctx, prefill_chunk_size=args.prefill_chunk,
+    largest = b == max(int(x) for x in args.batches.split(","))
+    room = 2 * b if args.profile_prefill and largest else b  # the profiled prefill's sequences
+    engine = Engine(args.build, cuda_graph=True, context_window=ctx, max_batch_size=room,
+                    kv_capacity=room * ctx, prefill_chunk_size=args.prefill_chunk,
                     lib_dir=args.lib_dir, random_weights=args.seed)  # fmt: skip
     rng = np.random.default_rng(args.seed)
     seqs = [engine.add_sequence() for _ in range(b)]
@@ -60,6 +64,9 @@ def run_batch(args: argparse.Namespace, b: int) -> dict:
     toks = [int(row.argmax()) for row in engine.prefill(seqs, prompts)]
     _sync()
     report: dict = {"batch": b, "prefill_s": time.perf_counter() - t0}
+    if args.profile_prefill and largest:
+        report["prefill_profile"] = _profile_prefill(engine, rng, b, args.prompt_len)
+    defaults = (engine._major_from, engine._gemm_from)
 
     def use(major: int | None, gemm: int | None) -> None:
         engine.settle()
@@ -99,6 +106,9 @@ def run_batch(args: argparse.Namespace, b: int) -> dict:
         elif name == "whole":
             use(1, None)
             step = greedy
+        elif name == "default":
+            use(*defaults)
+            step = greedy
         elif name in ("gemm", "gemm_eager"):
             use(1, 1)
             if name == "gemm_eager":
@@ -115,11 +125,21 @@ def run_batch(args: argparse.Namespace, b: int) -> dict:
         print(json.dumps({"batch": b, name: report[name]}), flush=True)
     engine._graphs = graphs
     report["graph_stats"] = engine.cuda_graph_stats
-    if args.profile and b == max(int(x) for x in args.batches.split(",")):
-        use(1, 1)
+    if args.profile and largest:
+        use(*{"gemm": (1, 1), "whole": (1, None), "default": defaults}[args.profile_mode])
         engine._graphs = None
         report["profile"] = _profile(greedy, toks, args.profile_steps)
     return report
+
+
+def _profile_prefill(engine, rng, b: int, prompt_len: int) -> list[dict]:
+    """CUPTI kernel times of one prefill of ``b`` fresh sequences (dropped afterwards)."""
+    seqs = [engine.add_sequence() for _ in range(b)]
+    prompts = rng.integers(0, engine.config.vocab_size, (b, prompt_len)).tolist()
+    rows = _profile(lambda _: engine.prefill(seqs, prompts), [], 1)
+    for s in seqs:
+        engine.remove_sequence(s)
+    return rows
 
 
 def _profile(step, toks: list[int], steps: int) -> list[dict]:
@@ -131,6 +151,10 @@ def _profile(step, toks: list[int], steps: int) -> list[dict]:
         for _ in range(steps):
             toks = step(toks)
         torch.cuda.synchronize()
+    return _aggregate(prof, steps)
+
+
+def _aggregate(prof, steps: int) -> list[dict]:
     agg: dict[str, list[float]] = defaultdict(list)
     for evt in prof.events():
         if str(getattr(evt, "device_type", None)).endswith("CUDA") and evt.device_time_total > 0:
@@ -159,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--profile", action="store_true")
     p.add_argument("--profile-steps", type=int, default=3)
+    p.add_argument("--profile-mode", choices=("gemm", "whole", "default"), default="gemm")
+    p.add_argument("--profile-prefill", action="store_true")
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
