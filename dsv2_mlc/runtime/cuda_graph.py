@@ -282,8 +282,8 @@ class DecodeGraphs:
         # (batch size, kind) -> how its graphs move between page buckets; None: they cannot
         self._moves: dict[tuple, Relocation | None] = {}
         self.stats: dict[str, float] = dict(
-            captures=0, replays=0, greedy_replays=0, failures=0, mismatches=0, capture_s=0.0,
-            relocations=0, relocate_s=0.0, relocation_failures=0,
+            captures=0, replays=0, greedy_replays=0, failures=0, checks=0, mismatches=0,
+            capture_s=0.0, relocations=0, relocate_s=0.0, relocation_failures=0,
         )  # fmt: skip
         if pdl_port is not None:
             self.stats.update(pdl_edges=0, pdl_failures=0)
@@ -321,7 +321,7 @@ class DecodeGraphs:
         follows the KV cache's internal layout, see the module docstring) at the cost of one
         eager step per key, until the keys are trusted (module docstring): then a new key's
         graph is captured and replayed for its own step."""
-        graph = self._cached(key, greedy=False)
+        graph = self._cached(key, greedy=False) or self._moved_unchecked(key, greedy=False)
         if graph is not None:
             self._replay(graph, ids, write)
             if same is None or graph.verified:
@@ -330,7 +330,7 @@ class DecodeGraphs:
             return graph.out if self._check(key, graph, same(graph.out, ref)) else ref
         ids_t = None
         if self._trusted(key, greedy=False):  # moved from another bucket, else captured
-            graph = self._relocated(key)
+            graph = self._relocated(key, False)
             if graph is None:
                 ids_t = to_device(ids)
                 graph = self._capture(key, ids_t, call)
@@ -359,7 +359,7 @@ class DecodeGraphs:
         docstring); a replay returns once the graph has completed. ``same`` compares two
         ``(logits, tokens)`` outputs; the first replay's host tokens are also compared with the
         eager step's. ``key`` must differ from every key given to :meth:`run`."""
-        graph = self._cached(key, greedy=True)
+        graph = self._cached(key, greedy=True) or self._moved_unchecked(key, greedy=True)
         if graph is not None:
             self._replay_greedy(graph, ids)
             tokens = self.wait_greedy(graph)  # on the host now, and the ids buffer free again
@@ -371,7 +371,7 @@ class DecodeGraphs:
             return tokens if self._check(key, graph, ok) else ref_tokens.astype(np.int64)
         ids_t = None
         if self._trusted(key, greedy=True):  # moved from another bucket, else captured
-            graph = self._relocated(key)
+            graph = self._relocated(key, True)
             if graph is None:
                 ids_t = to_device(ids)
                 graph = self._capture(key, ids_t, call, self._warm[(key[0], True)])
@@ -409,7 +409,7 @@ class DecodeGraphs:
         completes."""
         graph = self._cached(key, greedy=True)
         if graph is None and self._trusted(key, greedy=True):
-            graph = self._relocated(key)
+            graph = self._relocated(key, True)
         if graph is None or not graph.verified:
             return None
         self._replay_greedy(graph, ids)
@@ -421,7 +421,7 @@ class DecodeGraphs:
         step before. The move may take the graph of that very step: a launch in flight keeps
         the arguments it was launched with. So the step itself only replays."""
         if key not in self._graphs and self._trusted(key, greedy):
-            self._relocated(key)
+            self._relocated(key, greedy)
 
     def _replay(self, graph: _Graph, ids: np.ndarray, write: Callable) -> None:
         """Write ``ids`` into ``graph``'s input tensor and launch it."""
@@ -448,7 +448,10 @@ class DecodeGraphs:
         return graph.pinned.tokens.astype(np.int64)
 
     def _check(self, key: tuple, graph: _Graph, same: bool) -> bool:
-        """Record the first replay check of ``graph``: verified, or dropped for good."""
+        """Record the first replay check of ``graph`` at ``key``: verified, or dropped for good.
+        A graph moved to ``key`` (captured at another bucket) that fails it stops the moves of
+        its group: their graphs are captured per bucket from then on."""
+        self.stats["checks"] += 1
         if same:
             graph.verified = True
             self._verified += 1
@@ -458,6 +461,9 @@ class DecodeGraphs:
         self._failed.add(key)
         self.stats["mismatches"] += 1
         self.last_error = f"graph replay for key {key} differs from the eager step"
+        if graph.bucket != key[1]:  # moved there from its capture's bucket
+            group = _group(key)
+            self._unmovable(group, f"moved {self.last_error}: {group} captured per bucket")
         return False
 
     def _capture(
@@ -518,14 +524,31 @@ class DecodeGraphs:
             _drop(cuda, stream, old)
         return graph
 
-    def _relocated(self, key: tuple) -> _Graph | None:
-        """The most recently used verified graph of ``key``'s batch size and kind, moved to
-        ``key``'s page bucket and now cached under it (:mod:`~.graph_relocation`); None where
-        there is none or its kind of graph does not move (then ``key`` is captured)."""
+    def _moved_unchecked(self, key: tuple, greedy: bool) -> _Graph | None:
+        """Before the keys are trusted, for a ``key`` with no graph: the most recently used graph
+        of its batch size and kind, verified or not, moved to it (:meth:`_relocated`) and marked
+        unverified, so that its replay is checked against an eager step like a capture's first
+        replay (:meth:`_check`). None where the key is trusted or failed, or no graph can move
+        yet (fewer than three captures of the group): then the step runs eagerly and is
+        captured. So keys that change every step (sequences of mixed lengths crossing pages at
+        different steps) need three captures, and the checks of their moves earn the trust."""
+        if key in self._failed or self._trusted(key, greedy):
+            return None
+        graph = self._relocated(key, greedy, verified=False)
+        if graph is not None:
+            graph.verified = False
+        return graph
+
+    def _relocated(self, key: tuple, greedy: bool, verified: bool = True) -> _Graph | None:
+        """The most recently used graph of ``key``'s batch size and kind (``verified``: a
+        verified one), moved to ``key``'s page bucket and now cached under it
+        (:mod:`~.graph_relocation`); None where there is none or its kind of graph does not move
+        (then ``key`` is captured)."""
         group = _group(key)
         move = self._move(group) if self.relocate else None
         base = next((k for k, g in reversed(self._graphs.items())
-                     if _group(k) == group and g.template and g.verified), None)  # fmt: skip
+                     if _group(k) == group and g.template and (g.verified or not verified)
+                     and (g.pinned is not None) == greedy), None)  # fmt: skip
         if move is None or base is None:
             return None
         graph, start = self._graphs[base], time.perf_counter()
