@@ -35,8 +35,9 @@ capture and a second eager step, several ms of host time, which would slow a fre
 first generations well below a warm one's. Once
 ``trust_after`` keys (2) have passed their check and none has failed one, and a graph of the same
 batch size and kind exists (modules loaded, pools holding the step's blocks: a capture cannot
-allocate), a new key is captured directly, marked verified and replayed for its own step: no
-eager run, no check. ``gpu_graph_check.py`` still compares every replay with an eager engine.
+allocate), a new key is captured directly (or moved, below), marked verified and replayed for
+its own step: no eager run, no check. ``gpu_graph_check.py`` still compares every replay with an
+eager engine.
 
 **Moved graphs.** A trusted capture still costs the host several ms (the VM enqueues the step's
 launches, then the graph is instantiated), once every 64 tokens: a step several times as long as
@@ -52,8 +53,19 @@ the new key (its old key is captured or moved again when it comes back). A greed
 ahead knows the next step's key: the engine moves its graph then (:meth:`DecodeGraphs.prepare`),
 while the device runs, even the graph of the running step (a launch in flight keeps the
 arguments it was launched with), so the next step only replays. Each graph keeps its captured
-template, whose nodes name the executable's. A kind of graph that does not move so
-is captured per bucket as before (``last_error`` says why; ``stats["relocation_failures"]``).
+template, whose nodes name the executable's. A kind of graph that does not move so is captured
+per bucket (``last_error`` says why; ``stats["relocation_failures"]``).
+
+Before the keys are trusted, a new key likewise takes the most recently used graph of its batch
+size and kind, verified or not, once the move is known; the moved graph is replayed and checked
+against an eager run of the step like a capture's first replay, and the check counts towards
+trust; no capture is made. So a batch whose key changes at every step (sequences of mixed
+lengths, some crossing a page at each step: no key recurs, so a captured graph would never be
+replayed, nor checked) takes three captures (to learn the move) and two checked moves, then
+moves only. A moved graph that fails its check is dropped like any other (the eager result
+stands, that key stays eager, no trust) and its batch size and kind are captured per bucket
+from then on. Keys that recur (a batch of equal lengths: 16 steps a key at batch 256) pass
+their checks on their own replays and are trusted before three captures exist.
 
 **Programmatic Dependent Launch.** For a build compiled with ``--pdl`` (``BuildConfig.pdl``),
 ``DecodeGraphs(pdl_port=...)`` turns every kernel->kernel edge of a captured graph into a
@@ -320,7 +332,9 @@ class DecodeGraphs:
         graph, returns the eager result and keeps that key eager. This guards the key (which
         follows the KV cache's internal layout, see the module docstring) at the cost of one
         eager step per key, until the keys are trusted (module docstring): then a new key's
-        graph is captured and replayed for its own step."""
+        graph is moved from another bucket or captured, and replayed for its own step. Before
+        that, a new key whose group's graphs move gets one moved to it, replayed and checked
+        (:meth:`_moved_unchecked`) instead of an eager run and a capture."""
         graph = self._cached(key, greedy=False) or self._moved_unchecked(key, greedy=False)
         if graph is not None:
             self._replay(graph, ids, write)
