@@ -334,8 +334,8 @@ class DecodeGraphs:
         eager step per key, until the keys are trusted (module docstring): then a new key's
         graph is moved from another bucket or captured, and replayed for its own step. Before
         that, a new key whose group's graphs move gets one moved to it, replayed and checked
-        (:meth:`_moved_unchecked`) instead of an eager run and a capture."""
-        graph = self._cached(key, greedy=False) or self._moved_unchecked(key, greedy=False)
+        (:meth:`_moved_to_check`) instead of an eager run and a capture."""
+        graph = self._cached(key, greedy=False) or self._moved_to_check(key, greedy=False)
         if graph is not None:
             self._replay(graph, ids, write)
             if same is None or graph.verified:
@@ -373,7 +373,7 @@ class DecodeGraphs:
         docstring); a replay returns once the graph has completed. ``same`` compares two
         ``(logits, tokens)`` outputs; the first replay's host tokens are also compared with the
         eager step's. ``key`` must differ from every key given to :meth:`run`."""
-        graph = self._cached(key, greedy=True) or self._moved_unchecked(key, greedy=True)
+        graph = self._cached(key, greedy=True) or self._moved_to_check(key, greedy=True)
         if graph is not None:
             self._replay_greedy(graph, ids)
             tokens = self.wait_greedy(graph)  # on the host now, and the ids buffer free again
@@ -538,7 +538,7 @@ class DecodeGraphs:
             _drop(cuda, stream, old)
         return graph
 
-    def _moved_unchecked(self, key: tuple, greedy: bool) -> _Graph | None:
+    def _moved_to_check(self, key: tuple, greedy: bool) -> _Graph | None:
         """Before the keys are trusted, for a ``key`` with no graph: the most recently used graph
         of its batch size and kind, verified or not, moved to it (:meth:`_relocated`) and marked
         unverified, so that its replay is checked against an eager step like a capture's first
