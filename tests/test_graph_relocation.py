@@ -12,7 +12,7 @@ import ctypes
 import numpy as np
 import pytest
 import tvm_ffi
-from test_cuda_graph import KERNEL, MEMCPY, STREAM, SimCuda
+from test_cuda_graph import KERNEL, MEMCPY, STREAM, SimCuda, _same
 
 from dsv2_mlc.runtime.cuda_graph import DecodeGraphs
 from dsv2_mlc.runtime.graph_relocation import Capture, Node, NotRelocatable, derive, owner
@@ -243,6 +243,7 @@ def test_decode_graphs_move_to_new_buckets_after_three_captures():
     # buckets 1-2 checked (eager, capture, eager), 3 captured trusted, 4-7 moved
     assert graphs.stats["captures"] == 3 and graphs.stats["relocations"] == 4
     assert graphs.stats["relocation_failures"] == 0 and graphs.stats["moved_args"] == 1
+    assert graphs.stats["checks"] == 2 and model.calls == 3 * 2 + 1  # 1-2 checked, 3 trusted
     assert sim.set_calls == 4 and len(sim.execs) == 3
     _decode(graphs, sim, model, range(100, 130, 3))  # back to buckets 2-3 (popn): cached
     # bucket 1 (still cached), 10 (bucket 1's graph moved), 1 again (moved back)
@@ -307,3 +308,85 @@ def test_prepare_moves_the_next_buckets_graph_before_its_step_even_while_it_runs
     assert graphs.stats["relocations"] == 1 and graphs.stats["captures"] == 3
     graphs.prepare((1, 9), True)  # a greedy key: no greedy graph yet, nothing moves
     assert graphs.stats["relocations"] == 1
+
+
+# -- keys that change every step (a batch of mixed lengths: some sequence crosses a page) -------
+
+
+def _tallies(graphs: DecodeGraphs) -> tuple:
+    s = graphs.stats
+    return s["captures"], s["checks"], s["relocations"], s["replays"], graphs._verified
+
+
+class GreedyAuxModel(AuxModel):
+    """AuxModel's step returning (logits, tokens): the token ``int(logits[0])`` (id +
+    position), picked by a third kernel into a fresh int32 output."""
+
+    def __call__(self, ids_t: tvm_ffi.Tensor) -> tuple:
+        (logits,) = super().__call__(ids_t)
+        tokens = np.zeros(1, np.int32)
+        self.sim.launch_kernel(_pick, logits.data_ptr(), tokens.ctypes.data)
+        return logits, tvm_ffi.from_dlpack(tokens)
+
+
+def _pick(logits_ptr: int, tokens_ptr: int) -> None:
+    token = np.array([int(_read(logits_ptr, 1, np.float32)[0])], np.int32)
+    ctypes.memmove(tokens_ptr, token.ctypes.data, token.nbytes)
+
+
+def test_keys_that_change_every_step_replay_moved_graphs_after_three_captures():
+    sim = ArgCuda()
+    graphs, model = DecodeGraphs("cuda", cuda=sim), AuxModel(sim)
+    seen = []
+    for pos in [64 * b + 3 * b for b in range(10)]:  # buckets 1..10, one step each
+        _decode(graphs, sim, model, [pos])  # the logits checked against the model's formula
+        seen.append(_tallies(graphs))
+    # three captures (eager + capture each) teach the move; buckets 4 and 5 take the latest
+    # graph moved, replayed and checked against an eager step: trusted after two, so buckets
+    # 6-10 are moved and replayed only
+    assert seen[:6] == [(1, 0, 0, 0, 0), (2, 0, 0, 0, 0), (3, 0, 0, 0, 0), (3, 1, 1, 1, 1),
+                        (3, 2, 2, 2, 2), (3, 2, 3, 3, 2)]  # fmt: skip
+    assert seen[-1] == (3, 2, 7, 7, 2) and graphs.stats["mismatches"] == 0
+    assert model.calls == 3 * 2 + 2 and len(sim.execs) == 3 and sim.set_calls == 7
+
+
+def test_greedy_keys_that_change_every_step_as_the_engine_steps_them():
+    sim = ArgCuda()
+    graphs, model = DecodeGraphs("cuda", cuda=sim), GreedyAuxModel(sim)
+    buckets = [2, 3, 5, 6, 7, 9, 10, 11, 13, 14, 15, 16]  # up by one or two pages of 4
+    for i, bucket in enumerate(buckets):
+        pos = 64 * (bucket - 1) + i
+        model.begin(bucket, pos)
+        key, tok = (1, bucket, "greedy"), np.array([[i]], np.int32)
+        graph = graphs.launch_greedy(key, tok)  # a verified graph (cached or moved), else None
+        if graph is not None:
+            tokens = graphs.wait_greedy(graph)
+        else:
+            tokens = graphs.run_greedy(key, tok, model, lambda a: tvm_ffi.from_dlpack(a.copy()),
+                                       _same)  # fmt: skip
+        assert tokens.tolist() == [i + pos], f"step {i}"
+        if i + 1 < len(buckets):  # the next step's graph moved while this one "runs"
+            graphs.prepare((1, buckets[i + 1], "greedy"), True)
+    s = graphs.stats
+    assert (s["captures"], s["checks"], s["mismatches"]) == (3, 2, 0)
+    assert s["relocations"] == s["greedy_replays"] == len(buckets) - 3
+    assert model.calls == 3 * 2 + 2
+
+
+def test_a_moved_graph_that_fails_its_check_stops_moves_and_trust(monkeypatch):
+    sim = ArgCuda()
+    graphs, model = DecodeGraphs("cuda", cuda=sim), AuxModel(sim)
+    real = _Setter.set
+
+    def skewed(self, args):  # a wrong move: every moved int32 one element off
+        real(self, {j: _b(int.from_bytes(r, "little") + 1, size=len(r))[0] if len(r) == 4
+                    else r for j, r in args.items()})  # fmt: skip
+
+    monkeypatch.setattr(_Setter, "set", skewed)
+    _decode(graphs, sim, model, [64 * b for b in range(7)])  # right logits: the eager ones
+    s = graphs.stats
+    assert s["mismatches"] == 1 and s["checks"] == 1 and (1, 4) in graphs._failed
+    assert s["relocations"] == 1 and s["relocation_failures"] == 1 and graphs._verified == 0
+    assert "differs" in graphs.last_error and "per bucket" in graphs.last_error
+    # from then on every new bucket is run eagerly and captured (never trusted, never moved)
+    assert s["captures"] == 6 and s["replays"] == 1 and (1, 4) not in graphs._graphs

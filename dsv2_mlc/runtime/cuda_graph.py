@@ -35,8 +35,9 @@ capture and a second eager step, several ms of host time, which would slow a fre
 first generations well below a warm one's. Once
 ``trust_after`` keys (2) have passed their check and none has failed one, and a graph of the same
 batch size and kind exists (modules loaded, pools holding the step's blocks: a capture cannot
-allocate), a new key is captured directly, marked verified and replayed for its own step: no
-eager run, no check. ``gpu_graph_check.py`` still compares every replay with an eager engine.
+allocate), a new key is captured directly (or moved, below), marked verified and replayed for
+its own step: no eager run, no check. ``gpu_graph_check.py`` still compares every replay with an
+eager engine.
 
 **Moved graphs.** A trusted capture still costs the host several ms (the VM enqueues the step's
 launches, then the graph is instantiated), once every 64 tokens: a step several times as long as
@@ -52,8 +53,19 @@ the new key (its old key is captured or moved again when it comes back). A greed
 ahead knows the next step's key: the engine moves its graph then (:meth:`DecodeGraphs.prepare`),
 while the device runs, even the graph of the running step (a launch in flight keeps the
 arguments it was launched with), so the next step only replays. Each graph keeps its captured
-template, whose nodes name the executable's. A kind of graph that does not move so
-is captured per bucket as before (``last_error`` says why; ``stats["relocation_failures"]``).
+template, whose nodes name the executable's. A kind of graph that does not move so is captured
+per bucket (``last_error`` says why; ``stats["relocation_failures"]``).
+
+Before the keys are trusted, a new key likewise takes the most recently used graph of its batch
+size and kind, verified or not, once the move is known; the moved graph is replayed and checked
+against an eager run of the step like a capture's first replay, and the check counts towards
+trust; no capture is made. So a batch whose key changes at every step (sequences of mixed
+lengths, some crossing a page at each step: no key recurs, so a captured graph would never be
+replayed, nor checked) takes three captures (to learn the move) and two checked moves, then
+moves only. A moved graph that fails its check is dropped like any other (the eager result
+stands, that key stays eager, no trust) and its batch size and kind are captured per bucket
+from then on. Keys that recur (a batch of equal lengths: 16 steps a key at batch 256) pass
+their checks on their own replays and are trusted before three captures exist.
 
 **Programmatic Dependent Launch.** For a build compiled with ``--pdl`` (``BuildConfig.pdl``),
 ``DecodeGraphs(pdl_port=...)`` turns every kernel->kernel edge of a captured graph into a
@@ -282,8 +294,8 @@ class DecodeGraphs:
         # (batch size, kind) -> how its graphs move between page buckets; None: they cannot
         self._moves: dict[tuple, Relocation | None] = {}
         self.stats: dict[str, float] = dict(
-            captures=0, replays=0, greedy_replays=0, failures=0, mismatches=0, capture_s=0.0,
-            relocations=0, relocate_s=0.0, relocation_failures=0,
+            captures=0, replays=0, greedy_replays=0, failures=0, checks=0, mismatches=0,
+            capture_s=0.0, relocations=0, relocate_s=0.0, relocation_failures=0,
         )  # fmt: skip
         if pdl_port is not None:
             self.stats.update(pdl_edges=0, pdl_failures=0)
@@ -320,8 +332,10 @@ class DecodeGraphs:
         graph, returns the eager result and keeps that key eager. This guards the key (which
         follows the KV cache's internal layout, see the module docstring) at the cost of one
         eager step per key, until the keys are trusted (module docstring): then a new key's
-        graph is captured and replayed for its own step."""
-        graph = self._cached(key, greedy=False)
+        graph is moved from another bucket or captured, and replayed for its own step. Before
+        that, a new key whose group's graphs move gets one moved to it, replayed and checked
+        (:meth:`_moved_to_check`) instead of an eager run and a capture."""
+        graph = self._cached(key, greedy=False) or self._moved_to_check(key, greedy=False)
         if graph is not None:
             self._replay(graph, ids, write)
             if same is None or graph.verified:
@@ -330,7 +344,7 @@ class DecodeGraphs:
             return graph.out if self._check(key, graph, same(graph.out, ref)) else ref
         ids_t = None
         if self._trusted(key, greedy=False):  # moved from another bucket, else captured
-            graph = self._relocated(key)
+            graph = self._relocated(key, False)
             if graph is None:
                 ids_t = to_device(ids)
                 graph = self._capture(key, ids_t, call)
@@ -359,7 +373,7 @@ class DecodeGraphs:
         docstring); a replay returns once the graph has completed. ``same`` compares two
         ``(logits, tokens)`` outputs; the first replay's host tokens are also compared with the
         eager step's. ``key`` must differ from every key given to :meth:`run`."""
-        graph = self._cached(key, greedy=True)
+        graph = self._cached(key, greedy=True) or self._moved_to_check(key, greedy=True)
         if graph is not None:
             self._replay_greedy(graph, ids)
             tokens = self.wait_greedy(graph)  # on the host now, and the ids buffer free again
@@ -371,7 +385,7 @@ class DecodeGraphs:
             return tokens if self._check(key, graph, ok) else ref_tokens.astype(np.int64)
         ids_t = None
         if self._trusted(key, greedy=True):  # moved from another bucket, else captured
-            graph = self._relocated(key)
+            graph = self._relocated(key, True)
             if graph is None:
                 ids_t = to_device(ids)
                 graph = self._capture(key, ids_t, call, self._warm[(key[0], True)])
@@ -409,7 +423,7 @@ class DecodeGraphs:
         completes."""
         graph = self._cached(key, greedy=True)
         if graph is None and self._trusted(key, greedy=True):
-            graph = self._relocated(key)
+            graph = self._relocated(key, True)
         if graph is None or not graph.verified:
             return None
         self._replay_greedy(graph, ids)
@@ -421,7 +435,7 @@ class DecodeGraphs:
         step before. The move may take the graph of that very step: a launch in flight keeps
         the arguments it was launched with. So the step itself only replays."""
         if key not in self._graphs and self._trusted(key, greedy):
-            self._relocated(key)
+            self._relocated(key, greedy)
 
     def _replay(self, graph: _Graph, ids: np.ndarray, write: Callable) -> None:
         """Write ``ids`` into ``graph``'s input tensor and launch it."""
@@ -448,7 +462,10 @@ class DecodeGraphs:
         return graph.pinned.tokens.astype(np.int64)
 
     def _check(self, key: tuple, graph: _Graph, same: bool) -> bool:
-        """Record the first replay check of ``graph``: verified, or dropped for good."""
+        """Record the first replay check of ``graph`` at ``key``: verified, or dropped for good.
+        A graph moved to ``key`` (captured at another bucket) that fails it stops the moves of
+        its group: their graphs are captured per bucket from then on."""
+        self.stats["checks"] += 1
         if same:
             graph.verified = True
             self._verified += 1
@@ -458,6 +475,9 @@ class DecodeGraphs:
         self._failed.add(key)
         self.stats["mismatches"] += 1
         self.last_error = f"graph replay for key {key} differs from the eager step"
+        if graph.bucket != key[1]:  # moved there from its capture's bucket
+            group = _group(key)
+            self._unmovable(group, f"moved {self.last_error}: {group} captured per bucket")
         return False
 
     def _capture(
@@ -518,14 +538,31 @@ class DecodeGraphs:
             _drop(cuda, stream, old)
         return graph
 
-    def _relocated(self, key: tuple) -> _Graph | None:
-        """The most recently used verified graph of ``key``'s batch size and kind, moved to
-        ``key``'s page bucket and now cached under it (:mod:`~.graph_relocation`); None where
-        there is none or its kind of graph does not move (then ``key`` is captured)."""
+    def _moved_to_check(self, key: tuple, greedy: bool) -> _Graph | None:
+        """Before the keys are trusted, for a ``key`` with no graph: the most recently used graph
+        of its batch size and kind, verified or not, moved to it (:meth:`_relocated`) and marked
+        unverified, so that its replay is checked against an eager step like a capture's first
+        replay (:meth:`_check`). None where the key is trusted or failed, or no graph can move
+        yet (fewer than three captures of the group): then the step runs eagerly and is
+        captured. So keys that change every step (sequences of mixed lengths crossing pages at
+        different steps) need three captures, and the checks of their moves earn the trust."""
+        if key in self._failed or self._trusted(key, greedy):
+            return None
+        graph = self._relocated(key, greedy, verified=False)
+        if graph is not None:
+            graph.verified = False
+        return graph
+
+    def _relocated(self, key: tuple, greedy: bool, verified: bool = True) -> _Graph | None:
+        """The most recently used graph of ``key``'s batch size and kind (``verified``: a
+        verified one), moved to ``key``'s page bucket and now cached under it
+        (:mod:`~.graph_relocation`); None where there is none or its kind of graph does not move
+        (then ``key`` is captured)."""
         group = _group(key)
         move = self._move(group) if self.relocate else None
         base = next((k for k, g in reversed(self._graphs.items())
-                     if _group(k) == group and g.template and g.verified), None)  # fmt: skip
+                     if _group(k) == group and g.template and (g.verified or not verified)
+                     and (g.pinned is not None) == greedy), None)  # fmt: skip
         if move is None or base is None:
             return None
         graph, start = self._graphs[base], time.perf_counter()
