@@ -6,9 +6,10 @@ library per kernel into ``build/lab_moe_decode/``: for V2-Lite's MoE shape (hidd
 intermediate 1408, 2 shared experts, 64 experts, top-6 greedy, INT4 group 128) every tiling of
 :data:`GATE_UP_VARIANTS` / :data:`DOWN_VARIANTS` (``gu_lite_<tiles>``, ``dn_lite_<tiles>``,
 through the builders' tile-taking functions ``gate_up_decode_kernel`` / ``down_decode_kernel``),
-and the shipped kernels for the full V2's shape (hidden 5120, intermediate 1536, 160 experts,
-top-6 of group-limited routing over 8 groups / 3 kept, scale 16: ``gu_v2``, ``dn_v2``), plus
-``manifest.json``. ``--only`` (comma-separated keys) builds those alone.
+and every tiling of :data:`V2_GATE_UP_VARIANTS` / :data:`V2_DOWN_VARIANTS` for the full V2's shape
+(hidden 5120, intermediate 1536, 160 experts, top-6 of group-limited routing over 8 groups / 3
+kept, scale 16: ``gu_v2_<tiles>``, ``dn_v2_<tiles>``), plus ``manifest.json``. ``--only``
+(comma-separated keys) builds those alone.
 
 ``python3 schedules/lab/kernel_lab_moe_decode.py run --lib-dir LIBS --out DIR`` (GPU
 machine; torch + ``tvm_ffi`` + TVM's runtime libraries, never imports tvm): random INT4 experts,
@@ -72,6 +73,26 @@ DOWN_VARIANTS = (
     (4, 32, 2, 8, 4),
     (4, 32, 1, 8, 4),
 )
+# the same at the full V2's shape (hidden 5120: the gate/up kernel holds a lane's share of x in
+# registers, 254 a thread at 8 warps); the first of each is the shipped one
+V2_GATE_UP_VARIANTS = (
+    (4, 264, 16),
+    (4, 132, 16),
+    (8, 132, 16),
+    (4, 396, 16),
+    (2, 528, 16),
+    (4, 264, 8),
+    (4, 264, 16, 2),
+)
+V2_DOWN_VARIANTS = (
+    (8, 32, 2, 8),
+    (4, 32, 2, 8),
+    (8, 32, 1, 8),
+    (4, 32, 4, 8),
+    (8, 32, 4, 8),
+    (8, 32, 2, 16),
+    (4, 32, 2, 8, 4),
+)
 BAD_REL = 5e-3  # relative L2 above this is flagged "!"
 NS = (1, 4)
 
@@ -95,9 +116,16 @@ def _kernels() -> tuple[dict, dict]:
         funcs[f"dn_lite_{tiles.name}"] = m.down_decode_kernel(lite, tiles)
         info[f"dn_lite_{tiles.name}"] = {"shape": "lite", "kind": "down", "tiles": v}
     v2 = m.MoeDecodeShape(**SHAPES["v2"])
-    funcs["gu_v2"], funcs["dn_v2"] = m.moe_gate_up_decode(v2), m.moe_down_decode(v2)
-    info["gu_v2"] = {"shape": "v2", "kind": "gate_up", "tiles": GATE_UP_VARIANTS[0]}
-    info["dn_v2"] = {"shape": "v2", "kind": "down", "tiles": DOWN_VARIANTS[0]}
+    assert tuned("moe_decode_gate_up", shape=(v2.hidden,)) == GateUpTiles(*V2_GATE_UP_VARIANTS[0])
+    assert tuned("moe_decode_down") == DecodeTiles(*V2_DOWN_VARIANTS[0])
+    for v in V2_GATE_UP_VARIANTS:
+        tiles = GateUpTiles(*v)
+        funcs[f"gu_v2_{tiles.name}"] = m.gate_up_decode_kernel(v2, tiles)
+        info[f"gu_v2_{tiles.name}"] = {"shape": "v2", "kind": "gate_up", "tiles": v}
+    for v in V2_DOWN_VARIANTS:
+        tiles = DecodeTiles(*v)
+        funcs[f"dn_v2_{tiles.name}"] = m.down_decode_kernel(v2, tiles)
+        info[f"dn_v2_{tiles.name}"] = {"shape": "v2", "kind": "down", "tiles": v}
     return funcs, info
 
 
