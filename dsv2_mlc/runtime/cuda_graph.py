@@ -53,8 +53,12 @@ the new key (its old key is captured or moved again when it comes back). A greed
 ahead knows the next step's key: the engine moves its graph then (:meth:`DecodeGraphs.prepare`),
 while the device runs, even the graph of the running step (a launch in flight keeps the
 arguments it was launched with), so the next step only replays. Each graph keeps its captured
-template, whose nodes name the executable's. A kind of graph that does not move so is captured
-per bucket (``last_error`` says why; ``stats["relocation_failures"]``).
+template, whose nodes name the executable's. A kind of graph that does not move so (the
+``batch_decode_gemm`` step's cuBLAS nodes, whose arguments a kernel node does not expose) is
+captured per bucket (``last_error`` says why; ``stats["relocation_failures"]``), and only for a
+key stepped before: a first step of a new key runs eagerly (``stats["eager_unseen"]``), since
+with keys that change every step a capture would cost each step several ms and never be
+replayed.
 
 Before the keys are trusted, a new key likewise takes the most recently used graph of its batch
 size and kind, verified or not, once the move is known; the moved graph is replayed and checked
@@ -64,8 +68,9 @@ lengths, some crossing a page at each step: no key recurs, so a captured graph w
 replayed, nor checked) takes three captures (to learn the move) and two checked moves, then
 moves only. A moved graph that fails its check is dropped like any other (the eager result
 stands, that key stays eager, no trust) and its batch size and kind are captured per bucket
-from then on. Keys that recur (a batch of equal lengths: 16 steps a key at batch 256) pass
-their checks on their own replays and are trusted before three captures exist.
+(keys stepped before) from then on. Keys that recur (a batch of equal lengths: 16 steps a key
+at batch 256) pass their checks on their own replays and are trusted before three captures
+exist.
 
 **Programmatic Dependent Launch.** For a build compiled with ``--pdl`` (``BuildConfig.pdl``),
 ``DecodeGraphs(pdl_port=...)`` turns every kernel->kernel edge of a captured graph into a
@@ -125,6 +130,7 @@ __all__ = ["DecodeGraphs", "decode_graph_key", "same_greedy", "same_logits"]
 
 log = logging.getLogger(__name__)
 
+SEEN_KEYS = 256  # keys remembered by DecodeGraphs._worth_capturing
 PAGE_ALIGN = 4  # int32 elements per 16-byte alignment unit of the KV cache's auxiliary buffer
 
 
@@ -293,9 +299,11 @@ class DecodeGraphs:
         self.relocate = relocate
         # (batch size, kind) -> how its graphs move between page buckets; None: they cannot
         self._moves: dict[tuple, Relocation | None] = {}
+        # keys stepped eagerly without a capture, of groups whose graphs cannot move (recent)
+        self._seen: OrderedDict[tuple, None] = OrderedDict()
         self.stats: dict[str, float] = dict(
             captures=0, replays=0, greedy_replays=0, failures=0, checks=0, mismatches=0,
-            capture_s=0.0, relocations=0, relocate_s=0.0, relocation_failures=0,
+            capture_s=0.0, relocations=0, relocate_s=0.0, relocation_failures=0, eager_unseen=0,
         )  # fmt: skip
         if pdl_port is not None:
             self.stats.update(pdl_edges=0, pdl_failures=0)
@@ -345,7 +353,7 @@ class DecodeGraphs:
         ids_t = None
         if self._trusted(key, greedy=False):  # moved from another bucket, else captured
             graph = self._relocated(key, False)
-            if graph is None:
+            if graph is None and self._worth_capturing(key):
                 ids_t = to_device(ids)
                 graph = self._capture(key, ids_t, call)
             if graph is not None:
@@ -354,7 +362,7 @@ class DecodeGraphs:
                 return graph.out
         ids_t = to_device(ids) if ids_t is None else ids_t
         out = call(ids_t)  # this step's result; also loads kernels and warms the pools
-        if key not in self._failed:
+        if key not in self._failed and self._worth_capturing(key):
             self._capture(key, ids_t, call)
         return out
 
@@ -386,7 +394,7 @@ class DecodeGraphs:
         ids_t = None
         if self._trusted(key, greedy=True):  # moved from another bucket, else captured
             graph = self._relocated(key, True)
-            if graph is None:
+            if graph is None and self._worth_capturing(key):
                 ids_t = to_device(ids)
                 graph = self._capture(key, ids_t, call, self._warm[(key[0], True)])
             if graph is not None:
@@ -396,9 +404,26 @@ class DecodeGraphs:
         ids_t = to_device(ids) if ids_t is None else ids_t
         out = call(ids_t)
         tokens = _tokens(out)
-        if key not in self._failed:
+        if key not in self._failed and self._worth_capturing(key):
             self._capture(key, ids_t, call, (tokens.shape, tokens.dtype))
         return tokens.astype(np.int64)
+
+    def _worth_capturing(self, key: tuple) -> bool:
+        """Whether a step of ``key`` without a graph should capture one: always, but where the
+        graphs of its batch size and kind cannot move between page buckets (then a capture pays
+        off only for a key that recurs, and keys that change every step, as a batch of mixed
+        lengths makes them, would cost every step a capture that is never replayed): there only
+        a key stepped before (eagerly, remembered among the last :data:`SEEN_KEYS`)."""
+        if self._moves.get(_group(key), True) is not None:
+            return True
+        if key in self._seen:
+            del self._seen[key]
+            return True
+        self._seen[key] = None
+        while len(self._seen) > SEEN_KEYS:
+            self._seen.popitem(last=False)
+        self.stats["eager_unseen"] += 1
+        return False
 
     def _trusted(self, key: tuple, greedy: bool) -> bool:
         """Whether ``key``'s graph may be captured without an eager run of the step first and
@@ -657,6 +682,7 @@ class DecodeGraphs:
         _drop_all(self.cuda, self.stream, self._graphs)
         self._failed.clear()
         self._moves.clear()
+        self._seen.clear()
 
     def close(self) -> None:
         """Release every graph now (:meth:`clear`); garbage collection does the same."""
