@@ -461,7 +461,7 @@ def moe_down_decode(s: MoeDecodeShape) -> tirx.PrimFunc:
     """``f(h [n, K I + Is] f16, weights [n, K] f32, ids [n, K] i32, w [E, H, I/8] u32,
     s [E, H, I/g] f16, shared_w [H, Is/8] u32, shared_s [H, Is/g] f16) -> out [n, H] f16``
     (module docstring, kernel 2), with the tiles of ``schedules/tiles.py``."""
-    return down_decode_kernel(s, tuned("moe_decode_down"))
+    return down_decode_kernel(s, tuned("moe_decode_down", shape=(s.hidden,)))
 
 
 def down_decode_kernel(s: MoeDecodeShape, tiles: DecodeTiles) -> tirx.PrimFunc:

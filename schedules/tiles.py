@@ -334,7 +334,12 @@ TABLE: dict[str, dict[TileKey, Any]] = {
         TileKey(): GateUpTiles(warps=8, blocks=264, run=16),
         TileKey(ANY, (5120,)): GateUpTiles(warps=4, blocks=264, run=16),
     },
-    "moe_decode_down": {TileKey(): DecodeTiles(warps=8, lanes=32, rows=2, run=8)},
+    # the down kernel, keyed by (hidden,): at V2's 5120 (lab at V2's shapes, 1 / 4 tokens:
+    # 12.87 / 52.62 us against 17.89 / 61.59 for 8 warps)
+    "moe_decode_down": {
+        TileKey(): DecodeTiles(warps=8, lanes=32, rows=2, run=8),
+        TileKey(ANY, (5120,)): DecodeTiles(warps=4, lanes=32, rows=2, run=8),
+    },
     # moe_mma_cuda (schedules/results/moe_grouped.md): 2 warps along the columns, 128 threads of
     # 32 x 64 warp tiles (1.98 ms for n = 4096; 4 warps of 32 x 32 tiles: 2.22 ms);
     # pairs of tiles from 256 tiles on (about 2K tokens at top-6 of 64): at n = 4096 1.80 ms for

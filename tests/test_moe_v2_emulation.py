@@ -119,7 +119,8 @@ def test_token_major_kernels_at_v2_widths(tmp_path: Path) -> None:
     s, n = V2_WIDTHS, 1
     assert s.unsupported() is None
     layer = _Layer(s, n, seed=11)
-    gu, dn = tuned("moe_decode_gate_up", shape=(s.hidden,)), tuned("moe_decode_down")
+    gu = tuned("moe_decode_gate_up", shape=(s.hidden,))
+    dn = tuned("moe_decode_down", shape=(s.hidden,))
 
     h = np.full((n, s.total), np.nan, np.float16)
     weights = np.full((n, s.top_k), np.nan, np.float32)

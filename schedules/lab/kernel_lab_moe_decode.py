@@ -85,8 +85,8 @@ V2_GATE_UP_VARIANTS = (
     (4, 264, 16, 2),
 )
 V2_DOWN_VARIANTS = (
-    (8, 32, 2, 8),
     (4, 32, 2, 8),
+    (8, 32, 2, 8),
     (8, 32, 1, 8),
     (4, 32, 4, 8),
     (8, 32, 4, 8),
@@ -117,7 +117,7 @@ def _kernels() -> tuple[dict, dict]:
         info[f"dn_lite_{tiles.name}"] = {"shape": "lite", "kind": "down", "tiles": v}
     v2 = m.MoeDecodeShape(**SHAPES["v2"])
     assert tuned("moe_decode_gate_up", shape=(v2.hidden,)) == GateUpTiles(*V2_GATE_UP_VARIANTS[0])
-    assert tuned("moe_decode_down") == DecodeTiles(*V2_DOWN_VARIANTS[0])
+    assert tuned("moe_decode_down", shape=(v2.hidden,)) == DecodeTiles(*V2_DOWN_VARIANTS[0])
     for v in V2_GATE_UP_VARIANTS:
         tiles = GateUpTiles(*v)
         funcs[f"gu_v2_{tiles.name}"] = m.gate_up_decode_kernel(v2, tiles)
