@@ -36,7 +36,11 @@ Design (one PrimFunc, two kernels):
      lanes, warp-shuffle max/sum), PV with V fragments by ``ldmatrix.x4.trans`` (3 barriers a
      page). Shared memory: ``stages * 18.7 KB`` + 9 KB (past 48 KB ``shared.dyn``, which TVM's
      launcher opts in). With ``min_pages_per_split >= stages - 1`` every page of a split is in
-     flight at once.
+     flight at once. With the tile ``pages_per_step = G > 1`` the block takes ``G`` pages a
+     step (a ring of ``stages / G`` slots of ``G`` pages; 3 barriers and one cross-warp score
+     reduction per ``16 G`` tokens, ``2 G`` score n-tiles and ``G`` PV k-steps a warp), and a
+     split's page count is rounded up to a multiple of ``G`` (a row's last split may end in a
+     part-filled group: its pages past the split are zero-filled and masked).
    * **SIMT block** (other dtypes and head counts): Q (HG x 576) stays in shared memory; per
      page: scores ``S[HG heads, 16 tokens]`` (each thread a 2x2 head/token register tile over a
      share of the 576 dims, partial sums reduced through shared memory), an online-softmax
