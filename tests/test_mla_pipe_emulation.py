@@ -22,6 +22,11 @@ Every block waits itself (the PDL ``griddepcontrol.wait``, emulated as a block b
 block) after copying the pages older than the row's new tokens: those new rows stay NaN until
 the wait, as if the step's KV append were still running, so an early copy of a page it writes
 shows as a NaN result (a control case copies one page too many and must fail).
+
+The block of ``pages_per_step`` 2 and 4 (``G`` pages a ring slot and step) runs on splits whose
+last group is part-filled, float16 and FP8 pages (e4m3 latent bytes, the reference's keys their
+``ml_dtypes`` values times ``kv_scale``), with controls: a split's tail group not masked, a step
+reading the other ring slot, one page more copied before the wait.
 """
 
 from __future__ import annotations
