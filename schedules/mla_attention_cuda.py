@@ -36,7 +36,11 @@ Design (one PrimFunc, two kernels):
      lanes, warp-shuffle max/sum), PV with V fragments by ``ldmatrix.x4.trans`` (3 barriers a
      page). Shared memory: ``stages * 18.7 KB`` + 9 KB (past 48 KB ``shared.dyn``, which TVM's
      launcher opts in). With ``min_pages_per_split >= stages - 1`` every page of a split is in
-     flight at once.
+     flight at once. With the tile ``pages_per_step = G > 1`` the block takes ``G`` pages a
+     step (a ring of ``stages / G`` slots of ``G`` pages; 3 barriers and one cross-warp score
+     reduction per ``16 G`` tokens, ``2 G`` score n-tiles and ``G`` PV k-steps a warp), and a
+     split's page count is rounded up to a multiple of ``G`` (a row's last split may end in a
+     part-filled group: its pages past the split are zero-filled and masked).
    * **SIMT block** (other dtypes and head counts): Q (HG x 576) stays in shared memory; per
      page: scores ``S[HG heads, 16 tokens]`` (each thread a 2x2 head/token register tile over a
      share of the 576 dims, partial sums reduced through shared memory), an online-softmax
@@ -96,6 +100,7 @@ import math
 from tvm import tirx
 from tvm.script import tirx as T
 
+from ..errors import Dsv2Error, UsageError
 from .cuda_call import (
     L2_PREFETCH,
     WAIT_THEN_RELEASE,
@@ -147,6 +152,8 @@ def mla_attention_cuda_supports(
     """Whether :func:`mla_attention_cuda` handles these shapes (else it raises ``ValueError``)."""
     try:
         mla_attention_cuda(num_heads, latent_dim, rope_dim, dtype, kv_scale)
+    except Dsv2Error:  # (a tile table entry that no shape can use: not a shape to skip)
+        raise
     except ValueError:
         return False
     return True
@@ -192,6 +199,13 @@ def build_mla_attention(
         )
     if stages < 2:
         raise ValueError(f"stages must be >= 2, got {stages}")
+    G = tiles.pages_per_step
+    if not 1 <= G <= 4 or stages % G or stages < 2 * G:
+        raise UsageError(
+            f"mla_attention tiles: pages_per_step={G} with stages={stages}; pages_per_step must "
+            "be 1 to 4 and stages a multiple of it, at least 2 * pages_per_step (a ring of at "
+            "least 2 slots of pages_per_step pages): fix the entry in schedules/tiles.py"
+        )
     _VEC = _LOAD_BYTES // _ELEM_BYTES[dtype]  # lanes of one 16-byte load
     H = num_heads
     DL = latent_dim
@@ -243,18 +257,27 @@ def build_mla_attention(
     LOAD_N = 0 if KV8 else LOAD_ITERS  # (FP8 pages load in their own loop)
     Q_ITERS = (HG * DV + NT - 1) // NT
     tag = f"{H}_{DL}_{D}"
-    ptag = f"{tag}_s{stages}_e" + ("_fp8" if KV8 else "")
-    pipe_src = pipe_source(ptag, D, DL, stages, kscale=kscale if KV8 else None) if pipe else ""
+    ptag = f"{tag}_s{stages}_e" + ("_fp8" if KV8 else "") + (f"_g{G}" if G > 1 else "")
+    pipe_src = (
+        pipe_source(ptag, D, DL, stages, kscale=kscale if KV8 else None, pages_per_step=G)
+        if pipe
+        else ""
+    )
     pf_tag, pf_bytes = (tag + "_fp8" if KV8 else tag), P * PD * _ELEM_BYTES[dtype]
     pf_name, pf_src = _prefetch_source(pf_tag, pf_bytes, NT) if pipe else ("", "")
     wr_src = _wait_release_source()
-    SMEM_N = pipe_shared_halves(D, stages, DL if KV8 else 0) if pipe else 1  # one buffer
+    SMEM_N = pipe_shared_halves(D, stages, DL if KV8 else 0, G) if pipe else 1  # one buffer
     SMEM_SCOPE = "shared.dyn" if SMEM_N * 2 > _MAX_SHARED_BYTES else "shared"
     if pipe:
         smem, smem_max = SMEM_N * 2, _MAX_DYN_SHARED_BYTES
     else:
         smem = (HG + P) * SROW * _ELEM_BYTES[dtype] + (DS + 2) * HG * P * 4 + 3 * HG * 4
         smem_max = _MAX_SHARED_BYTES
+    if smem > smem_max and pipe and G > 1:
+        raise UsageError(
+            f"mla_attention tiles: pages_per_step={G} with stages={stages} needs {smem} bytes of "
+            f"shared memory a block, more than {smem_max}: use fewer stages"
+        )
     if smem > smem_max:
         raise ValueError(
             f"mla_attention_cuda needs {smem} bytes of shared memory for {dtype} rows of {D}, "
@@ -292,7 +315,10 @@ def build_mla_attention(
         return T.max(T.min(want, max_split), 1)
 
     def row_pps(vis_pages, smax):
-        return split_pages(vis_pages, smax, min_pps, long_min_pages, long_pages)
+        pps = split_pages(vis_pages, smax, min_pps, long_min_pages, long_pages)
+        if G > 1 and pipe:  # whole groups of pages_per_step pages (a row's last split: a tail)
+            return T.floordiv(pps + G - 1, G) * G
+        return pps
 
     @T.prim_func(s_tir=True)
     def batch_mla_paged_attention_split_kv(
@@ -396,7 +422,7 @@ def build_mla_attention(
                             T.min(T.floordiv(kv_len - q_len, P) - pg_lo, pg_hi - pg_lo), 0
                         )
                         n_pre: T.let[T.int32] = T.if_then_else(
-                            split < nsplit, T.min(n_early, stages - 1), 0
+                            split < nsplit, T.min(n_early, stages - G), 0
                         )
                         if pipe:
                             # this split's pages -> L2 (those it copies before its wait

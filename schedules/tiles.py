@@ -44,7 +44,17 @@ class MLAAttentionTiles:
     ``long_min_pages`` past ``long_pages`` visible pages (a split's fixed cost against the
     merge's, which grows with the splits). ``max_split``: splits of a row at most.
     ``target_blocks``: split blocks the grid aims at (``smax = clamp(ceil(target_blocks /
-    rows), 1, max_split)``). ``merge_cols``: output columns of one merge block."""
+    rows), 1, max_split)``). ``merge_cols``: output columns of one merge block.
+
+    ``pages_per_step`` (``G``, 1 to 4): pages the pipelined block takes per loop step (one ring
+    wait and 3 barriers for ``16 G`` tokens, longer and independent MMA chains). Its ring is
+    ``stages / G`` slots of ``G`` page buffers, ``stages / G - 1`` of them in flight, so
+    ``stages`` must be a multiple of ``G`` and at least ``2 G``; the block's shared memory
+    (about ``stages * 18.3 KB + G * 8.5 KB`` at V2's rows, FP8 ``stages * 10 KB + G * 27 KB``)
+    must fit 227 KB (the builder refuses other combinations). A split's page count is rounded
+    up to a multiple of ``G`` (only a row's last split has a part-filled group, its pages past
+    the row's end zero-filled and masked). The pages copied before the PDL wait are those of
+    the split's old pages among its first ``stages - G``. ``G = 1``: the one-page block."""
 
     stages: int
     min_pages_per_split: int
@@ -53,6 +63,7 @@ class MLAAttentionTiles:
     max_split: int
     target_blocks: int
     merge_cols: int
+    pages_per_step: int = 1
 
 
 @dataclass(frozen=True)

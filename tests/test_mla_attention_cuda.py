@@ -20,13 +20,14 @@ from cuda_builds import needs_nvcc  # noqa: E402
 from cuda_source import function_body, statements
 from mla_cache_module import create_script
 
+from dsv2_mlc.errors import UsageError
 from dsv2_mlc.schedules.mla_attention_cuda import (
     build_mla_attention,
     mla_attention_cuda,
     mla_attention_cuda_supports,
     split_pages,
 )
-from dsv2_mlc.schedules.tiles import tuned
+from dsv2_mlc.schedules.tiles import TABLE, tuned
 
 SPLIT_KV = "batch_mla_paged_attention_split_kv"  # its global symbol
 TVM_MLA = "batch_prefill_paged_kv_mla"
@@ -229,12 +230,48 @@ def test_pipelined_path_source(stages: int) -> None:
     assert ("extern __shared__" in src) == (stages > 2)
 
 
+@needs_nvcc
+@pytest.mark.parametrize("kv_scale", [None, 0.5], ids=["float16", "fp8"])
+def test_pipelined_path_source_pages_per_step(kv_scale: float | None) -> None:
+    """2 pages a step over 4 page buffers: the block of that tag (a 32-token step: 4 n-tiles of
+    scores a warp), compiled by nvcc."""
+    from dsv2_mlc.compiler.cuda import cuda_codegen, make_cuda_target
+
+    target = make_cuda_target("sm_90")
+    tiles = replace(tuned("mla_attention"), stages=4, pages_per_step=2)
+    func = build_mla_attention(16, 512, 64, "float16", tiles, kv_scale=kv_scale)
+    with cuda_codegen(), target:
+        exe = tvm.compile(tvm.IRModule({"m": func.with_attr("global_symbol", "m")}), target)
+    src = exe.mod.imports_[0].inspect_source("cuda")
+    name = "mla_split_pipe_16_512_576_s4_e" + ("_fp8" if kv_scale else "") + "_g2("
+    for needle in (name, "float c[4 * 4];", "cp.async.wait_group 0;", "extern __shared__"):
+        assert needle in src, needle
+
+
 def test_build_rejects_bad_tiles() -> None:
     tiles = tuned("mla_attention")
     with pytest.raises(ValueError, match=">= 1"):
         build_mla_attention(16, 512, 64, "float16", replace(tiles, min_pages_per_split=0))
     with pytest.raises(ValueError, match="stages"):
         build_mla_attention(16, 512, 64, "float16", replace(tiles, stages=1))
+    # pages_per_step: a ring of at least 2 slots of that many pages, in 227 KB
+    for g, stages in ((2, 3), (2, 2), (5, 10), (0, 3)):
+        with pytest.raises(UsageError, match="pages_per_step must be 1 to 4 and stages a"):
+            build_mla_attention(16, 512, 64, "float16", replace(tiles, stages=stages,
+                                                                 pages_per_step=g))  # fmt: skip
+    big = replace(tiles, stages=12, pages_per_step=4)  # 253 KB
+    with pytest.raises(UsageError, match="shared memory a block, more than 232448"):
+        build_mla_attention(16, 512, 64, "float16", big)
+    build_mla_attention(16, 512, 64, "float16", replace(big, stages=8))  # 180 KB
+
+
+def test_kernel_raises_for_a_bad_table_entry(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tile table entry no shape can use is an error, not a shape the cache leaves to TVM's
+    kernel."""
+    entries = {k: replace(v, pages_per_step=2) for k, v in TABLE["mla_attention"].items()}
+    monkeypatch.setitem(TABLE, "mla_attention", entries)  # (stages 3: not a multiple of 2)
+    with pytest.raises(UsageError, match="pages_per_step=2 with stages=3"):
+        mla_attention_cuda_supports(16, 512, 64, "float16")
 
 
 def test_kernel_rejects_unsupported_shapes() -> None:

@@ -427,6 +427,26 @@ def test_split_kv_attention_matches_numpy(kernels, late: bool):
     assert stats["prefetches"] > 0  # (the split's later pages asked for in L2)
 
 
+@pytest.mark.parametrize(("g", "stages"), [(2, 4)])
+def test_split_kv_attention_pages_per_step(tmp_path_factory, g: int, stages: int):
+    """The table's planning with ``pages_per_step = g``: splits rounded up to whole groups (a
+    row's last split ends in a part-filled one), the old pages among the first ``stages - g``
+    copied before the wait; copies landing at their wait."""
+    from dataclasses import replace
+
+    from dsv2_mlc.schedules.mla_attention_cuda import build_mla_attention
+    from dsv2_mlc.schedules.tiles import tuned
+
+    tiles = replace(tuned("mla_attention"), stages=stages, pages_per_step=g)
+    build = _builder(build_mla_attention(H, L, R, "float16", tiles), tmp_path_factory.mktemp("g"))
+    # (100: 7 pages, splits of 2; 6000: 375 pages, splits of 5 -> 6, the last of 3)
+    seqs = [(5, 1), (40, 3), (700, 1), (100, 1), (6000, 1)]
+    out, lse, ref_out, ref_lse, stats = _attend(build, seqs, True)
+    err_out, err_lse = _errors(out, lse, ref_out, ref_lse)
+    assert err_out < OUT_TOL and err_lse < LSE_TOL, (err_out, err_lse)
+    assert stats["pdl_waits"] == stats["blocks"] > 0
+
+
 def _one_head_group(src: str) -> str:
     """Every split block takes the first 16 heads, whatever its ``blockIdx.y``."""
     first = "(((int)blockIdx.y) * 16)"  # (h0, and TVM's common subexpression of it)

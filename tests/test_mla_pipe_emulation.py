@@ -22,6 +22,11 @@ Every block waits itself (the PDL ``griddepcontrol.wait``, emulated as a block b
 block) after copying the pages older than the row's new tokens: those new rows stay NaN until
 the wait, as if the step's KV append were still running, so an early copy of a page it writes
 shows as a NaN result (a control case copies one page too many and must fail).
+
+The block of ``pages_per_step`` 2 and 4 (``G`` pages a ring slot and step) runs on splits whose
+last group is part-filled, float16 and FP8 pages (e4m3 latent bytes, the reference's keys their
+``ml_dtypes`` values times ``kv_scale``), with controls: a split's tail group not masked, a step
+reading the other ring slot, one page more copied before the wait.
 """
 
 from __future__ import annotations
@@ -30,8 +35,10 @@ import math
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -90,8 +97,8 @@ static inline void dsv2_griddepcontrol_wait() {
   if (t_tx == 0) {
     ++t_b->waits;
     for (int r = t_b->first_new; r < t_b->n_vis; ++r) {
-      const size_t off = ((size_t)t_b->ids[r / 16] * 16 + r % 16) * $d;
-      memcpy(t_b->pages + off, t_b->clean + off, $d * 2);
+      const size_t off = ((size_t)t_b->ids[r / 16] * 16 + r % 16) * $prow;
+      memcpy(t_b->pages + off, t_b->clean + off, $prow * 2);
     }
   }
   __syncthreads();
@@ -186,14 +193,14 @@ int main(int argc, char** argv) {
   const std::string dir = argv[1];
   const int late = atoi(argv[2]), n_rows = atoi(argv[3]), n_pages = atoi(argv[4]);
   const int n_ids = atoi(argv[5]), n_jobs = atoi(argv[6]), n_ws = atoi(argv[7]);
-  auto q = load<half>((dir + "/q").c_str(), (size_t)n_rows * 16 * $d);
-  std::vector<half> pages_v = load<half>((dir + "/pages").c_str(), (size_t)n_pages * 16 * $d);
+  auto q = load<half>((dir + "/q").c_str(), (size_t)n_rows * $qrow);
+  std::vector<half> pages_v = load<half>((dir + "/pages").c_str(), (size_t)n_pages * 16 * $prow);
   half* pages = (half*)aligned_alloc(64, pages_v.size() * 2);
   memcpy(pages, pages_v.data(), pages_v.size() * 2);
   auto ids = load<int>((dir + "/ids").c_str(), n_ids);
   auto jobs = load<int>((dir + "/jobs").c_str(), (size_t)n_jobs * 10);
   std::vector<half> out((size_t)n_rows * 16 * $dl, (half)7.f);
-  std::vector<float> lse((size_t)n_rows * 16, 7.f);
+  std::vector<float> lse((size_t)n_rows * $nlse, 7.f);
   std::vector<float> ws_o((size_t)n_ws * $dl, NAN);
   std::vector<float> ws_lse(n_ws, NAN);
   const size_t smem_bytes = $smem_halves * 2;
@@ -205,8 +212,8 @@ int main(int argc, char** argv) {
     blk.waits = 0; blk.pages = pages; blk.clean = pages_v.data(); blk.ids = ids.data() + jb[7];
     blk.first_new = jb[8]; blk.n_vis = jb[4];
     for (int r = blk.first_new; r < blk.n_vis; ++r)  // the append has not run yet
-      for (int c = 0; c < $d; ++c)
-        pages[((size_t)blk.ids[r / 16] * 16 + r % 16) * $d + c] = (half)NAN;
+      for (int c = 0; c < $prow; ++c)
+        pages[((size_t)blk.ids[r / 16] * 16 + r % 16) * $prow + c] = (half)NAN;
     std::barrier<> bar(256);
     std::vector<std::barrier<>*> wb;
     for (int w = 0; w < 8; ++w) blk.wbar[w] = new std::barrier<>(32);
@@ -215,9 +222,9 @@ int main(int argc, char** argv) {
     for (int tx = 0; tx < 256; ++tx) {
       th.emplace_back([&, tx] {
         t_tx = tx; t_b = &blk; t_open.clear(); t_groups.clear();
-        mla_split_pipe_$tag(q.data() + (size_t)jb[0] * 16 * $d, pages, ids.data() + jb[1], jb[2],
+        mla_split_pipe_$tag(q.data() + (size_t)jb[0] * $qrow, pages, ids.data() + jb[1], jb[2],
                             jb[3], jb[4], $scale, jb[5], out.data() + (size_t)jb[0] * 16 * $dl,
-                            lse.data() + (size_t)jb[0] * 16, ws_o.data(), ws_lse.data(), jb[6],
+                            lse.data() + (size_t)jb[0] * $nlse, ws_o.data(), ws_lse.data(), jb[6],
                             (half*)smem, (const half*)smem + $smem_halves - 1, tx, jb[9]);
         if (!t_open.empty()) fail("uncommitted cp.async copies");
         for (auto& g : t_groups) if (!g.empty()) fail("copies never waited for");
@@ -240,20 +247,34 @@ int main(int argc, char** argv) {
 SCALE = 0.25  # sm_scale * log2(e) of the test (any value)
 
 
-def _build(tmp: Path, d: int, dl: int, stages: int) -> Path:
+def _build(
+    tmp: Path,
+    d: int,
+    dl: int,
+    stages: int,
+    g: int = 1,
+    kv_scale: float | None = None,
+    patch: Callable[[str], str] = lambda src: src,
+) -> Path:
+    """The emulated block of ``pages_per_step = g`` (an FP8 cache of that scale if given), its
+    source through ``patch`` (a control)."""
     from string import Template
 
     tag = "emu"
+    kscale = None if kv_scale is None else 256 * kv_scale
+    prow = dl // 2 + d - dl if kscale else d  # halves a page row (FP8: raw latent bytes)
     src = (
         TYPES
-        + Template(_PRELUDE).substitute(d=d)
-        + Template(_PRIMS).substitute(tag=tag, wait=stages - 2)
-        + pipe_source(tag, d, dl, stages, prims=False)
+        + Template(_PRELUDE).substitute(prow=prow)
+        + Template(_PRIMS).substitute(tag=tag, wait=stages // g - 2)
+        + patch(pipe_source(tag, d, dl, stages, prims=False, kscale=kscale, pages_per_step=g))
         + Template(_MAIN).substitute(
             tag=tag,
-            d=d,
+            prow=prow,
+            qrow=16 * (2 * prow if kscale else d),
+            nlse=32 if kscale else 16,
             dl=dl,
-            smem_halves=pipe_shared_halves(d, stages),
+            smem_halves=pipe_shared_halves(d, stages, dl if kscale else 0, g),
             scale=f"{SCALE}f",
         )
     )
@@ -282,10 +303,12 @@ def _blocks(n_vis: list[int], pps: int, new: list[int], extra_early: int = 0) ->
 
 
 def _run(tmp: Path, exe: Path, d: int, dl: int, n_vis: list[int], pps: int, late: int,
-         new: list[int], extra_early: int = 0) -> None:  # fmt: skip
+         new: list[int], extra_early: int = 0, kv_scale: float | None = None) -> None:  # fmt: skip
     """Run the blocks of rows of ``n_vis`` keys, the last ``new`` of each appended this step,
     and check every block's state (the final out/lse of a one-split row, a split's partial
-    out/lse in the workspace) against a float64 softmax over the keys of its pages."""
+    out/lse in the workspace) against a float64 softmax over the keys of its pages.
+    ``kv_scale``: an FP8 cache (pages of e4m3 latent bytes, then the rope halves; the keys'
+    latent values are ``ml_dtypes``' e4m3 values times ``kv_scale``)."""
     rng = np.random.default_rng(7 + late)
     jobs = _blocks(n_vis, pps, new, extra_early)
     n_ids = sum(max(-(-n // P), 1) for n in n_vis)
@@ -293,21 +316,34 @@ def _run(tmp: Path, exe: Path, d: int, dl: int, n_vis: list[int], pps: int, late
     perm = rng.permutation(n_pages)[:n_ids].astype(np.int32)
     pages = rng.standard_normal((n_pages, P, d)).astype(np.float16)
     q = (rng.standard_normal((len(n_vis), H, d)) * 0.5).astype(np.float16)
+    if kv_scale is not None:  # raw rows: dl e4m3 bytes (no NaN codes), then the rope halves
+        codes = rng.integers(0, 0x7F, (n_pages, P, dl), dtype=np.uint8)
+        codes |= rng.integers(0, 2, codes.shape, dtype=np.uint8) << 7  # (the sign)
+        values = codes.view(ml_dtypes.float8_e4m3fn).astype(np.float64) * kv_scale
+        keys_all = np.concatenate([values, pages[:, :, dl:].astype(np.float64)], axis=2)
+        raw = np.concatenate([codes.view(np.float16), pages[:, :, dl:]], axis=2)
+        # q: head h at a stride of two pseudo-heads of the raw row (the tail unused)
+        q_in = np.zeros((len(n_vis), H, 2 * raw.shape[2]), np.float16)
+        q_in[:, :, :d] = q
+    else:
+        keys_all, raw, q_in = pages.astype(np.float64), pages, q
     kv, begin = [], 0
     for n in n_vis:
         vis = -(-n // P)
         ids = perm[begin : begin + vis]
-        kv.append(pages[ids].reshape(-1, d)[:n].astype(np.float64))
+        kv.append(keys_all[ids].reshape(-1, d)[:n])
         if vis:  # rows past the visible length: NaN (they must never be read)
-            pages[ids[-1], n - (vis - 1) * P :] = np.nan
+            raw[ids[-1], n - (vis - 1) * P :] = np.nan
         begin += max(vis, 1)
-    for name, arr in (("q", q), ("pages", pages), ("ids", perm), ("jobs", np.int32(jobs))):
+    for name, arr in (("q", q_in), ("pages", raw), ("ids", perm), ("jobs", np.int32(jobs))):
         np.ascontiguousarray(arr).tofile(tmp / name)
     n_ws = len(jobs) * H
     args = [str(exe), str(tmp), str(late), str(len(n_vis)), str(n_pages), str(n_ids)]
     subprocess.run(args + [str(len(jobs)), str(n_ws)], check=True, timeout=600)
     out = np.fromfile(tmp / "out", np.float16).reshape(len(n_vis), H, dl).astype(np.float64)
-    lse = np.fromfile(tmp / "lse", np.float32).reshape(len(n_vis), H).astype(np.float64)
+    lse = np.fromfile(tmp / "lse", np.float32).reshape(len(n_vis), H, -1).astype(np.float64)
+    assert (lse == lse[:, :, :1]).all() or np.isnan(lse).any(), "the pseudo-heads' lse differ"
+    lse = lse[:, :, 0]
     ws_o = np.fromfile(tmp / "ws_o", np.float32).reshape(len(jobs), H, dl).astype(np.float64)
     ws_lse = np.fromfile(tmp / "ws_lse", np.float32).reshape(len(jobs), H).astype(np.float64)
     for j, (r, _, npg, tok0, n, final, *_) in enumerate(jobs):
@@ -369,3 +405,67 @@ def test_pipelined_split_block_reading_a_new_page_early_fails(tmp_path: Path) ->
     exe = _build(tmp_path, 80, 64, 3)
     with pytest.raises(AssertionError, match="rel L2 nan"):
         _run(tmp_path, exe, 80, 64, [100, 300], 2, 0, new=[1, 1], extra_early=1)
+
+
+# pages_per_step > 1: splits of pps pages (odd ones end in a part-filled group), rings of 2 to 4
+# slots, rows with a part-filled last page, a chunk of 40 new tokens (causal rows: each its
+# own n_vis); the FP8 cache (V2-like 128 + 16 rows with whole latent / rope k-steps).
+ROWS = [0, 1, 16, 17, 33, 100, 300, 130]
+NEW = [0, 1, 1, 1, 1, 1, 1, 40]
+
+
+@pytest.mark.parametrize(
+    ("d", "dl", "stages", "g", "pps", "kv_scale"),
+    [
+        (80, 64, 4, 2, 3, None),  # one n-tile per warp (ldmatrix.x2 tail), tail groups
+        (80, 64, 6, 2, 5, None),  # 2 groups in flight
+        (80, 64, 8, 4, 6, None),  # 4 pages a step, 2 of a split's 6 in the tail group
+        (144, 128, 4, 2, 1, None),  # one page a split: every group half empty
+        (144, 128, 4, 2, 3, 2.0**-7),  # FP8 cache
+        (144, 128, 8, 4, 5, 2.0**-6),
+    ],
+)
+def test_pipelined_split_block_pages_per_step(
+    tmp_path: Path, d: int, dl: int, stages: int, g: int, pps: int, kv_scale: float | None
+) -> None:
+    """``g`` pages a step: every block's state against the reference, with the copies landing
+    at issue and at the covering wait, the old pages copied before the block's wait."""
+    exe = _build(tmp_path, d, dl, stages, g, kv_scale)
+    for late in (0, 1):
+        _run(tmp_path, exe, d, dl, ROWS, pps, late, new=NEW, kv_scale=kv_scale)
+
+
+def test_pipelined_split_block_pages_per_step_v2_lite(tmp_path: Path) -> None:
+    """V2-Lite rows (576 = 512 + 64), 2 pages a step over 4 page buffers, splits of 3 pages."""
+    exe = _build(tmp_path, 576, 512, 4, 2)
+    _run(tmp_path, exe, 576, 512, [0, 33, 200, 75], 3, 1, new=[0, 1, 1, 20])
+
+
+def _unmasked_tail(src: str) -> str:
+    """The split's visible rows taken as the row's from tok0 on: a tail group's pages past the
+    split's end are read (page id 0) and counted."""
+    old = "min(n_vis - tok0, npg * 16)"
+    assert old in src
+    return src.replace(old, "(n_vis - tok0)")
+
+
+def _other_ring_slot(src: str) -> str:
+    """A step reads the ring slot of the group after its own (2 slots)."""
+    old = "(i % 2) *"
+    assert old in src
+    return src.replace(old, "((i + 1) % 2) *")
+
+
+@pytest.mark.parametrize(
+    ("control", "pps", "late", "extra"),
+    [(_unmasked_tail, 3, 0, 0), (_other_ring_slot, 4, 1, 0), (None, 3, 0, 1)],
+    ids=["unmasked_tail", "wrong_ring_slot", "page_copied_before_wait"],
+)
+def test_pipelined_split_block_pages_per_step_broken_variants_fail(
+    tmp_path: Path, control, pps: int, late: int, extra: int
+) -> None:
+    """Controls of the 2-page step: the tail of a split not masked, the step reading the other
+    ring slot, one page more copied before the wait (the new token's page: NaN)."""
+    exe = _build(tmp_path, 80, 64, 4, 2, patch=control or (lambda src: src))
+    with pytest.raises(AssertionError, match="rel L2"):
+        _run(tmp_path, exe, 80, 64, [100, 300], pps, late, new=[1, 1], extra_early=extra)
