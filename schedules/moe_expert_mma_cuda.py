@@ -66,14 +66,17 @@ from __future__ import annotations
 
 from tvm import tirx
 
+from ..errors import UsageError
 from .cuda_call import TOKENS, WAIT_THEN_RELEASE, grid_wait_source, token_grid_call
 from .decode_gemv_cuda import dot32_source
 from .moe_decode_cuda import MoeDecodeShape
 from .tiles import MmaTiles, tuned
 
 __all__ = [
+    "DECODE_GEMM_MOE",
     "GROUP_TOKENS",
     "MMA_TOKENS",
+    "decode_gemm_expert_major",
     "down_expert_mma_kernel",
     "expert_mma_unsupported",
     "gate_up_expert_mma_kernel",
@@ -84,6 +87,20 @@ __all__ = [
 GROUP_TOKENS = 32  # tokens planned together by default (``MmaTiles.tokens``)
 MMA_TOKENS = 8  # pairs of a chunk by default (``MmaTiles.chunk``): the MMA's N
 _CHUNKS = (8, 16, 32)  # chunks of one, two or four n-tiles
+DECODE_GEMM_MOE = ("grouped", "expert_major")  # DecodeGemmTiles.moe
+
+
+def decode_gemm_expert_major() -> bool:
+    """Whether ``batch_decode_gemm`` runs a MoE layer's experts through these kernels (where they
+    take its shape) rather than the grouped GEMMs: the tile table's ``decode_gemm`` entry."""
+    moe = tuned("decode_gemm").moe
+    if moe not in DECODE_GEMM_MOE:
+        raise UsageError(
+            f"decode_gemm tiles: moe={moe!r} is not one of {DECODE_GEMM_MOE} (schedules/tiles.py)"
+        )
+    return moe == "expert_major"
+
+
 _RUN = 128  # inputs a warp's 4 lanes of a row cover per uint4 a lane (16 bytes)
 _SHARED_LIMIT = 227 * 1024  # an sm_90 block's shared memory (dynamic past 48 KB)
 
