@@ -16,6 +16,7 @@ negative control: a plan whose pair order differs between blocks.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import sys
 from collections.abc import Callable
@@ -33,7 +34,7 @@ from dsv2_mlc.schedules.moe_expert_mma_cuda import (
     moe_down_expert_mma,
     moe_gate_up_expert_mma,
 )
-from dsv2_mlc.schedules.tiles import MmaTiles
+from dsv2_mlc.schedules.tiles import MmaTiles, tuned
 
 sys.path.insert(0, str(Path(__file__).parent))
 from cuda_emulation import emulate, needs_toolchain, rel_l2  # noqa: E402
@@ -245,3 +246,18 @@ def test_expert_mma_refuses_shapes_it_cannot_tile() -> None:
     with pytest.raises(ValueError, match="inter 1408 leaves a tail"):
         down_expert_mma_kernel(lite, MmaTiles(rows=16, run=256))
     assert expert_mma_unsupported(lite) is None  # the shipped tiles (schedules/tiles.py) take it
+    assert "chunk 12" in expert_mma_unsupported(SMALL, MmaTiles(chunk=12))
+    assert "tokens 48" in expert_mma_unsupported(SMALL, MmaTiles(tokens=48))
+    assert "plan of 8192 tokens" in expert_mma_unsupported(SMALL, MmaTiles(tokens=8192))
+    assert "16-bit" in expert_mma_unsupported(SMALL, MmaTiles(tokens=12000))
+    # a decode step's plan of 256 tokens fits V2-Lite and V2 (236B: 160 experts, hidden 5120)
+    # with chunks of 8 and 16; 32 staged rows of V2's 5120 do not fit beside it
+    v2 = MoeDecodeShape(5120, 1536, 3072, 160, 6, 128)
+    for kernel in ("moe_expert_mma_gate_up", "moe_expert_mma_down"):
+        for shape in (lite, v2):
+            for chunk in (8, 16):
+                tiles = dataclasses.replace(tuned(kernel), tokens=256, chunk=chunk)
+                assert expert_mma_unsupported(shape, tiles) is None, (kernel, shape, chunk)
+        assert expert_mma_unsupported(lite, dataclasses.replace(tuned(kernel), chunk=32)) is None
+        big = dataclasses.replace(tuned(kernel), tokens=256, chunk=32)
+        assert "32 staged rows of 5120" in expert_mma_unsupported(v2, big)
