@@ -108,7 +108,12 @@ _SHARED_LIMIT = 227 * 1024  # an sm_90 block's shared memory (dynamic past 48 KB
 def plan_bytes(s: MoeDecodeShape, tiles: MmaTiles) -> int:
     """Bytes of a block's plan (:func:`plan_source`) with ``tiles``' warps and tokens."""
     e, k, g = s.experts, s.top_k, tiles.tokens
-    return 2 * tiles.warps * e + 12 * (e + 2) + 4 * g * (k + 1) + 16
+    return _id_bytes(s) * g * k + 2 * tiles.warps * e + 12 * (e + 2) + 4 * g * (k + 1) + 16
+
+
+def _id_bytes(s: MoeDecodeShape) -> int:
+    """Bytes of an expert id in the plan's copy of ``ids`` (a byte below 255 experts)."""
+    return 1 if s.experts < 255 else 2
 
 
 def _stride(width: int) -> int:
@@ -162,10 +167,12 @@ def plan_source(s: MoeDecodeShape, tag: str, tiles: MmaTiles) -> str:
     """CUDA: the plan (module docstring) and the item lookup, for the block of ``tiles``."""
     E, K, GT, W = s.experts, s.top_k, tiles.tokens, tiles.warps
     T, bits, per = 32 * W, E.bit_length(), -(-(E + 1) // 32)
+    id_t = "unsigned char" if _id_bytes(s) == 1 else "unsigned short"
     return f"""
 #ifndef DSV2_EM_PLAN_{tag}
 #define DSV2_EM_PLAN_{tag}
 struct dsv2_em_plan_{tag} {{
+  {id_t} ids[{GT * K}];  // the group's ids (>= {E}: no expert)
   short wcnt[{W * E}];  // [warp][e]: expert e's pairs in the warp's segment, then its first rank
   int cnt[{E + 1}];   // pairs of expert e (e = {E}: the shared experts, one a token)
   int off[{E + 2}];   // expert e's first pair in pair[]
@@ -203,12 +210,16 @@ __device__ __forceinline__ void dsv2_em_plan_build_{tag}(dsv2_em_plan_{tag}& P,
   const int* __restrict__ gid = ids + t0 * {K};
   const int seg = (nt * {K} + {W - 1}) / {W};
   const int lo = min(nt * {K}, warp * seg), hi = min(nt * {K}, lo + seg);
+  for (int i = tid; i < nt * {K}; i += {T}) {{
+    const int v = gid[i];
+    P.ids[i] = ({id_t})(v >= 0 && v < {E} ? v : {E});
+  }}
   for (int i = tid; i < {W * E}; i += {T}) P.wcnt[i] = 0;
   __syncthreads();
   for (int b = lo; b < hi; b += 32) {{
     const int p = b + lane;
-    const int v = p < hi ? gid[p] : -1;
-    const int e = v >= 0 && v < {E} ? v : -1;
+    const int v = p < hi ? P.ids[p] : {E};
+    const int e = v < {E} ? v : -1;
     const unsigned m = dsv2_em_peers_{tag}(e);
     if (e >= 0 && !(m & below)) P.wcnt[warp * {E} + e] += dsv2_em_popc_{tag}(m);
   }}
@@ -257,8 +268,8 @@ __device__ __forceinline__ void dsv2_em_plan_build_{tag}(dsv2_em_plan_{tag}& P,
   __syncthreads();
   for (int b = lo; b < hi; b += 32) {{
     const int p = b + lane;
-    const int v = p < hi ? gid[p] : -1;
-    const int e = v >= 0 && v < {E} ? v : -1;
+    const int v = p < hi ? P.ids[p] : {E};
+    const int e = v < {E} ? v : -1;
     const unsigned m = dsv2_em_peers_{tag}(e);
     if (e >= 0)
       P.pair[P.off[e] + P.wcnt[warp * {E} + e] + dsv2_em_popc_{tag}(m & below)] =
