@@ -5,23 +5,31 @@ and read its ``top_k`` routed experts and the shared ones, so a batch of ``n`` r
 (``top_k`` + shared) experts' weights a layer. The experts a batch selects overlap, and the shared
 experts are every token's: here every expert's rows are read once for all the tokens that chose
 it. Two kernels (after the router's ``moe_route``), each a fixed grid of ``blocks`` blocks of
-``warps`` warps that loops over the tokens in groups of :data:`GROUP_TOKENS`, each block first
-building the group's **plan** in shared memory: from ``ids [n, top_k]`` the (token, slot) pairs of
-every expert in (token, slot) order, the shared experts as expert ``E`` with one pair (token,
-``top_k``) per token; an expert's pairs in *chunks* of at most :data:`MMA_TOKENS`. The work items
+``warps`` warps that loops over the tokens in groups of ``MmaTiles.tokens`` (32 by default: a
+group reads its experts' weights again, so a plan of 256 tokens reads them once for a step of up
+to 256), each block first building the group's **plan** in shared memory: from ``ids [n, top_k]``
+the (token, slot) pairs of every expert in (token, slot) order, the shared experts as expert ``E``
+with one pair (token, ``top_k``) per token; an expert's pairs in *chunks* of at most
+``MmaTiles.chunk`` (8 by default). The plan is the same in every block: each warp counts then
+places the pairs of its contiguous segment of ``ids``, 32 at a time, the lanes of one expert
+found by ballots over the bits of its id, their ranks by popcounts (no atomics), with a scan over
+the warps and one over the experts in between. The work items
 are (chunk, block of ``rows`` weight rows): the routed chunks' first, expert by expert, then the
 shared chunks'. Block ``b`` takes the contiguous run ``[b * items / blocks, (b + 1) * items /
 blocks)``, so consecutive items mostly share their chunk and the blocks' shares differ by one item
 at most. An item goes through ``mma.sync.m16n8k16`` with the weights as A (16 rows) and the
 chunk's tokens as B (N = 8): one MMA is 16 rows x 16 inputs x 8 tokens, and a weight is
 dequantised once for all the chunk's tokens (SIMT dot products, ~640 instructions a weight row,
-lost to the token-major kernels: schedules/results/moe_decode.md).
+lost to the token-major kernels: schedules/results/moe_decode.md). A chunk of 16 or 32 pairs is
+two or four such n-tiles, each dequantised A fragment multiplied with all of them.
 
 **In the model:** ``batch_decode_expert_major`` (``GroupQuantExperts.expert_major_decode``: the
 router's ``moe_route``, these two kernels, the float32 weighted sum), which the engine runs for
 decode steps of ``EXPERT_MAJOR_FROM`` (16) sequences and more: from there on it decodes faster
 than the token-major kernels, below that slower, at batch 1 about half as fast
-(schedules/results/moe_decode.md, docs/benchmarks.md "Decode batches").
+(schedules/results/moe_decode.md, docs/benchmarks.md "Decode batches"). ``batch_decode_gemm``
+(the large batches) runs them instead of the grouped GEMMs where the tile table's
+``decode_gemm`` entry says ``moe="expert_major"``.
 
 **The fragments from the INT4 layout as it is.** The weights stay in the layout of
 :mod:`dsv2_mlc.quant.packing` (``[rows, K/8]`` words, element ``8 j + i`` in nibble ``i``
@@ -58,14 +66,17 @@ from __future__ import annotations
 
 from tvm import tirx
 
+from ..errors import UsageError
 from .cuda_call import TOKENS, WAIT_THEN_RELEASE, grid_wait_source, token_grid_call
 from .decode_gemv_cuda import dot32_source
 from .moe_decode_cuda import MoeDecodeShape
 from .tiles import MmaTiles, tuned
 
 __all__ = [
+    "DECODE_GEMM_MOE",
     "GROUP_TOKENS",
     "MMA_TOKENS",
+    "decode_gemm_expert_major",
     "down_expert_mma_kernel",
     "expert_mma_unsupported",
     "gate_up_expert_mma_kernel",
@@ -73,15 +84,36 @@ __all__ = [
     "moe_gate_up_expert_mma",
 ]
 
-GROUP_TOKENS = 32  # tokens planned together (a larger batch runs as several groups)
-MMA_TOKENS = 8  # pairs of a chunk: the MMA's N
+GROUP_TOKENS = 32  # tokens planned together by default (``MmaTiles.tokens``)
+MMA_TOKENS = 8  # pairs of a chunk by default (``MmaTiles.chunk``): the MMA's N
+_CHUNKS = (8, 16, 32)  # chunks of one, two or four n-tiles
+DECODE_GEMM_MOE = ("grouped", "expert_major")  # DecodeGemmTiles.moe
+
+
+def decode_gemm_expert_major() -> bool:
+    """Whether ``batch_decode_gemm`` runs a MoE layer's experts through these kernels (where they
+    take its shape) rather than the grouped GEMMs: the tile table's ``decode_gemm`` entry."""
+    moe = tuned("decode_gemm").moe
+    if moe not in DECODE_GEMM_MOE:
+        raise UsageError(
+            f"decode_gemm tiles: moe={moe!r} is not one of {DECODE_GEMM_MOE} (schedules/tiles.py)"
+        )
+    return moe == "expert_major"
+
+
 _RUN = 128  # inputs a warp's 4 lanes of a row cover per uint4 a lane (16 bytes)
 _SHARED_LIMIT = 227 * 1024  # an sm_90 block's shared memory (dynamic past 48 KB)
 
 
-def plan_bytes(s: MoeDecodeShape) -> int:
-    e, k, g = s.experts, s.top_k, GROUP_TOKENS
-    return 4 * (g * k + 3 * (e + 2)) + 4 * g * (k + 1) + 16
+def plan_bytes(s: MoeDecodeShape, tiles: MmaTiles) -> int:
+    """Bytes of a block's plan (:func:`plan_source`) with ``tiles``' warps and tokens."""
+    e, k, g = s.experts, s.top_k, tiles.tokens
+    return _id_bytes(s) * g * k + 2 * tiles.warps * e + 12 * (e + 2) + 4 * g * (k + 1) + 16
+
+
+def _id_bytes(s: MoeDecodeShape) -> int:
+    """Bytes of an expert id in the plan's copy of ``ids`` (a byte below 255 experts)."""
+    return 1 if s.experts < 255 else 2
 
 
 def _stride(width: int) -> int:
@@ -102,6 +134,13 @@ def expert_mma_unsupported(s: MoeDecodeShape, tiles: MmaTiles | None = None) -> 
         return f"depth {tiles.depth} needs 1 <= depth, and depth 1 with a K split ({tiles})"
     if tiles.run not in (_RUN, 2 * _RUN):
         return f"run {tiles.run} is not {_RUN} or {2 * _RUN}"
+    if tiles.chunk not in _CHUNKS:
+        return f"chunk {tiles.chunk} is not one of {_CHUNKS} pairs"
+    if tiles.tokens < 32 or tiles.tokens % 32 or tiles.tokens * (s.top_k + 1) > 32767:
+        return (
+            f"tokens {tiles.tokens} is not a positive multiple of 32 whose {s.top_k + 1} pairs a "
+            "token a plan's 16-bit indices can count (tokens * (top_k + 1) <= 32767)"
+        )
     for name, dim in (("hidden", s.hidden), ("inter", s.inter), ("shared", s.shared_inter)):
         if dim <= 0 or dim % _RUN:
             return f"{name} {dim} is not a positive multiple of {_RUN}"
@@ -110,56 +149,137 @@ def expert_mma_unsupported(s: MoeDecodeShape, tiles: MmaTiles | None = None) -> 
     if s.group % 32 or s.hidden % s.group or s.inter % s.group or s.shared_inter % s.group:
         return f"group {s.group} is not a multiple of 32 dividing every width"
     widest = max(s.hidden, s.inter, s.shared_inter)
-    if _smem_bytes(tiles, widest, 2) + plan_bytes(s) + 256 > _SHARED_LIMIT:
-        return f"{MMA_TOKENS} staged rows of {widest} fp16 values do not fit in shared memory"
+    plan = plan_bytes(s, tiles)
+    if plan + 1024 > 48 * 1024:
+        return (
+            f"the plan of {tiles.tokens} tokens ({plan} bytes at {s.experts} experts, top-"
+            f"{s.top_k}, {tiles.warps} warps) does not fit a block's 48 KB of static shared memory"
+        )
+    if _smem_bytes(tiles, widest, 2) + plan + 256 > _SHARED_LIMIT:
+        return (
+            f"{tiles.chunk} staged rows of {widest} fp16 values and the plan of {tiles.tokens} "
+            f"tokens ({plan} bytes) do not fit in shared memory ({_SHARED_LIMIT} bytes)"
+        )
     return None
 
 
-def plan_source(s: MoeDecodeShape, tag: str, threads: int) -> str:
-    """CUDA: the plan (module docstring) and the item lookup, for ``threads`` threads."""
-    E, K, GT = s.experts, s.top_k, GROUP_TOKENS
+def plan_source(s: MoeDecodeShape, tag: str, tiles: MmaTiles) -> str:
+    """CUDA: the plan (module docstring) and the item lookup, for the block of ``tiles``."""
+    E, K, GT, W = s.experts, s.top_k, tiles.tokens, tiles.warps
+    T, bits, per = 32 * W, E.bit_length(), -(-(E + 1) // 32)
+    id_t = "unsigned char" if _id_bytes(s) == 1 else "unsigned short"
     return f"""
 #ifndef DSV2_EM_PLAN_{tag}
 #define DSV2_EM_PLAN_{tag}
 struct dsv2_em_plan_{tag} {{
-  int ids[{GT * K}];
+  {id_t} ids[{GT * K}];  // the group's ids (>= {E}: no expert)
+  short wcnt[{W * E}];  // [warp][e]: expert e's pairs in the warp's segment, then its first rank
   int cnt[{E + 1}];   // pairs of expert e (e = {E}: the shared experts, one a token)
   int off[{E + 2}];   // expert e's first pair in pair[]
   int coff[{E + 2}];  // expert e's first chunk
   short pair[{GT * (K + 1)}];  // local token * {K + 1} + slot, expert by expert
   short expert[{GT * (K + 1)}];  // chunk -> its expert
 }};
-// the plan of tokens [t0, t0 + nt) (every thread of the block; ends with a barrier)
+__device__ __forceinline__ unsigned dsv2_em_popc_{tag}(unsigned v) {{
+#if defined(__CUDA_ARCH__)
+  return __popc(v);
+#else
+  return __builtin_popcount(v);
+#endif
+}}
+// the lanes whose e equals this lane's (e in [-1, {E}); -1, all {bits} bits set, is no expert):
+// {bits} ballots, one a bit of e
+__device__ __forceinline__ unsigned dsv2_em_peers_{tag}(int e) {{
+  unsigned m = 0xffffffffu;
+#pragma unroll
+  for (int b = 0; b < {bits}; ++b) {{
+    const unsigned v = __ballot_sync(0xffffffffu, (e >> b) & 1);
+    m &= (e >> b) & 1 ? v : ~v;
+  }}
+  return m;
+}}
+// the plan of tokens [t0, t0 + nt) (every thread of the block; ends with a barrier). Warp w
+// takes the w-th contiguous segment of the nt * {K} pairs, 32 at a time: the lanes of one expert
+// (dsv2_em_peers) are counted by the lowest of them (pass 1), then each lane takes the expert's
+// offset + the warp's first rank + its rank among them (pass 2): (token, slot) order, the same
+// plan in every block, no atomics.
 __device__ __forceinline__ void dsv2_em_plan_build_{tag}(dsv2_em_plan_{tag}& P,
     const int* __restrict__ ids, long long t0, int nt, int tm, int tid) {{
-  for (int i = tid; i < nt * {K}; i += {threads}) P.ids[i] = ids[t0 * {K} + i];
+  const int warp = tid >> 5, lane = tid & 31;
+  const unsigned below = (1u << lane) - 1u;
+  const int* __restrict__ gid = ids + t0 * {K};
+  const int seg = (nt * {K} + {W - 1}) / {W};
+  const int lo = min(nt * {K}, warp * seg), hi = min(nt * {K}, lo + seg);
+  for (int i = tid; i < nt * {K}; i += {T}) {{
+    const int v = gid[i];
+    P.ids[i] = ({id_t})(v >= 0 && v < {E} ? v : {E});
+  }}
+  for (int i = tid; i < {W * E}; i += {T}) P.wcnt[i] = 0;
   __syncthreads();
-  for (int e = tid; e < {E}; e += {threads}) {{
+  for (int b = lo; b < hi; b += 32) {{
+    const int p = b + lane;
+    const int v = p < hi ? P.ids[p] : {E};
+    const int e = v < {E} ? v : -1;
+    const unsigned m = dsv2_em_peers_{tag}(e);
+    if (e >= 0 && !(m & below)) P.wcnt[warp * {E} + e] += dsv2_em_popc_{tag}(m);
+  }}
+  __syncthreads();
+  for (int e = tid; e < {E}; e += {T}) {{  // expert e: exclusive scan over the warps
     int c = 0;
-    for (int i = 0; i < nt * {K}; ++i) c += P.ids[i] == e;
+    for (int v = 0; v < {W}; ++v) {{
+      const int k = P.wcnt[v * {E} + e];
+      P.wcnt[v * {E} + e] = (short)c;
+      c += k;
+    }}
     P.cnt[e] = c;
   }}
   if (tid == 0) P.cnt[{E}] = nt;
   __syncthreads();
-  if (tid == 0) {{
+  if (warp == 0) {{  // off, coff: lane l scans experts [{per} l, {per} l + {per}), then the warp
+    const int e0 = min({E + 1}, {per} * lane), e1 = min({E + 1}, e0 + {per});
     int o = 0, ch = 0;
-    for (int e = 0; e <= {E}; ++e) {{
+    for (int e = e0; e < e1; ++e) {{
+      o += P.cnt[e];
+      ch += (P.cnt[e] + tm - 1) / tm;
+    }}
+    int oi = o, ci = ch;  // inclusive sums over the lanes
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {{
+      const int po = __shfl_sync(0xffffffffu, oi, (lane - d) & 31);
+      const int pc = __shfl_sync(0xffffffffu, ci, (lane - d) & 31);
+      if (lane >= d) {{
+        oi += po;
+        ci += pc;
+      }}
+    }}
+    o = oi - o;
+    ch = ci - ch;
+    for (int e = e0; e < e1; ++e) {{
       P.off[e] = o;
       P.coff[e] = ch;
       o += P.cnt[e];
       ch += (P.cnt[e] + tm - 1) / tm;
     }}
-    P.off[{E + 1}] = o;
-    P.coff[{E + 1}] = ch;
+    if (lane == 31) {{
+      P.off[{E + 1}] = oi;
+      P.coff[{E + 1}] = ci;
+    }}
   }}
   __syncthreads();
-  for (int e = tid; e < {E}; e += {threads}) {{
-    int k = P.off[e];
-    for (int i = 0; i < nt * {K}; ++i)
-      if (P.ids[i] == e) P.pair[k++] = (short)((i / {K}) * {K + 1} + i % {K});
+  for (int b = lo; b < hi; b += 32) {{
+    const int p = b + lane;
+    const int v = p < hi ? P.ids[p] : {E};
+    const int e = v < {E} ? v : -1;
+    const unsigned m = dsv2_em_peers_{tag}(e);
+    if (e >= 0)
+      P.pair[P.off[e] + P.wcnt[warp * {E} + e] + dsv2_em_popc_{tag}(m & below)] =
+          (short)((p / {K}) * {K + 1} + p % {K});
+    __syncwarp();
+    if (e >= 0 && !(m & below)) P.wcnt[warp * {E} + e] += dsv2_em_popc_{tag}(m);
+    __syncwarp();
   }}
-  for (int t = tid; t < nt; t += {threads}) P.pair[P.off[{E}] + t] = (short)(t * {K + 1} + {K});
-  for (int e = tid; e <= {E}; e += {threads})
+  for (int t = tid; t < nt; t += {T}) P.pair[P.off[{E}] + t] = (short)(t * {K + 1} + {K});
+  for (int e = tid; e <= {E}; e += {T})
     for (int c = P.coff[e]; c < P.coff[e + 1]; ++c) P.expert[c] = (short)e;
   __syncthreads();
 }}
@@ -187,12 +307,12 @@ __device__ __forceinline__ void dsv2_em_item_{tag}(const dsv2_em_plan_{tag}& P, 
 """
 
 
-def items_head(tag: str, tm: int, blocks: int) -> str:
-    """CUDA: the loop heads both kernels share, over the token groups (the plan of each) and the
-    block's items (``e, c, rb, first, np`` of item ``i``; ``rbr`` / ``rbs`` row blocks of a
-    routed / shared chunk declared before)."""
-    return f"""  for (long long t0 = 0; t0 < n; t0 += {GROUP_TOKENS}) {{
-    const int nt = n - t0 < {GROUP_TOKENS} ? (int)(n - t0) : {GROUP_TOKENS};
+def items_head(tag: str, tm: int, blocks: int, tokens: int) -> str:
+    """CUDA: the loop heads both kernels share, over the groups of ``tokens`` tokens (the plan
+    of each) and the block's items (``e, c, rb, first, np`` of item ``i``; ``rbr`` / ``rbs`` row
+    blocks of a routed / shared chunk declared before)."""
+    return f"""  for (long long t0 = 0; t0 < n; t0 += {tokens}) {{
+    const int nt = n - t0 < {tokens} ? (int)(n - t0) : {tokens};
     dsv2_em_plan_build_{tag}(P, ids, t0, nt, {tm}, tid);
     const int items = dsv2_em_items_{tag}(P, rbr, rbs);
     // an even share of the items: blocks differ by one item at most
@@ -253,19 +373,26 @@ __device__ __forceinline__ void dsv2_emm_stage(unsigned* dst, uint4 v) {
 
 
 def _tile_loop(
-    rows_words: str, width: int, tiles_a: int, group: int, depth: int = 1, words: int = 1
+    rows_words: str,
+    width: int,
+    tiles_a: int,
+    group: int,
+    depth: int = 1,
+    words: int = 1,
+    ntiles: int = 1,
 ) -> str:
     """CUDA: the K loop of a warp's 16-row tile over the runs ``[g0, g1)`` (``128 words`` of
     ``width`` inputs each) for ``tiles_a`` A tiles (gate and up: 2; down: 1) sharing each B
     fragment, then, where ``width`` is not a multiple of the run, its last 128 inputs (the
     *tail*, loaded before the loop; only without a K split). Expects ``wr[m]`` (tile m's row
     ``g`` words; row ``g + 8`` is ``rows_words`` further on), ``sr[m]`` (its scales, ``width /
-    group`` a row), ``xs`` (the staged rows, ``XS`` words each), ``acc[m][4]``, ``g``, ``t``,
-    ``g0``, ``g1`` (compile-time constants for ``depth`` > 1: :func:`_ring_loop`)."""
+    group`` a row), ``xs`` (the staged rows, ``XS`` words each), ``acc[m * ntiles + j][4]``,
+    ``g``, ``t``, ``g0``, ``g1`` (compile-time constants for ``depth`` > 1: :func:`_ring_loop`);
+    ``ntiles``: n-tiles of 8 staged rows each A fragment serves."""
     loop = (
-        _ring_loop(rows_words, width, tiles_a, group, depth, words)
+        _ring_loop(rows_words, width, tiles_a, group, depth, words, ntiles)
         if depth > 1
-        else _pair_loop(rows_words, width, tiles_a, group, words)
+        else _pair_loop(rows_words, width, tiles_a, group, words, ntiles)
     )
     start = width - width % (_RUN * words)
     if start == width:
@@ -277,11 +404,13 @@ def _tile_loop(
 {_load_lambda(rows_words, width, tiles_a, group, 1, f"{start} + t * 32")}          load(0, tq, ts);
         }}
 {loop}        {{
-{_mma_run(tiles_a, "tq", "ts", 1, f"{start // 2} + t * 16")}        }}
+{_mma_run(tiles_a, "tq", "ts", 1, f"{start // 2} + t * 16", ntiles)}        }}
 """
 
 
-def _pair_loop(rows_words: str, width: int, tiles_a: int, group: int, words: int) -> str:
+def _pair_loop(
+    rows_words: str, width: int, tiles_a: int, group: int, words: int, ntiles: int = 1
+) -> str:
     """CUDA: :func:`_tile_loop`'s runs with the next run's words in flight (two buffers)."""
     return f"""
         uint4 wq[{tiles_a}][2][{words}], nq[{tiles_a}][2][{words}];
@@ -289,7 +418,7 @@ def _pair_loop(rows_words: str, width: int, tiles_a: int, group: int, words: int
 {_load_lambda(rows_words, width, tiles_a, group, words)}        if (g0 < g1) load(g0, wq, sc);
         for (int gi = g0; gi < g1; ++gi) {{
           if (gi + 1 < g1) load(gi + 1, nq, ns);
-{_mma_run(tiles_a, "wq", "sc", words)}          if (gi + 1 < g1) {{
+{_mma_run(tiles_a, "wq", "sc", words, None, ntiles)}          if (gi + 1 < g1) {{
 #pragma unroll
             for (int m = 0; m < {tiles_a}; ++m)
 #pragma unroll
@@ -329,11 +458,16 @@ def _load_lambda(
 """
 
 
-def _mma_run(tiles_a: int, q: str, sc: str, words: int, span: str | None = None) -> str:
+def _mma_run(
+    tiles_a: int, q: str, sc: str, words: int, span: str | None = None, ntiles: int = 1
+) -> str:
     """CUDA: the MMAs of a run with the words ``q`` and scales ``sc`` (``[tiles_a][2][words]``):
     a lane's ``32 words`` inputs from its staged word ``span`` (default: its share of run ``gi``
-    at ``[t * 32 words, (t + 1) * 32 words)``), 8 a word."""
+    at ``[t * 32 words, (t + 1) * 32 words)``), 8 a word; with ``ntiles`` > 1 each A fragment
+    serves that many n-tiles of 8 staged rows (``acc[m * ntiles + j]``: A tile m, n-tile j)."""
     span = span or f"gi * {_RUN // 2 * words} + t * {16 * words}"
+    if ntiles > 1:
+        return _mma_run_tiles(tiles_a, q, sc, words, span, ntiles)
     return f"""          const unsigned* xb = xs + g * XS + {span};
 #pragma unroll
           for (int i = 0; i < {4 * words}; ++i) {{
@@ -359,13 +493,51 @@ def _mma_run(tiles_a: int, q: str, sc: str, words: int, span: str | None = None)
 """
 
 
+def _mma_run_tiles(tiles_a: int, q: str, sc: str, words: int, span: str, ntiles: int) -> str:
+    """CUDA: :func:`_mma_run` of ``ntiles`` n-tiles (the B fragments of n-tile j from staged
+    rows ``8 j .. 8 j + 7``)."""
+    return f"""          const unsigned* xb = xs + g * XS + {span};
+#pragma unroll
+          for (int i = 0; i < {4 * words}; ++i) {{
+            unsigned hv[{tiles_a}][2][4];
+#pragma unroll
+            for (int m = 0; m < {tiles_a}; ++m)
+#pragma unroll
+              for (int h = 0; h < 2; ++h)
+                dsv2_emm_deq8(reinterpret_cast<const unsigned*>(&{q}[m][h][i / 4])[i % 4],
+                              {sc}[m][h][i / 4], hv[m][h]);
+#pragma unroll
+            for (int p = 0; p < 2; ++p) {{
+              unsigned b[{ntiles}][2];
+#pragma unroll
+              for (int j = 0; j < {ntiles}; ++j) {{
+                const uint2 bx =
+                    reinterpret_cast<const uint2*>(xb + j * 8 * XS + 4 * i + 2 * p)[0];
+                b[j][0] = bx.x;
+                b[j][1] = bx.y;
+              }}
+#pragma unroll
+              for (int m = 0; m < {tiles_a}; ++m) {{
+                const unsigned a[4] = {{hv[m][0][2 * p], hv[m][1][2 * p], hv[m][0][2 * p + 1],
+                                       hv[m][1][2 * p + 1]}};
+#pragma unroll
+                for (int j = 0; j < {ntiles}; ++j) dsv2_mma16816(acc[m * {ntiles} + j], a, b[j]);
+              }}
+            }}
+          }}
+"""
+
+
 def _ring_loop(
-    rows_words: str, width: int, tiles_a: int, group: int, depth: int, words: int
+    rows_words: str, width: int, tiles_a: int, group: int, depth: int, words: int, ntiles: int = 1
 ) -> str:
     """CUDA: :func:`_tile_loop`'s runs with ``depth`` in flight: a ring of ``depth + 1`` register
     buffers, the loop over the compile-time runs ``[g0, g1)`` fully unrolled so that every ring
     index is a constant."""
     slots = depth + 1
+    run = _mma_run(
+        tiles_a, f"wq[(gi - g0) % {slots}]", f"sc[(gi - g0) % {slots}]", words, None, ntiles
+    )
     return f"""
         uint4 wq[{slots}][{tiles_a}][2][{words}];
         __half2 sc[{slots}][{tiles_a}][2][{words}];
@@ -376,7 +548,7 @@ def _ring_loop(
         for (int gi = g0; gi < g1; ++gi) {{
           if (gi + {depth} < g1) load(gi + {depth}, wq[(gi - g0 + {depth}) % {slots}],
                                     sc[(gi - g0 + {depth}) % {slots}]);
-{_mma_run(tiles_a, f"wq[(gi - g0) % {slots}]", f"sc[(gi - g0) % {slots}]", words)}        }}
+{run}        }}
 """
 
 
@@ -392,8 +564,10 @@ def _units(
     """CUDA: an item's rows ``[first, last)`` as 16-row tiles, a warp each; with fewer tiles than
     warps (:func:`_parts` > 1) each tile's ``runs`` runs of 128 inputs split among the warps
     (``g0``, ``g1``), their accumulators summed through shared memory (``red``) in a fixed order.
-    ``body`` computes ``acc`` for the tile at row ``r``; ``emit`` writes ``acc`` of that tile."""
+    ``body`` computes ``acc`` for the tile at row ``r``; ``emit`` writes ``acc`` of that tile
+    (``tiles_a`` A tiles x ``tiles.ntiles`` n-tiles of accumulators)."""
     W, parts = tiles.warps, _parts(tiles)
+    tiles_a *= tiles.ntiles
     if parts == 1:
         return f"""      for (int u = warp; u < ({last} - {first}) / 16; u += {W}) {{
         const int r = {first} + 16 * u;
@@ -438,10 +612,10 @@ def _units(
 
 def _smem_bytes(tiles: MmaTiles, width: int, tiles_a: int) -> int:
     """Shared memory besides the plan: the chunk's staged rows of ``width`` values, then (with a
-    K split) its partial accumulators (``tiles_a`` A tiles, a float per lane and fragment, per
-    warp)."""
-    red = 4 * tiles.warps * tiles_a * 4 * 32 if _parts(tiles) > 1 else 0
-    return 4 * MMA_TOKENS * _stride(width) + red
+    K split) its partial accumulators (``tiles_a`` A tiles x the n-tiles, a float per lane and
+    fragment, per warp)."""
+    red = 4 * tiles.warps * tiles_a * tiles.ntiles * 4 * 32 if _parts(tiles) > 1 else 0
+    return 4 * tiles.chunk * _stride(width) + red
 
 
 def _dyn_request(s: MoeDecodeShape, tiles: MmaTiles, width: int, tiles_a: int) -> int:
@@ -449,10 +623,10 @@ def _dyn_request(s: MoeDecodeShape, tiles: MmaTiles, width: int, tiles_a: int) -
     KB, else :func:`_smem_bytes` and at least 48 KB (TVM's launcher raises a kernel's dynamic
     limit only for requests of 48 KB and more)."""
     need = _smem_bytes(tiles, width, tiles_a)
-    return 0 if need + plan_bytes(s) + 1024 <= 48 * 1024 else max(need, 48 * 1024)
+    return 0 if need + plan_bytes(s, tiles) + 1024 <= 48 * 1024 else max(need, 48 * 1024)
 
 
-def _head(name: str, params: str, tag: str, width: int, dyn: bool, red_floats: int) -> str:
+def _head(name: str, params: str, tag: str, width: int, dyn: bool, red_floats: int, tm: int) -> str:
     """CUDA: a kernel's device function head: the plan, the staged rows ``xs`` and ``red`` (static,
     or in the module's fp16 dynamic shared memory with ``dyn``), the lane's fragment coordinates,
     the PDL wait."""
@@ -461,12 +635,12 @@ def _head(name: str, params: str, tag: str, width: int, dyn: bool, red_floats: i
         smem = f"""half* __restrict__ smem_h,
     half* smem_end, long long n, int blk, int tid) {{
   __shared__ dsv2_em_plan_{tag} P;
-  unsigned* xs = reinterpret_cast<unsigned*>(smem_h);  // [{MMA_TOKENS}][XS], pair order
-  float* red = reinterpret_cast<float*>(xs + {MMA_TOKENS * XS});  // the K split's partials"""
+  unsigned* xs = reinterpret_cast<unsigned*>(smem_h);  // [{tm}][XS], pair order
+  float* red = reinterpret_cast<float*>(xs + {tm * XS});  // the K split's partials"""
     else:
         smem = f"""long long n, int blk, int tid) {{
   __shared__ dsv2_em_plan_{tag} P;
-  __shared__ __align__(16) unsigned xs[{MMA_TOKENS * XS}];  // [{MMA_TOKENS}][XS], pair order
+  __shared__ __align__(16) unsigned xs[{tm * XS}];  // [{tm}][XS], pair order
   __shared__ float red[{max(red_floats, 1)}];  // the K split's partials"""
     return f"""
 __device__ __forceinline__ void {name}({params}, {smem}
@@ -481,7 +655,7 @@ def gate_up_source(s: MoeDecodeShape, tiles: MmaTiles) -> tuple[str, str]:
     """(device function name, CUDA source) of :func:`moe_gate_up_expert_mma`."""
     H, NI, IS, K, G, E = s.hidden, s.inter, s.shared_inter, s.top_k, s.group, s.experts
     W, NB, R = tiles.warps, tiles.blocks, tiles.rows
-    T, TM = 32 * W, MMA_TOKENS
+    T, TM, NT = 32 * W, tiles.chunk, tiles.ntiles
     tag = f"h{H}_i{NI}_s{IS}_e{E}_k{K}_g{G}_{tiles.name}_mma"
     name = f"dsv2_emm_gu_{tag}"
     total = K * NI + IS
@@ -493,7 +667,7 @@ def gate_up_source(s: MoeDecodeShape, tiles: MmaTiles) -> tuple[str, str]:
     body = f"""          const unsigned* wr[2] = {{ew + (r + g) * {H // 8},
                                     ew + (r + up + g) * {H // 8}}};
           const half* sr[2] = {{es + (r + g) * {H // G}, es + (r + up + g) * {H // G}}};
-{_tile_loop(str(H // 8), H, 2, G, tiles.depth, tiles.words)}"""
+{_tile_loop(str(H // 8), H, 2, G, tiles.depth, tiles.words, NT)}"""
     emit = f"""#pragma unroll
             for (int j = 0; j < 4; ++j) {{  // row r + g (+ 8), pair 2 t (+ 1)
               const int k = 2 * t + (j & 1);
@@ -504,12 +678,27 @@ def gate_up_source(s: MoeDecodeShape, tiles: MmaTiles) -> tuple[str, str]:
                     __float2half(gv / (1.f + __expf(-gv)) * uv);
               }}
             }}"""
+    if NT > 1:  # n-tile jn: pairs 8 jn .. 8 jn + 7 (acc[jn]: gate, acc[NT + jn]: up)
+        emit = f"""#pragma unroll
+            for (int jn = 0; jn < {NT}; ++jn)
+#pragma unroll
+              for (int j = 0; j < 4; ++j) {{  // row r + g (+ 8), pair 8 jn + 2 t (+ 1)
+                const int k = 8 * jn + 2 * t + (j & 1);
+                if (k < np) {{
+                  const int pr = P.pair[first + k], tok = pr / {K + 1};
+                  const int slot = pr - tok * {K + 1};
+                  const float gv = acc[jn][j], uv = acc[{NT} + jn][j];
+                  hout[(t0 + tok) * {total} + slot * {NI} + r + g + 8 * (j >> 1)] =
+                      __float2half(gv / (1.f + __expf(-gv)) * uv);
+                }}
+              }}"""
+    loop_head = items_head(tag, TM, NB, tiles.tokens)
     src = f"""
 #ifndef DSV2_EMM_GU_{tag}
 #define DSV2_EMM_GU_{tag}
-{_head(name, params, tag, H, dyn, red)}  // row blocks of a routed / shared chunk
+{_head(name, params, tag, H, dyn, red, TM)}  // row blocks of a routed / shared chunk
   const int rbr = {-(-NI // R)}, rbs = {-(-IS // R)};
-{items_head(tag, TM, NB)}      if (c != staged) {{  // the chunk's tokens' x rows, pair order
+{loop_head}      if (c != staged) {{  // the chunk's tokens' x rows, pair order
         __syncthreads();
         for (int v = tid; v < np * {H // 8}; v += {T}) {{
           const int k = v / {H // 8}, q = v - k * {H // 8};
@@ -532,14 +721,14 @@ def gate_up_source(s: MoeDecodeShape, tiles: MmaTiles) -> tuple[str, str]:
 #endif
 """
     head = dot32_source(16) + _mma_source() + grid_wait_source()
-    return name, head + plan_source(s, tag, T) + src
+    return name, head + plan_source(s, tag, tiles) + src
 
 
 def down_source(s: MoeDecodeShape, tiles: MmaTiles) -> tuple[str, str]:
     """(device function name, CUDA source) of :func:`moe_down_expert_mma`."""
     H, NI, IS, K, G, E = s.hidden, s.inter, s.shared_inter, s.top_k, s.group, s.experts
     W, NB, R = tiles.warps, tiles.blocks, tiles.rows
-    T, TM = 32 * W, MMA_TOKENS
+    T, TM, NT = 32 * W, tiles.chunk, tiles.ntiles
     tag = f"h{H}_i{NI}_s{IS}_e{E}_k{K}_g{G}_{tiles.name}_mma"
     name = f"dsv2_emm_dn_{tag}"
     total = K * NI + IS
@@ -553,7 +742,7 @@ def down_source(s: MoeDecodeShape, tiles: MmaTiles) -> tuple[str, str]:
     def body(width: int) -> str:
         return f"""          const unsigned* wr[1] = {{ew + (long long)(r + g) * {width // 8}}};
           const half* sr[1] = {{es + (long long)(r + g) * {width // G}}};
-{_tile_loop(str(width // 8), width, 1, G, tiles.depth, tiles.words)}"""
+{_tile_loop(str(width // 8), width, 1, G, tiles.depth, tiles.words, NT)}"""
 
     emit = f"""#pragma unroll
             for (int j = 0; j < 4; ++j) {{  // output r + g (+ 8), pair 2 t (+ 1)
@@ -563,6 +752,18 @@ def down_source(s: MoeDecodeShape, tiles: MmaTiles) -> tuple[str, str]:
                 part[((t0 + tok) * {K + 1} + slot) * {H} + r + g + 8 * (j >> 1)] = acc[0][j];
               }}
             }}"""
+    if NT > 1:  # n-tile jn: pairs 8 jn .. 8 jn + 7 (acc[jn])
+        emit = f"""#pragma unroll
+            for (int jn = 0; jn < {NT}; ++jn)
+#pragma unroll
+              for (int j = 0; j < 4; ++j) {{  // output r + g (+ 8), pair 8 jn + 2 t (+ 1)
+                const int k = 8 * jn + 2 * t + (j & 1);
+                if (k < np) {{
+                  const int pr = P.pair[first + k], tok = pr / {K + 1};
+                  const int slot = pr - tok * {K + 1};
+                  part[((t0 + tok) * {K + 1} + slot) * {H} + r + g + 8 * (j >> 1)] = acc[jn][j];
+                }}
+              }}"""
     units = f"""      if (sh) {{
 {_units("r0", "r1", tiles, IS // tiles.run, 1, body(IS), emit)}      }} else {{
 {_units("r0", "r1", tiles, NI // tiles.run, 1, body(NI), emit)}      }}
@@ -570,8 +771,8 @@ def down_source(s: MoeDecodeShape, tiles: MmaTiles) -> tuple[str, str]:
     src = f"""
 #ifndef DSV2_EMM_DN_{tag}
 #define DSV2_EMM_DN_{tag}
-{_head(name, params, tag, widest, dyn, red)}  const int rbr = {-(-H // R)}, rbs = rbr;
-{items_head(tag, TM, NB)}      const bool sh = e == {E};
+{_head(name, params, tag, widest, dyn, red, TM)}  const int rbr = {-(-H // R)}, rbs = rbr;
+{items_head(tag, TM, NB, tiles.tokens)}      const bool sh = e == {E};
       const int width = sh ? {IS} : {NI};
       if (c != staged) {{  // the chunk's pairs' h slices, pair order
         __syncthreads();
@@ -594,7 +795,7 @@ def down_source(s: MoeDecodeShape, tiles: MmaTiles) -> tuple[str, str]:
 #endif
 """
     head = dot32_source(16) + _mma_source() + grid_wait_source()
-    return name, head + plan_source(s, tag, T) + src
+    return name, head + plan_source(s, tag, tiles) + src
 
 
 def gate_up_params(s: MoeDecodeShape) -> list:

@@ -136,28 +136,52 @@ class GroupedMmaTiles:
 class MmaTiles:
     """The expert-major MoE decode kernels on tensor cores (``moe_expert_mma_cuda``): ``blocks``
     of ``warps`` warps; an item is ``rows`` weight rows (a multiple of 16) of one expert for a
-    chunk of at most 8 (token, slot) pairs. A step of a warp's K loop is a *run* of ``run``
+    chunk of at most ``chunk`` (token, slot) pairs. A step of a warp's K loop is a *run* of ``run``
     inputs (128 or 256: a lane loads ``run / 128`` consecutive uint4 of each of its rows, the
     row's 4 lanes ``run / 2`` contiguous bytes; a width of an odd number of 128 ends with a run of
     128), and a warp has ``depth`` runs in flight ahead of the one it multiplies (a ring of
-    registers; depth > 1 only without a K split)."""
+    registers; depth > 1 only without a K split). ``tokens``: the tokens a block plans together
+    (a multiple of 32; a batch of more runs as several groups, each group reading its experts'
+    weights again); ``chunk``: the (token, slot) pairs of an item (8, 16 or 32: one, two or four
+    MMA n-tiles of 8 per dequantised weight fragment)."""
 
     warps: int = 4
     blocks: int = 264
     rows: int = 64
     depth: int = 1
     run: int = 128
+    tokens: int = 32
+    chunk: int = 8
 
     @property
     def name(self) -> str:
         deep = f"_d{self.depth}" if self.depth != 1 else ""
         run = f"_k{self.run}" if self.run != 128 else ""
-        return f"w{self.warps}_b{self.blocks}_r{self.rows}{deep}{run}"
+        plan = f"_t{self.tokens}" if self.tokens != 32 else ""
+        chunk = f"_c{self.chunk}" if self.chunk != 8 else ""
+        return f"w{self.warps}_b{self.blocks}_r{self.rows}{deep}{run}{plan}{chunk}"
 
     @property
     def words(self) -> int:
         """uint4 a lane loads of each of its rows for a run."""
         return self.run // 128
+
+    @property
+    def ntiles(self) -> int:
+        """MMA n-tiles (8 pairs each) of a chunk."""
+        return self.chunk // 8
+
+
+@dataclass(frozen=True)
+class DecodeGemmTiles:
+    """What ``batch_decode_gemm`` (decode of large batches through the prefill path's GEMMs)
+    runs for a MoE layer's experts: ``moe="grouped"``, the routed experts as grouped GEMMs
+    (``moe_mma_cuda``) plus the shared experts' GEMMs; ``moe="expert_major"``, the expert-major
+    kernels (``moe_expert_mma_cuda``, each with its ``tokens`` of the table: with ``tokens`` >=
+    the batch every selected expert's weights are read once a step) where they take the layer's
+    shape, else the grouped GEMMs."""
+
+    moe: str = "grouped"
 
 
 @dataclass(frozen=True)
@@ -363,6 +387,9 @@ TABLE: dict[str, dict[TileKey, Any]] = {
     # a layer against 98.4 + 109.7. Items of one tile split 4 ways among the warps were slower
     "moe_expert_mma_gate_up": {TileKey(): MmaTiles(warps=4, blocks=396, rows=64, run=256)},
     "moe_expert_mma_down": {TileKey(): MmaTiles(warps=8, blocks=528, rows=128, depth=2)},
+    # batch_decode_gemm's MoE experts: the grouped GEMMs, measured at batch 256 (issue 32: 7.3 +
+    # 2.1 ms of a 22.6 ms step); the expert-major kernels with a plan of 256 tokens unmeasured
+    "decode_gemm": {TileKey(): DecodeGemmTiles(moe="grouped")},
 }
 
 

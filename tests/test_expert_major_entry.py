@@ -2,7 +2,9 @@
 layer's shape fits the tensor-core expert-major kernels (``schedules/moe_expert_mma_cuda.py``) its
 MoE layers call them (then the float32 weighted sum) and ``batch_decode`` keeps the fused
 per-token kernels; where it does not (the tiny test configs' 64-wide hidden) both call the fused
-kernels; LLVM builds have no such entry. Traced to the fuse phase (no CUDA compile)."""
+kernels; LLVM builds have no such entry. ``batch_decode_gemm`` runs the grouped GEMMs, or the
+expert-major kernels where the tile table's ``decode_gemm`` entry says so. Traced to the fuse
+phase (no CUDA compile)."""
 
 from __future__ import annotations
 
@@ -25,12 +27,17 @@ from test_moe_grouped import _called  # noqa: E402
 
 EXPERT_MAJOR = {"moe_expert_major_gate_up", "moe_expert_major_down"}
 FUSED = {"moe_decode_gate_up"}
+GROUPED = "moe_grouped"  # the grouped GEMMs' kernels: moe_grouped_q4_gate_up, ...
 # CONFIG_A with MoE widths the MMA kernels tile (multiples of 128)
 CONFIG_MMA = {**CONFIG_A, "hidden_size": 256, "moe_intermediate_size": 128}
 V2_SHAPED = load_script("gpu_v2_numerics").V2_SHAPED
 
 
-def _entries(cfg: dict, target: tvm.target.Target) -> dict[str, set]:
+def _entries(
+    cfg: dict,
+    target: tvm.target.Target,
+    entries: tuple[str, ...] = ("batch_decode", "batch_decode_expert_major"),
+) -> dict[str, set]:
     from dsv2_mlc.compiler.compile import _export
     from dsv2_mlc.passes.pipeline import PHASES, PipelineOptions
 
@@ -39,11 +46,7 @@ def _entries(cfg: dict, target: tvm.target.Target) -> dict[str, set]:
         passes = [p for name, make in PHASES[:3] for p in make(target, PipelineOptions())]
         mod = tvm.transform.Sequential(passes)(mod)
     names = {gv.name_hint for gv, _ in mod.functions_items()}
-    return {
-        e: {gv.name_hint for gv in _called(mod[e])}
-        for e in ("batch_decode", "batch_decode_expert_major")
-        if e in names
-    }
+    return {e: {gv.name_hint for gv in _called(mod[e])} for e in entries if e in names}
 
 
 @pytest.mark.parametrize(
@@ -58,6 +61,40 @@ def test_expert_major_entry_calls_the_mma_kernels_where_they_fit(cfg: dict, mma:
         assert EXPERT_MAJOR <= major and not major & FUSED, sorted(major)
     else:
         assert FUSED <= major and not major & EXPERT_MAJOR, sorted(major)
+
+
+def _major(called: set) -> set:
+    """The expert-major kernels among ``called`` (a second entry's copies get a suffix)."""
+    return {k for k in EXPERT_MAJOR if any(c == k or c.startswith(k + "_") for c in called)}
+
+
+@pytest.mark.parametrize("moe", ["grouped", "expert_major"])
+def test_decode_gemm_entry_takes_its_moe_kernels_from_the_tile_table(
+    moe: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from dsv2_mlc.schedules import tiles
+
+    key = tiles.TileKey()
+    monkeypatch.setitem(tiles.TABLE, "decode_gemm", {key: tiles.DecodeGemmTiles(moe=moe)})
+    cuda = tvm.target.Target({"kind": "cuda", "arch": "sm_90"}, host={"kind": "llvm"})
+    gemm = _entries(CONFIG_MMA, cuda, ("batch_decode_gemm",))["batch_decode_gemm"]
+    grouped = {c for c in gemm if c.startswith(GROUPED)}
+    if moe == "expert_major":
+        assert _major(gemm) == EXPERT_MAJOR and not grouped, sorted(gemm)
+    else:
+        assert grouped and not _major(gemm), sorted(gemm)
+    assert not gemm & FUSED
+
+
+def test_decode_gemm_moe_must_be_known(monkeypatch: pytest.MonkeyPatch) -> None:
+    from dsv2_mlc.errors import UsageError
+    from dsv2_mlc.schedules import tiles
+
+    bad = {tiles.TileKey(): tiles.DecodeGemmTiles(moe="expert-major")}
+    monkeypatch.setitem(tiles.TABLE, "decode_gemm", bad)
+    cuda = tvm.target.Target({"kind": "cuda", "arch": "sm_90"}, host={"kind": "llvm"})
+    with pytest.raises(UsageError, match="moe='expert-major' is not one of"):
+        _entries(CONFIG_MMA, cuda, ("batch_decode_gemm",))
 
 
 @needs_nvcc

@@ -16,7 +16,9 @@ batch from ``begin_forward``):
   the batch selects read once for all its tokens).
 * ``batch_decode_gemm(input_ids[b, 1], cache)``: the same step for large batches (on CUDA):
   the absorbed attention of ``batch_decode``, everything else as ``batch_extend`` runs it (dense
-  projections as GEMMs, the routed experts as expert-sorted grouped GEMMs on tensor cores).
+  projections as GEMMs, the routed experts as expert-sorted grouped GEMMs on tensor cores, or,
+  where the tile table's ``decode_gemm`` entry says ``moe="expert_major"``, the MoE blocks as
+  ``batch_decode_expert_major`` runs them).
 * ``create_paged_kv_cache(...)``: the MLA latent cache (only ``kv_lora_rank + rope`` values per
   token per layer), in pages of 16 tokens.
 

@@ -30,6 +30,7 @@ from ..schedules import moe_grouped_cuda as grouped
 from ..schedules.decode_gemv_cuda import DECODE_GEMV
 from ..schedules.moe_decode_cuda import MoeDecodeShape, moe_down_decode, moe_gate_up_decode
 from ..schedules.moe_expert_mma_cuda import (
+    decode_gemm_expert_major,
     expert_mma_unsupported,
     moe_down_expert_mma,
     moe_gate_up_expert_mma,
@@ -489,7 +490,9 @@ class DeepseekV2MoE(nn.Module):
         where they have them (``fused_decode``: routing, routed and shared experts in two
         launches), the rest keeps the gather kernels. ``expert_major`` (decode of a batch,
         ``batch_decode_expert_major``): the experts' expert-major kernels where they have them
-        (``expert_major_decode``: each expert the batch selects read once)."""
+        (``expert_major_decode``: each expert the batch selects read once). ``"decode_gemm"``
+        (``batch_decode_gemm``) runs the grouped GEMMs, or the expert-major kernels where the
+        tile table's ``decode_gemm`` entry says so (``decode_gemm_expert_major``)."""
         return self.forward_with_logits(x, self.gate.logits(x), mode, expert_major)
 
     def forward_with_logits(
@@ -497,12 +500,14 @@ class DeepseekV2MoE(nn.Module):
     ) -> Tensor:
         """:meth:`forward` with the router's logits ``[n, E]`` already computed (decode on
         CUDA computes them with the RMSNorm that produces ``x``: ``norm_gemv_cuda``)."""
-        if mode == "decode" and self.shared_experts is not None:
+        if mode in ("decode", "decode_gemm") and self.shared_experts is not None:
             experts, shared = self.experts, self.shared_experts
+            if mode == "decode_gemm":
+                expert_major = decode_gemm_expert_major()
             out = (
                 experts.expert_major_decode(x, logits, self.gate, shared) if expert_major else None
             )
-            if out is None:
+            if out is None and mode == "decode":
                 out = experts.fused_decode(x, logits, self.gate, shared)
             if out is not None:
                 return out
