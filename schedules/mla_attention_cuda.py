@@ -170,7 +170,8 @@ def mla_attention_cuda(
     ``latent_dim + rope_dim`` values, with the tiles of :data:`~.tiles.TABLE`. Raises
     ``ValueError`` for shapes it does not handle (the cache then keeps TVM's kernel).
     ``kv_scale``: the FP8 (e4m3) cache of :mod:`~.kv_fp8` with that scale (module docstring)."""
-    tiles = tuned("mla_attention", shape=(num_heads, latent_dim, rope_dim, dtype))
+    cache = dtype if kv_scale is None else "e4m3"  # the FP8 cache has entries of its own
+    tiles = tuned("mla_attention", shape=(num_heads, latent_dim, rope_dim, cache))
     return build_mla_attention(num_heads, latent_dim, rope_dim, dtype, tiles, kv_scale)
 
 

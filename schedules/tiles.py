@@ -306,6 +306,19 @@ TABLE: dict[str, dict[TileKey, Any]] = {
             target_blocks=528,
             merge_cols=64,
         ),
+        # V2-Lite's heads over an FP8 cache: 2 pages a loop step in a ring of 4 (batch 1, TPOT
+        # 1.456 / 3.354 ms at 4K / 128K against 1.616 / 3.499 with 1 page and 3 stages;
+        # schedules/results/mla_attention.md, "Pages a step")
+        TileKey(ANY, (16, 512, 64, "e4m3")): MLAAttentionTiles(
+            stages=4,
+            min_pages_per_split=2,
+            long_min_pages=4,
+            long_pages=128,
+            max_split=256,
+            target_blocks=528,
+            merge_cols=64,
+            pages_per_step=2,
+        ),
         # V2 (236B): 128 heads, 8 split blocks of 16 heads for each (row, split), and
         # target_blocks counts one head group's: 66 keeps the 528 split blocks of the grid that
         # V2-Lite's 16 heads aim at. Unmeasured
@@ -385,11 +398,19 @@ TABLE: dict[str, dict[TileKey, Any]] = {
     # read 128 contiguous bytes; runs of 64 take 24 % longer) and two runs in flight for
     # down, which also wants more warps an SM (8 a block, 528 blocks): at batch 16 74.9 + 65.2 us
     # a layer against 98.4 + 109.7. Items of one tile split 4 ways among the warps were slower
-    "moe_expert_mma_gate_up": {TileKey(): MmaTiles(warps=4, blocks=396, rows=64, run=256)},
-    "moe_expert_mma_down": {TileKey(): MmaTiles(warps=8, blocks=528, rows=128, depth=2)},
-    # batch_decode_gemm's MoE experts: the grouped GEMMs, measured at batch 256 (issue 32: 7.3 +
-    # 2.1 ms of a 22.6 ms step); the expert-major kernels with a plan of 256 tokens unmeasured
-    "decode_gemm": {TileKey(): DecodeGemmTiles(moe="grouped")},
+    # a plan of 256 tokens (a decode step of up to 256 sequences reads each selected expert
+    # once) and chunks of 16 pairs: in batch_decode_gemm at 64 / 128 / 256 sequences 5,732 /
+    # 8,534 / 11,146 tok/s against 5,839 / 7,628 / 9,578 with chunks of 8 and 4,048 / 6,854 /
+    # 10,013 with 32 (schedules/results/moe_decode.md, "Plans of 256 tokens")
+    "moe_expert_mma_gate_up": {
+        TileKey(): MmaTiles(warps=4, blocks=396, rows=64, run=256, tokens=256, chunk=16)
+    },
+    "moe_expert_mma_down": {
+        TileKey(): MmaTiles(warps=8, blocks=528, rows=128, depth=2, tokens=256, chunk=16)
+    },
+    # batch_decode_gemm's MoE experts: the expert-major kernels above, against the grouped GEMMs
+    # (3,862 / 6,909 / 11,468 tok/s at 64 / 128 / 256 sequences; moe_decode.md)
+    "decode_gemm": {TileKey(): DecodeGemmTiles(moe="expert_major")},
 }
 
 

@@ -392,7 +392,11 @@ def test_a_moved_graph_that_fails_its_check_stops_moves_and_trust(monkeypatch):
     # never moved) ...
     assert s["captures"] == 3 and s["eager_unseen"] == 3 and s["replays"] == 1
     assert (1, 4) not in graphs._graphs and (1, 7) not in graphs._graphs
-    # ... and a bucket stepped again is captured then, and replayed (checked) on its third step
+    # ... a bucket that stays for a second step in a row is captured then, and replayed
+    # (checked) on its third step ...
     _decode(graphs, sim, model, [64 * 6 + 1, 64 * 6 + 2])
     assert s["captures"] == 4 and s["eager_unseen"] == 3 and (1, 7) in graphs._graphs
     assert s["replays"] == 2 and s["checks"] == 2 and s["mismatches"] == 1
+    # ... and buckets that come back, but never two steps in a row, stay eager
+    _decode(graphs, sim, model, [64 * 4, 64 * 5, 64 * 4 + 1, 64 * 5 + 1])
+    assert s["captures"] == 4 and s["eager_unseen"] == 7 and (1, 5) not in graphs._graphs

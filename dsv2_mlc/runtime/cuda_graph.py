@@ -55,10 +55,10 @@ while the device runs, even the graph of the running step (a launch in flight ke
 arguments it was launched with), so the next step only replays. Each graph keeps its captured
 template, whose nodes name the executable's. A kind of graph that does not move so (the
 ``batch_decode_gemm`` step's cuBLAS nodes, whose arguments a kernel node does not expose) is
-captured per bucket (``last_error`` says why; ``stats["relocation_failures"]``), and only for a
-key stepped before: a first step of a new key runs eagerly (``stats["eager_unseen"]``), since
-with keys that change every step a capture would cost each step several ms and never be
-replayed.
+captured per bucket (``last_error`` says why; ``stats["relocation_failures"]``), and only by
+the second step in a row of the same key: a step whose key differs from its group's last one
+runs eagerly (``stats["eager_unseen"]``), since with keys that change every step a capture would
+cost each step several ms and never be replayed.
 
 Before the keys are trusted, a new key likewise takes the most recently used graph of its batch
 size and kind, verified or not, once the move is known; the moved graph is replayed and checked
@@ -68,7 +68,7 @@ lengths, some crossing a page at each step: no key recurs, so a captured graph w
 replayed, nor checked) takes three captures (to learn the move) and two checked moves, then
 moves only. A moved graph that fails its check is dropped like any other (the eager result
 stands, that key stays eager, no trust) and its batch size and kind are captured per bucket
-(keys stepped before) from then on. Keys that recur (a batch of equal lengths: 16 steps a key
+(keys that stay) from then on. Keys that recur (a batch of equal lengths: 16 steps a key
 at batch 256) pass their checks on their own replays and are trusted before three captures
 exist.
 
@@ -130,7 +130,6 @@ __all__ = ["DecodeGraphs", "decode_graph_key", "same_greedy", "same_logits"]
 
 log = logging.getLogger(__name__)
 
-SEEN_KEYS = 256  # keys remembered by DecodeGraphs._worth_capturing
 PAGE_ALIGN = 4  # int32 elements per 16-byte alignment unit of the KV cache's auxiliary buffer
 
 
@@ -299,8 +298,8 @@ class DecodeGraphs:
         self.relocate = relocate
         # (batch size, kind) -> how its graphs move between page buckets; None: they cannot
         self._moves: dict[tuple, Relocation | None] = {}
-        # keys stepped eagerly without a capture, of groups whose graphs cannot move (recent)
-        self._seen: OrderedDict[tuple, None] = OrderedDict()
+        # the key of each group's last step that found no graph (groups whose graphs cannot move)
+        self._last: dict[tuple, tuple] = {}
         self.stats: dict[str, float] = dict(
             captures=0, replays=0, greedy_replays=0, failures=0, checks=0, mismatches=0,
             capture_s=0.0, relocations=0, relocate_s=0.0, relocation_failures=0, eager_unseen=0,
@@ -410,20 +409,18 @@ class DecodeGraphs:
 
     def _worth_capturing(self, key: tuple) -> bool:
         """Whether a step of ``key`` without a graph should capture one: always, but where the
-        graphs of its batch size and kind cannot move between page buckets (then a capture pays
-        off only for a key that recurs, and keys that change every step, as a batch of mixed
-        lengths makes them, would cost every step a capture that is never replayed): there only
-        a key stepped before (eagerly, remembered among the last :data:`SEEN_KEYS`)."""
-        if self._moves.get(_group(key), True) is not None:
+        graphs of its batch size and kind cannot move between page buckets. There a capture
+        (several ms, more for large batches) pays off only if the key stays for the steps that
+        follow, so only the second step in a row of the same key captures: keys that change
+        every step, as a batch of mixed lengths makes them, run eagerly."""
+        group = _group(key)
+        if self._moves.get(group, True) is not None:
             return True
-        if key in self._seen:
-            del self._seen[key]
-            return True
-        self._seen[key] = None
-        while len(self._seen) > SEEN_KEYS:
-            self._seen.popitem(last=False)
-        self.stats["eager_unseen"] += 1
-        return False
+        again = self._last.get(group) == key
+        self._last[group] = key
+        if not again:
+            self.stats["eager_unseen"] += 1
+        return again
 
     def _trusted(self, key: tuple, greedy: bool) -> bool:
         """Whether ``key``'s graph may be captured without an eager run of the step first and
@@ -682,7 +679,7 @@ class DecodeGraphs:
         _drop_all(self.cuda, self.stream, self._graphs)
         self._failed.clear()
         self._moves.clear()
-        self._seen.clear()
+        self._last.clear()
 
     def close(self) -> None:
         """Release every graph now (:meth:`clear`); garbage collection does the same."""

@@ -66,8 +66,9 @@ MAX_DECODE_GROUP = 31
 # MoE kernels, the faster ones up to batch 8 (docs/benchmarks.md, "Decode batches").
 EXPERT_MAJOR_FROM = 16
 # From GEMM_DECODE_FROM (memory_plan, which counts its workspace) sequences a decode step runs
-# ``batch_decode_gemm`` (the prefill path's GEMMs and grouped expert GEMMs, the decode path's
-# attention) where the build has it (docs/benchmarks.md, "Decode batches").
+# ``batch_decode_gemm`` (the prefill path's GEMMs, the expert-major MoE kernels over the whole
+# step, the decode path's attention) where the build has it (docs/benchmarks.md, "Decode
+# batches").
 
 
 def _shape(v: int) -> tvm_ffi.Shape:

@@ -70,8 +70,10 @@ PAGE_SIZE = 16  # tokens a KV page holds (the engine's PAGE_SIZE)
 MIN_PREFILL_CHUNK = 512  # the smallest prefill chunk the planner picks
 LOGITS_ITEMSIZE = 4  # the logits come back in float32
 # decode steps of this many sequences and more run ``batch_decode_gemm`` (the engine's default
-# ``gemm_decode_from``): its workspace holds a float copy of an INT4 lm_head
-GEMM_DECODE_FROM = 64
+# ``gemm_decode_from``): its workspace holds a float copy of an INT4 lm_head. On the H200 at
+# V2-Lite's shapes it beats the expert-major entry from 32 (3,471 against 2,890 tok/s; at 16:
+# 2,019 against 2,054; docs/benchmarks.md, "Decode batches")
+GEMM_DECODE_FROM = 32
 
 
 class MemoryBudgetError(Dsv2Error, ValueError):
