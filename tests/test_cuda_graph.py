@@ -584,6 +584,25 @@ def test_after_two_checked_keys_new_keys_are_captured_without_an_eager_step(monk
     assert step.calls[n + 1 :] == ["eager", "capture"]
 
 
+def test_trusted_keys_whose_graphs_cannot_move_capture_on_a_second_step(monkeypatch):
+    """Where a group's graphs do not move, a trusted key that differs from its group's last step
+    runs eagerly (one decision a step: no capture after the eager run either); a key that stays
+    for a second step is captured then."""
+    step = _Greedy(monkeypatch, same=_same)
+    graphs = step.graphs
+    for key in [(2, 3, "greedy"), (2, 4, "greedy")]:
+        step(5, 9, key=key)
+        step(1, 2, key=key)
+    assert graphs._verified == 2
+    graphs._moves[(2, "greedy")] = None  # as after a failed derive: captured per bucket
+    n = len(step.calls)
+    for bucket in (5, 6, 7):  # a new key every step (mixed lengths)
+        assert step(6, 1, key=(2, bucket, "greedy")).tolist() == [19, 4]
+    assert step.calls[n:] == ["eager"] * 3 and graphs.stats["eager_unseen"] == 3
+    assert step(6, 1, key=(2, 7, "greedy")).tolist() == [19, 4]  # stays: captured, replayed
+    assert step.calls[n + 3 :] == ["capture"] and (2, 7, "greedy") in graphs._graphs
+
+
 def test_trust_needs_a_clean_record_and_a_capture_that_works(monkeypatch):
     sim = SimCuda()
     step = _Greedy(monkeypatch, sim=sim, same=_same)

@@ -349,10 +349,10 @@ class DecodeGraphs:
                 return graph.out
             ref = call(graph.ids)
             return graph.out if self._check(key, graph, same(graph.out, ref)) else ref
-        ids_t = None
+        ids_t, worth = None, None
         if self._trusted(key, greedy=False):  # moved from another bucket, else captured
             graph = self._relocated(key, False)
-            if graph is None and self._worth_capturing(key):
+            if graph is None and (worth := self._worth_capturing(key)):
                 ids_t = to_device(ids)
                 graph = self._capture(key, ids_t, call)
             if graph is not None:
@@ -361,7 +361,7 @@ class DecodeGraphs:
                 return graph.out
         ids_t = to_device(ids) if ids_t is None else ids_t
         out = call(ids_t)  # this step's result; also loads kernels and warms the pools
-        if key not in self._failed and self._worth_capturing(key):
+        if key not in self._failed and (self._worth_capturing(key) if worth is None else worth):
             self._capture(key, ids_t, call)
         return out
 
@@ -390,10 +390,10 @@ class DecodeGraphs:
             ref_tokens = _tokens(ref)
             ok = same(graph.out, ref) and np.array_equal(tokens, ref_tokens)
             return tokens if self._check(key, graph, ok) else ref_tokens.astype(np.int64)
-        ids_t = None
+        ids_t, worth = None, None
         if self._trusted(key, greedy=True):  # moved from another bucket, else captured
             graph = self._relocated(key, True)
-            if graph is None and self._worth_capturing(key):
+            if graph is None and (worth := self._worth_capturing(key)):
                 ids_t = to_device(ids)
                 graph = self._capture(key, ids_t, call, self._warm[(key[0], True)])
             if graph is not None:
@@ -403,16 +403,17 @@ class DecodeGraphs:
         ids_t = to_device(ids) if ids_t is None else ids_t
         out = call(ids_t)
         tokens = _tokens(out)
-        if key not in self._failed and self._worth_capturing(key):
+        if key not in self._failed and (self._worth_capturing(key) if worth is None else worth):
             self._capture(key, ids_t, call, (tokens.shape, tokens.dtype))
         return tokens.astype(np.int64)
 
     def _worth_capturing(self, key: tuple) -> bool:
-        """Whether a step of ``key`` without a graph should capture one: always, but where the
-        graphs of its batch size and kind cannot move between page buckets. There a capture
-        (several ms, more for large batches) pays off only if the key stays for the steps that
-        follow, so only the second step in a row of the same key captures: keys that change
-        every step, as a batch of mixed lengths makes them, run eagerly."""
+        """Whether a step of ``key`` without a graph should capture one (asked once a step: it
+        records the step's key): always, but where the graphs of its batch size and kind cannot
+        move between page buckets. There a capture (several ms, more for large batches) pays
+        off only if the key stays for the steps that follow, so only the second step in a row of
+        the same key captures: keys that change every step, as a batch of mixed lengths makes
+        them, run eagerly."""
         group = _group(key)
         if self._moves.get(group, True) is not None:
             return True
