@@ -7,10 +7,11 @@ INT4 group 128) one library per tiling of :data:`GATE_UP_VARIANTS` / :data:`DOWN
 (``gu_lite_<tiles>`` / ``dn_lite_<tiles>``, through the tile-taking builders
 ``gate_up_expert_mma_kernel`` / ``down_expert_mma_kernel``; the table's tiles first, the variants
 as changes to them), and the full V2's shape (hidden 5120, width 1536, 160 experts, group-limited
-routing) with the table's tiles (``gu_v2_*``, ``dn_v2_*``), into ``build/lab_expert_mma/`` with
-``manifest.json``: each kernel's tiles, the reason for the variant, its shared memory a block,
-the blocks of it that shared memory and registers (read from the cubin) let an SM hold and the
-waves of its fixed grid on 132 SMs. ``--only`` (comma-separated keys) builds those alone.
+routing) with the table's tiles (``gu_v2_*``, ``dn_v2_*``), into the lab folder (``--lab-dir``,
+by default :data:`LAB_DIR`) with ``manifest.json``: each kernel's tiles, why the variant, its
+shared memory a block, the blocks of it that shared memory and registers (read from the cubin)
+let an SM hold and the waves of its fixed grid on 132 SMs. ``--only`` (comma-separated keys)
+builds those alone.
 
 ``python3 schedules/lab/kernel_lab_expert_mma.py run --lib-dir LIBS --out DIR`` (GPU machine;
 torch + ``tvm_ffi`` + TVM's runtime libraries, never imports tvm): random INT4 experts and fp16
@@ -40,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import lab_common  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-LAB_DIR = ROOT / "build" / "lab_expert_mma"
+LAB_DIR = ROOT / "build" / "lab_expert_mma"  # schedules/build/, as the other labs
 PREFIX = "emma"
 # name -> MoeDecodeShape keyword arguments
 SHAPES: dict[str, dict] = {
@@ -87,6 +88,7 @@ DOWN_VARIANTS: tuple[tuple[dict, str], ...] = (
 V2_VARIANTS: tuple[tuple[dict, str], ...] = (({}, "table"),)
 BAD_REL = 5e-3  # relative L2 above this is flagged "!"
 TOKENS = "32,64,128,256"
+DEVICE = "cuda"  # where ``run``'s data and reference live (the tests use the CPU)
 
 
 # -- here: builds ----------------------------------------------------------------------------------
@@ -122,10 +124,11 @@ def _kernels() -> tuple[dict, dict]:
     return funcs, info
 
 
-def _registers(library: Path) -> dict[str, int]:
-    """Registers a thread of each kernel of the cubins in ``library`` (the ``sh_info`` top byte
-    of a cubin's ``.text.<kernel>`` section); empty where none is found uncompressed."""
-    data, regs = library.read_bytes(), {}
+def _registers(library: Path) -> list[int]:
+    """Registers a thread of each kernel in the cubins of ``library``: the ``EIATTR_REGCOUNT``
+    entries (attribute 0x2f: symbol, count) of their ``.nv.info`` sections; empty where no cubin
+    is found uncompressed."""
+    data, regs = library.read_bytes(), []
     start = data.find(b"\x7fELF")
     while start >= 0:
         elf = data[start:]
@@ -136,12 +139,14 @@ def _registers(library: Path) -> dict[str, int]:
         if elf[4] == 2 and num(18, 2) == 190:  # ELFCLASS64, EM_CUDA
             shoff, shentsize, shnum, shstrndx = num(40, 8), num(58, 2), num(60, 2), num(62, 2)
             names = num(shoff + shstrndx * shentsize + 24, 8)
-            for i in range(shnum):
-                sh = shoff + i * shentsize
-                end = elf.find(b"\0", names + num(sh, 4))
-                name = elf[names + num(sh, 4) : end].decode(errors="replace")
-                if name.startswith(".text."):
-                    regs[name[6:]] = num(sh + 44, 4) >> 24
+            for sh in range(shoff, shoff + shnum * shentsize, shentsize):
+                if elf[names + num(sh, 4) :].startswith(b".nv.info\0"):
+                    at, end = num(sh + 24, 8), num(sh + 24, 8) + num(sh + 32, 8)
+                    while at + 4 <= end:  # entries: format, attribute, u16 (size if format 4)
+                        fmt, attr, size = elf[at], elf[at + 1], num(at + 2, 2)
+                        if fmt == 4 and attr == 0x2F:
+                            regs.append(num(at + 8, 4))
+                        at += 4 + (size if fmt == 4 else 0)
         start = data.find(b"\x7fELF", start + 4)
     return regs
 
@@ -175,7 +180,7 @@ def prepare(args: argparse.Namespace) -> int:
     built = lab_common.build_libraries(funcs, lab_dir, PREFIX, args.arch, target, info, "")
     for key, entry in built.items():
         regs = _registers(lab_dir / entry["library"])
-        entry.update(_occupancy(entry, max(regs.values()) if regs else None))
+        entry.update(_occupancy(entry, max(regs) if regs else None))
         print(f"  {key}: {entry['kwargs']['smem_bytes']} B shared, {entry['regs']} registers, "
               f"{entry['blocks_per_sm']} blocks an SM, {entry['waves']} waves")  # fmt: skip
     manifest = {**lab_common.manifest_header(args.arch), "shapes": SHAPES, "kernels": built,
@@ -189,15 +194,15 @@ def prepare(args: argparse.Namespace) -> int:
 # -- there: measurement ----------------------------------------------------------------------------
 def _data(torch, shape: dict, seed: int) -> dict:
     """Random INT4 experts (int32 words) and fp16 scales sized for O(1) outputs."""
-    gen = torch.Generator(device="cuda").manual_seed(seed)
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
     H, NI, IS, E, G = (shape[k] for k in ("hidden", "inter", "shared_inter", "experts", "group"))
 
     def packed(*dims):
-        r = torch.randint(-(2**31), 2**31 - 1, dims, generator=gen, device="cuda")
+        r = torch.randint(-(2**31), 2**31 - 1, dims, generator=gen, device=DEVICE)
         return r.to(torch.int32)
 
     def scales(*dims, fan_in: int):
-        u = torch.rand(*dims, generator=gen, device="cuda")
+        u = torch.rand(*dims, generator=gen, device=DEVICE)
         return ((0.5 + u) / (4.6 * fan_in**0.5)).to(torch.float16)
 
     return {
@@ -215,17 +220,17 @@ def _data(torch, shape: dict, seed: int) -> dict:
 def _tokens(torch, shape: dict, n: int, seed: int) -> tuple:
     """(x [n, H] fp16 ~ N(0, 1), ids [n, K] int32): K distinct experts a token, uniform; with
     group-limited routing within ``topk_group`` random groups of ``n_group``."""
-    gen = torch.Generator(device="cuda").manual_seed(seed)
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
     E, K, groups = shape["experts"], shape["top_k"], shape.get("n_group", 1)
-    score = torch.rand(n, E, generator=gen, device="cuda")
+    score = torch.rand(n, E, generator=gen, device=DEVICE)
     if groups > 1 and shape["topk_group"] < groups:
-        g = torch.rand(n, groups, generator=gen, device="cuda").topk(shape["topk_group"]).indices
-        keep = torch.zeros(n, groups, device="cuda").scatter_(1, g, 1.0)
+        g = torch.rand(n, groups, generator=gen, device=DEVICE).topk(shape["topk_group"]).indices
+        keep = torch.zeros(n, groups, device=DEVICE).scatter_(1, g, 1.0)
         score = score * keep.repeat_interleave(E // groups, dim=1) - (1 - keep).repeat_interleave(
             E // groups, dim=1
         )
     ids = score.topk(K, dim=-1).indices.to(torch.int32)
-    x = torch.randn(n, shape["hidden"], generator=gen, device="cuda").to(torch.float16)
+    x = torch.randn(n, shape["hidden"], generator=gen, device=DEVICE).to(torch.float16)
     return x, ids.contiguous()
 
 
@@ -242,7 +247,7 @@ def _reference(torch, d: dict, shape: dict, x, ids) -> dict:
     G, NI, IS, K, H = (shape[k] for k in ("group", "inter", "shared_inter", "top_k", "hidden"))
     n, silu = x.shape[0], torch.nn.functional.silu
     xf = x.float()
-    hr = torch.zeros(n, K, NI, device="cuda")
+    hr = torch.zeros(n, K, NI, device=DEVICE)
     for e in ids.unique().tolist():
         t, j = (ids == e).nonzero(as_tuple=True)
         gu = xf[t] @ _dequant(torch, d["gu_w"][e], d["gu_s"][e], G).T
@@ -250,7 +255,7 @@ def _reference(torch, d: dict, shape: dict, x, ids) -> dict:
     s = xf @ _dequant(torch, d["sgu_w"], d["sgu_s"], G).T
     h = torch.cat([hr.reshape(n, K * NI), silu(s[:, :IS]) * s[:, IS:]], dim=1)
     hh = h.half().float()
-    part = torch.zeros(n, K + 1, H, device="cuda")
+    part = torch.zeros(n, K + 1, H, device=DEVICE)
     hk = hh[:, : K * NI].reshape(n, K, NI)
     for e in ids.unique().tolist():
         t, j = (ids == e).nonzero(as_tuple=True)
@@ -297,11 +302,11 @@ def _case(torch, fn, k: dict, d: dict, shape: dict, x, ids, ref: dict, args) -> 
     n, K, H = x.shape[0], shape["top_k"], shape["hidden"]
     total = K * shape["inter"] + shape["shared_inter"]
     if k["kind"] == "gate_up":
-        out = torch.full((n, total), float("nan"), dtype=torch.float16, device="cuda")
+        out = torch.full((n, total), float("nan"), dtype=torch.float16, device=DEVICE)
         call = ffi(x, ids, d["gu_w"].view(u32), d["gu_s"], d["sgu_w"].view(u32), d["sgu_s"], out)
         want = ref["h"]
     else:
-        out = torch.full((n, K + 1, H), float("nan"), device="cuda")
+        out = torch.full((n, K + 1, H), float("nan"), device=DEVICE)
         h = ref["h"].half()
         call = ffi(h, ids, d["dn_w"].view(u32), d["dn_s"], d["sdn_w"].view(u32), d["sdn_s"], out)
         want = ref["part"]
