@@ -279,7 +279,7 @@ def _weight_bytes(shape: dict, ids, plan_tokens: int) -> dict:
     )
     starts = range(0, ids.shape[0], plan_tokens)
     groups = [ids[t : t + plan_tokens].unique().numel() for t in starts]
-    return {k: sum(g * routed[k] + shared[k] for g in groups) for k in routed}
+    return {k: int(sum(g * routed[k] + shared[k] for g in groups)) for k in routed}
 
 
 def _load(lib_dir: str, lab_dir: Path, built: dict) -> tuple[dict, dict]:
