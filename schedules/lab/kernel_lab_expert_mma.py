@@ -321,6 +321,28 @@ def _case(torch, fn, k: dict, d: dict, shape: dict, x, ids, ref: dict, args) -> 
     return row
 
 
+def _best(rows: list[dict]) -> list[dict]:
+    """Per (shape, kernel kind, n): the table's tiles (the first key of the kind) and the fastest
+    correct variant, with the ratio of their times; printed too."""
+    best, table = {}, {}
+    for r in rows:
+        if not r["ok"]:
+            continue
+        case = (r["shape"], r["kernel"][:2], r["n"])
+        table.setdefault(case, r)
+        if case not in best or r["us"] < best[case]["us"]:
+            best[case] = r
+    out = []
+    for case, r in best.items():
+        t = table[case]
+        out.append({"shape": case[0], "kind": case[1], "n": case[2], "table": t["kernel"],
+                    "table_us": t["us"], "best": r["kernel"], "best_us": r["us"],
+                    "speedup": t["us"] / r["us"]})  # fmt: skip
+        print(f"{case[0]:4} n={case[2]:<4} {t['kernel']:34} {t['us']:8.1f} us -> "
+              f"{r['kernel']:34} {r['us']:8.1f} us ({t['us'] / r['us']:.2f}x)")  # fmt: skip
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
     """Check and time every kernel of the manifest on the GPU (see the module docstring)."""
     import torch
@@ -362,6 +384,7 @@ def run(args: argparse.Namespace) -> int:
                 rows.append(row)
                 if out_file:
                     out_file.write_text(json.dumps(result, indent=1))
+    result["best"] = _best(rows)
     result["finished"] = time.strftime("%Y-%m-%d %H:%M:%S %Z")
     if out_file:
         out_file.write_text(json.dumps(result, indent=1))
