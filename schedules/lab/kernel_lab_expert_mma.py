@@ -61,17 +61,18 @@ SHAPES: dict[str, dict] = {
 }
 SMS, SM_SHARED, SM_REGS, SM_THREADS = 132, 228 * 1024, 65536, 2048  # H200 (sm_90)
 # (changes to the table's MmaTiles, why): the first of each is the table's tiles. At chunk 16
-# gate/up stages 16 rows of x (2048 values) + the plan: 75.7 KB a block, 3 an SM (396 blocks:
-# one wave); down stages 16 rows of the widest h slice (the shared 2816) + the plan: 100.8 KB,
-# 2 an SM, so its 528 blocks run as two waves.
+# gate/up stages 16 rows of x (2048 values) + the plan: 75.7 KB a block, and takes 152 registers
+# a thread: 3 blocks of 4 warps an SM by either (396 blocks: one wave); down stages 16 rows of
+# the widest h slice (the shared 2816) + the plan: 100.8 KB, 2 an SM, so its 528 blocks run as
+# two waves.
 GATE_UP_VARIANTS: tuple[tuple[dict, str], ...] = (
-    ({}, "table: 64 rows, 3 blocks an SM by shared memory, 396 = one wave"),
+    ({}, "table: 64 rows, 3 blocks an SM by shared memory and registers, 396 = one wave"),
     (dict(rows=128), "staging per item: a staged chunk serves 128 rows (11 items a chunk)"),
     (dict(rows=256), "staging per item: 256 rows (6 items a chunk, the last half empty)"),
-    (dict(rows=128, warps=8), "128 rows at one tile a warp: 24 warps an SM instead of 12"),
-    (dict(blocks=264), "occupancy: 2 blocks an SM (one wave)"),
-    (dict(blocks=528), "occupancy: 4 an SM asked, 3 fit: a second wave of 132 blocks"),
-    (dict(chunk=8, blocks=528), "chunk 8: 42.9 KB, 4 an SM in one wave; 3 reads an expert"),
+    (dict(rows=512), "staging per item: 512 rows (3 items a chunk); fewer items than blocks"),
+    (dict(rows=128, warps=8, blocks=132), "8 warps a tile each: 152 registers let 1 an SM"),
+    (dict(blocks=264), "occupancy: 2 blocks an SM (8 warps), one wave"),
+    (dict(chunk=8), "chunk 8: 42.9 KB (registers still hold 3 an SM); 3 reads an expert"),
     (dict(chunk=32, blocks=132), "chunk 32: 141 KB, 1 an SM; an expert's rows read once"),
 )
 DOWN_VARIANTS: tuple[tuple[dict, str], ...] = (
