@@ -57,6 +57,16 @@ needs (schedules/results/moe_decode.md).
    in float32 (unweighted, every element written by one item: the weighted sum stays
    deterministic).
 
+**Activations in K slices** (``MmaTiles.stage_k`` > 0; 0 stages the whole chunk as above): an
+item's chunk x full width of activations (64 KB at chunk 16 and hidden 2048, 128 KB at chunk 32:
+one block an SM) is staged ``stage_k`` inputs at a time (a multiple of the run) in a ring of two
+buffers of ``chunk`` padded rows (``2 x chunk x stage_k x 2`` bytes: 33 KB at chunk 32 and 256),
+with the same pair order and strides. The item's tiles go in rounds of a tile a warp; in a round
+slice ``sl + 1`` is copied (``cp.async``, 8 bytes at a time: padded rows are 8-byte aligned)
+while the warps multiply slice ``sl``, then each thread puts the pieces it copied in pair order,
+one barrier a slice. A warp's next run of weights is loaded before this run's MMAs across the
+slices (depth 1; no K split). Every item stages its own slices.
+
 Shapes: ``hidden``, ``inter`` and the shared intermediate multiples of 128, the group a multiple
 of 32 (a lane's 32 inputs share a scale), ``rows`` a multiple of 16. The reference is float64
 NumPy (``tests/test_moe_expert_mma_emulation.py``; the MMA emulated with warp shuffles).
