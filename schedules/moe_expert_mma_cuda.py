@@ -57,6 +57,16 @@ needs (schedules/results/moe_decode.md).
    in float32 (unweighted, every element written by one item: the weighted sum stays
    deterministic).
 
+**Activations in K slices** (``MmaTiles.stage_k`` > 0; 0 stages the whole chunk as above): an
+item's chunk x full width of activations (64 KB at chunk 16 and hidden 2048, 128 KB at chunk 32:
+one block an SM) is staged ``stage_k`` inputs at a time (a multiple of the run) in a ring of two
+buffers of ``chunk`` padded rows (``2 x chunk x stage_k x 2`` bytes: 33 KB at chunk 32 and 256),
+with the same pair order and strides. The item's tiles go in rounds of a tile a warp; in a round
+slice ``sl + 1`` is copied (``cp.async``, 8 bytes at a time: padded rows are 8-byte aligned)
+while the warps multiply slice ``sl``, then each thread puts the pieces it copied in pair order,
+one barrier a slice. A warp's next run of weights is loaded before this run's MMAs across the
+slices (depth 1; no K split). Every item stages its own slices.
+
 Shapes: ``hidden``, ``inter`` and the shared intermediate multiples of 128, the group a multiple
 of 32 (a lane's 32 inputs share a scale), ``rows`` a multiple of 16. The reference is float64
 NumPy (``tests/test_moe_expert_mma_emulation.py``; the MMA emulated with warp shuffles).
@@ -136,6 +146,13 @@ def expert_mma_unsupported(s: MoeDecodeShape, tiles: MmaTiles | None = None) -> 
         return f"run {tiles.run} is not {_RUN} or {2 * _RUN}"
     if tiles.chunk not in _CHUNKS:
         return f"chunk {tiles.chunk} is not one of {_CHUNKS} pairs"
+    if tiles.stage_k and (tiles.stage_k < 0 or tiles.stage_k % tiles.run):
+        return f"stage_k {tiles.stage_k} is not 0 or a positive multiple of the run ({tiles.run})"
+    if tiles.stage_k and (tiles.depth > 1 or _parts(tiles) > 1):
+        return (
+            f"stage_k {tiles.stage_k} (activations staged in K slices) needs depth 1 and no K "
+            f"split: rows {tiles.rows} of at least {16 * tiles.warps} ({tiles})"
+        )
     if tiles.tokens < 32 or tiles.tokens % 32 or tiles.tokens * (s.top_k + 1) > 32767:
         return (
             f"tokens {tiles.tokens} is not a positive multiple of 32 whose {s.top_k + 1} pairs a "
@@ -459,16 +476,23 @@ def _load_lambda(
 
 
 def _mma_run(
-    tiles_a: int, q: str, sc: str, words: int, span: str | None = None, ntiles: int = 1
+    tiles_a: int,
+    q: str,
+    sc: str,
+    words: int,
+    span: str | None = None,
+    ntiles: int = 1,
+    base: str = "xs",
 ) -> str:
     """CUDA: the MMAs of a run with the words ``q`` and scales ``sc`` (``[tiles_a][2][words]``):
     a lane's ``32 words`` inputs from its staged word ``span`` (default: its share of run ``gi``
     at ``[t * 32 words, (t + 1) * 32 words)``), 8 a word; with ``ntiles`` > 1 each A fragment
-    serves that many n-tiles of 8 staged rows (``acc[m * ntiles + j]``: A tile m, n-tile j)."""
+    serves that many n-tiles of 8 staged rows (``acc[m * ntiles + j]``: A tile m, n-tile j);
+    ``base``: the staged rows."""
     span = span or f"gi * {_RUN // 2 * words} + t * {16 * words}"
     if ntiles > 1:
-        return _mma_run_tiles(tiles_a, q, sc, words, span, ntiles)
-    return f"""          const unsigned* xb = xs + g * XS + {span};
+        return _mma_run_tiles(tiles_a, q, sc, words, span, ntiles, base)
+    return f"""          const unsigned* xb = {base} + g * XS + {span};
 #pragma unroll
           for (int i = 0; i < {4 * words}; ++i) {{
             unsigned hv[{tiles_a}][2][4];
@@ -493,10 +517,12 @@ def _mma_run(
 """
 
 
-def _mma_run_tiles(tiles_a: int, q: str, sc: str, words: int, span: str, ntiles: int) -> str:
+def _mma_run_tiles(
+    tiles_a: int, q: str, sc: str, words: int, span: str, ntiles: int, base: str = "xs"
+) -> str:
     """CUDA: :func:`_mma_run` of ``ntiles`` n-tiles (the B fragments of n-tile j from staged
     rows ``8 j .. 8 j + 7``)."""
-    return f"""          const unsigned* xb = xs + g * XS + {span};
+    return f"""          const unsigned* xb = {base} + g * XS + {span};
 #pragma unroll
           for (int i = 0; i < {4 * words}; ++i) {{
             unsigned hv[{tiles_a}][2][4];
@@ -610,10 +636,152 @@ def _units(
 """
 
 
+def _copy_source() -> str:
+    """CUDA: ``dsv2_emm_cp16(dst, src)`` (16 bytes of a row into a staged row as two 8-byte
+    copies: a padded row is 8-byte aligned; ``cp.async`` on the GPU, a plain copy off it),
+    ``dsv2_emm_cp_wait()`` (this thread's copies landed) and ``dsv2_emm_pair_in_place(p)`` (a
+    16-byte piece this thread copied, into pair order)."""
+    return """
+#ifndef DSV2_EMM_CP
+#define DSV2_EMM_CP
+__device__ __forceinline__ void dsv2_emm_cp16(unsigned* dst, const uint4* src) {
+#if defined(__CUDA_ARCH__)
+  const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+  const char* p = reinterpret_cast<const char*>(src);
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\\n" ::"r"(d), "l"(p));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\\n" ::"r"(d + 8), "l"(p + 8));
+#else
+  const uint2* s2 = reinterpret_cast<const uint2*>(src);
+  reinterpret_cast<uint2*>(dst)[0] = s2[0];
+  reinterpret_cast<uint2*>(dst)[1] = s2[1];
+#endif
+}
+__device__ __forceinline__ void dsv2_emm_cp_wait() {
+#if defined(__CUDA_ARCH__)
+  asm volatile("cp.async.wait_all;\\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void dsv2_emm_pair_in_place(unsigned* p) {
+  const uint2 a = reinterpret_cast<const uint2*>(p)[0];
+  const uint2 b = reinterpret_cast<const uint2*>(p)[1];
+  uint4 v;
+  v.x = a.x;
+  v.y = a.y;
+  v.z = b.x;
+  v.w = b.y;
+  dsv2_emm_stage(p, v);
+}
+#endif
+"""
+
+
+def _sliced_units(
+    first: str,
+    last: str,
+    tiles: MmaTiles,
+    width: int,
+    tiles_a: int,
+    group: int,
+    rows: str,
+    src_row: str,
+    emit: str,
+) -> str:
+    """CUDA: an item's rows ``[first, last)`` as 16-row tiles with the chunk's activations staged
+    in slices of ``tiles.stage_k`` inputs (of ``width``): in rounds of a tile a warp (every warp
+    at every barrier, some without a tile), slice ``sl + 1`` copied into buffer ``(sl + 1) & 1``
+    (``cp.async``) while the warps multiply slice ``sl``, then put in pair order by the threads
+    that copied it, one barrier a slice. The weights of the next run are loaded before this run's
+    MMAs, across slices; a width that is an odd number of 128 with runs of 256 ends its last
+    slice with a run of 128 (the tail, loaded first). ``rows``: CUDA declaring ``wr``, ``sr``
+    for the tile at row ``r`` (:func:`_tile_loop`); ``src_row``: the ``const half*`` row of the
+    chunk's pair ``k``; ``emit`` writes ``acc``."""
+    W, TM, NT, SK, words = tiles.warps, tiles.chunk, tiles.ntiles, tiles.stage_k, tiles.words
+    T, run = 32 * W, tiles.run
+    slices, runs, rps = -(-width // SK), width // run, SK // run
+    tail = width - runs * run  # 0 or 128
+    last_sl = slices - 1
+    t_span = f"{(width - tail - last_sl * SK) // 2} + t * 16"
+    tail_load = tail_mma = ""
+    if tail:
+        tail_load = f"""          uint4 tq[{tiles_a}][2][1];
+          __half2 ts[{tiles_a}][2][1];
+          {{
+  {_load_lambda(str(width // 8), width, tiles_a, group, 1, f"{width - tail} + t * 32")}
+            if (act) load(0, tq, ts);
+          }}
+"""
+        tail_mma = f"""            if (sl == {last_sl}) {{
+{_mma_run(tiles_a, "tq", "ts", 1, t_span, NT, "xb0")}            }}
+"""
+    load = _load_lambda(str(width // 8), width, tiles_a, group, words)
+    span = f"(gi - sl * {rps}) * {64 * words} + t * {16 * words}"
+    mma = _mma_run(tiles_a, "wq", "sc", words, span, NT, "xb0")
+    pieces = f"""        const int c0 = sl * {SK // 8}, sw = min({SK // 8}, {width // 8} - c0);
+        for (int v = tid; v < np * sw; v += {T}) {{
+          const int k = v / sw, q = v - k * sw;"""
+    return f"""      {{
+        auto stage = [&](int sl, unsigned* buf) {{  // the raw 16-byte pieces of slice sl
+{pieces}
+          const half* row = {src_row};
+          dsv2_emm_cp16(buf + k * XS + 4 * q, reinterpret_cast<const uint4*>(row) + c0 + q);
+        }}
+      }};
+      auto pair = [&](int sl, unsigned* buf) {{  // this thread's pieces into pair order
+        dsv2_emm_cp_wait();
+{pieces}
+          dsv2_emm_pair_in_place(buf + k * XS + 4 * q);
+        }}
+      }};
+      const int nu = ({last} - {first}) / 16;
+      for (int u0 = 0; u0 < nu; u0 += {W}) {{  // a round: a tile a warp
+        const bool act = u0 + warp < nu;
+        const int r = {first} + 16 * (act ? u0 + warp : 0);
+        float acc[{tiles_a * NT}][4] = {{}};
+{rows}
+        uint4 wq[{tiles_a}][2][{words}], nq[{tiles_a}][2][{words}];
+        __half2 sc[{tiles_a}][2][{words}], ns[{tiles_a}][2][{words}];
+{load}{tail_load}        if (act && {runs} > 0) load(0, wq, sc);
+        stage(0, xs);
+        pair(0, xs);
+        __syncthreads();
+#pragma unroll 1
+        for (int sl = 0; sl < {slices}; ++sl) {{
+          if (sl + 1 < {slices}) stage(sl + 1, xs + ((sl + 1) & 1) * {TM} * XS);
+          if (act) {{
+            const unsigned* xb0 = xs + (sl & 1) * {TM} * XS;
+            const int ge = min({runs}, (sl + 1) * {rps});
+            for (int gi = sl * {rps}; gi < ge; ++gi) {{
+              if (gi + 1 < {runs}) load(gi + 1, nq, ns);
+{mma}              if (gi + 1 < {runs}) {{
+#pragma unroll
+                for (int m = 0; m < {tiles_a}; ++m)
+#pragma unroll
+                  for (int h = 0; h < 2; ++h)
+#pragma unroll
+                    for (int u = 0; u < {words}; ++u) {{
+                      wq[m][h][u] = nq[m][h][u];
+                      sc[m][h][u] = ns[m][h][u];
+                    }}
+              }}
+            }}
+{tail_mma}          }}
+          if (sl + 1 < {slices}) pair(sl + 1, xs + ((sl + 1) & 1) * {TM} * XS);
+          __syncthreads();  // slice sl + 1 staged; buffer sl & 1 is the next slice's
+        }}
+        if (act) {{
+{emit}
+        }}
+      }}
+      }}
+"""
+
+
 def _smem_bytes(tiles: MmaTiles, width: int, tiles_a: int) -> int:
     """Shared memory besides the plan: the chunk's staged rows of ``width`` values, then (with a
     K split) its partial accumulators (``tiles_a`` A tiles x the n-tiles, a float per lane and
-    fragment, per warp)."""
+    fragment, per warp); with ``stage_k``, two buffers of the chunk's rows of a slice."""
+    if tiles.stage_k:  # two slice buffers (no K split)
+        return 8 * tiles.chunk * _stride(tiles.stage_k)
     red = 4 * tiles.warps * tiles_a * tiles.ntiles * 4 * 32 if _parts(tiles) > 1 else 0
     return 4 * tiles.chunk * _stride(width) + red
 
@@ -664,9 +832,10 @@ def gate_up_source(s: MoeDecodeShape, tiles: MmaTiles) -> tuple[str, str]:
     params = """const half* __restrict__ x, const int* __restrict__ ids,
     const unsigned* __restrict__ w, const half* __restrict__ s, const unsigned* __restrict__ sw,
     const half* __restrict__ ss, half* __restrict__ hout"""
-    body = f"""          const unsigned* wr[2] = {{ew + (r + g) * {H // 8},
+    rows = f"""          const unsigned* wr[2] = {{ew + (r + g) * {H // 8},
                                     ew + (r + up + g) * {H // 8}}};
-          const half* sr[2] = {{es + (r + g) * {H // G}, es + (r + up + g) * {H // G}}};
+          const half* sr[2] = {{es + (r + g) * {H // G}, es + (r + up + g) * {H // G}}};"""
+    body = f"""{rows}
 {_tile_loop(str(H // 8), H, 2, G, tiles.depth, tiles.words, NT)}"""
     emit = f"""#pragma unroll
             for (int j = 0; j < 4; ++j) {{  // row r + g (+ 8), pair 2 t (+ 1)
@@ -693,6 +862,28 @@ def gate_up_source(s: MoeDecodeShape, tiles: MmaTiles) -> tuple[str, str]:
                 }}
               }}"""
     loop_head = items_head(tag, TM, NB, tiles.tokens)
+    if tiles.stage_k:
+        src_row = f"x + (t0 + P.pair[first + k] / {K + 1}) * {H}"
+        units = _sliced_units("r0", "r1", tiles, H, 2, G, rows, src_row, emit)
+        src = f"""
+#ifndef DSV2_EMM_GU_{tag}
+#define DSV2_EMM_GU_{tag}
+{_head(name, params, tag, tiles.stage_k, dyn, 0, 2 * TM)}  // row blocks of a routed / shared chunk
+  const int rbr = {-(-NI // R)}, rbs = {-(-IS // R)};
+{loop_head}      (void)staged;  // every item stages its slices
+      const bool sh = e == {E};
+      const unsigned* ew = sh ? sw : w + (long long)e * {2 * NI * (H // 8)};
+      const half* es = sh ? ss : s + (long long)e * {2 * NI * (H // G)};
+      const long long up = sh ? {IS} : {NI};
+      const int r0 = rb * {R}, r1 = min(sh ? {IS} : {NI}, r0 + {R});
+{units}    }}
+    __syncthreads();  // this group's plan is read no more
+  }}
+}}
+#endif
+"""
+        head = dot32_source(16) + _mma_source() + _copy_source() + grid_wait_source()
+        return name, head + plan_source(s, tag, tiles) + src
     src = f"""
 #ifndef DSV2_EMM_GU_{tag}
 #define DSV2_EMM_GU_{tag}
@@ -739,9 +930,12 @@ def down_source(s: MoeDecodeShape, tiles: MmaTiles) -> tuple[str, str]:
     const unsigned* __restrict__ w, const half* __restrict__ s, const unsigned* __restrict__ sw,
     const half* __restrict__ ss, float* __restrict__ part"""
 
-    def body(width: int) -> str:
+    def rows(width: int) -> str:
         return f"""          const unsigned* wr[1] = {{ew + (long long)(r + g) * {width // 8}}};
-          const half* sr[1] = {{es + (long long)(r + g) * {width // G}}};
+          const half* sr[1] = {{es + (long long)(r + g) * {width // G}}};"""
+
+    def body(width: int) -> str:
+        return f"""{rows(width)}
 {_tile_loop(str(width // 8), width, 1, G, tiles.depth, tiles.words, NT)}"""
 
     emit = f"""#pragma unroll
@@ -768,6 +962,32 @@ def down_source(s: MoeDecodeShape, tiles: MmaTiles) -> tuple[str, str]:
 {_units("r0", "r1", tiles, IS // tiles.run, 1, body(IS), emit)}      }} else {{
 {_units("r0", "r1", tiles, NI // tiles.run, 1, body(NI), emit)}      }}
 """
+    if tiles.stage_k:
+        src_row = (
+            f"h + (t0 + P.pair[first + k] / {K + 1}) * {total} + "
+            f"(P.pair[first + k] % {K + 1}) * {NI}"
+        )
+        units = f"""      if (sh) {{
+{_sliced_units("r0", "r1", tiles, IS, 1, G, rows(IS), src_row, emit)}      }} else {{
+{_sliced_units("r0", "r1", tiles, NI, 1, G, rows(NI), src_row, emit)}      }}
+"""
+        src = f"""
+#ifndef DSV2_EMM_DN_{tag}
+#define DSV2_EMM_DN_{tag}
+{_head(name, params, tag, tiles.stage_k, dyn, 0, 2 * TM)}  const int rbr = {-(-H // R)}, rbs = rbr;
+{items_head(tag, TM, NB, tiles.tokens)}      (void)staged;  // every item stages its slices
+      const bool sh = e == {E};
+      const unsigned* ew = sh ? sw : w + (long long)e * {H * (NI // 8)};
+      const half* es = sh ? ss : s + (long long)e * {H * (NI // G)};
+      const int r0 = rb * {R}, r1 = min({H}, r0 + {R});
+{units}    }}
+    __syncthreads();  // this group's plan is read no more
+  }}
+}}
+#endif
+"""
+        head = dot32_source(16) + _mma_source() + _copy_source() + grid_wait_source()
+        return name, head + plan_source(s, tag, tiles) + src
     src = f"""
 #ifndef DSV2_EMM_DN_{tag}
 #define DSV2_EMM_DN_{tag}

@@ -74,6 +74,9 @@ GATE_UP_VARIANTS: tuple[tuple[dict, str], ...] = (
     (dict(blocks=264), "occupancy: 2 blocks an SM (8 warps), one wave"),
     (dict(chunk=8), "chunk 8: 42.9 KB (registers still hold 3 an SM); 3 reads an expert"),
     (dict(chunk=32, blocks=132), "chunk 32: 141 KB, 1 an SM; an expert's rows read once"),
+    (dict(chunk=32, stage_k=256, blocks=264), "chunk 32 in slices of 256: 42 KB, 2 an SM"),
+    (dict(chunk=32, stage_k=256, run=128), "chunk 32, slices of 256, runs of 128: 3 an SM"),
+    (dict(stage_k=256), "chunk 16 in slices of 256: 26 KB, what slicing costs at chunk 16"),
 )
 DOWN_VARIANTS: tuple[tuple[dict, str], ...] = (
     ({}, "table: 128 rows, depth 2, 528 blocks but 2 an SM fit: two waves"),
@@ -85,6 +88,7 @@ DOWN_VARIANTS: tuple[tuple[dict, str], ...] = (
     (dict(blocks=264, depth=1), "one run in flight instead of two, one wave"),
     (dict(blocks=264, warps=4), "4 warps (2 tiles each), 8 warps an SM: latency hiding"),
     (dict(blocks=396, rows=256), "rows 256 at 1.5 waves (3 asked, 2 fit)"),
+    (dict(chunk=32, depth=1, stage_k=256, blocks=264), "chunk 32 in slices of 256: 43 KB"),
 )
 V2_VARIANTS: tuple[tuple[dict, str], ...] = (({}, "table"),)
 BAD_REL = 5e-3  # relative L2 above this is flagged "!"
