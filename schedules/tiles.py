@@ -14,7 +14,7 @@ kernel's own key (a tuple of the dimensions its tiles depend on) or ``ANY``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 ANY = "*"
@@ -297,45 +297,32 @@ class DecodeTiles:
 # The table.
 # ---------------------------------------------------------------------------------------------
 
+# the split-KV MLA decode kernel's tiles, tuned on sm_90 at V2-Lite's shapes (the table's
+# entries for other shapes differ from it in a field or two)
+_MLA_ATTENTION = MLAAttentionTiles(
+    stages=3,
+    min_pages_per_split=2,
+    long_min_pages=4,
+    long_pages=128,
+    max_split=256,
+    target_blocks=528,
+    merge_cols=64,
+)
+
 TABLE: dict[str, dict[TileKey, Any]] = {
     # -- MLA attention, prologue, append, prefill attention -----------------------------------
     # Tuned on sm_90 at the V2-Lite shapes (schedules/results/); used for every architecture
     # and shape but where an entry for the shape says otherwise.
     "mla_attention": {
-        TileKey(): MLAAttentionTiles(
-            stages=3,
-            min_pages_per_split=2,
-            long_min_pages=4,
-            long_pages=128,
-            max_split=256,
-            target_blocks=528,
-            merge_cols=64,
-        ),
+        TileKey(): _MLA_ATTENTION,
         # V2-Lite's heads over an FP8 cache: 2 pages a loop step in a ring of 4 (batch 1, TPOT
         # 1.456 / 3.354 ms at 4K / 128K against 1.616 / 3.499 with 1 page and 3 stages;
         # schedules/results/mla_attention.md, "Pages a step")
-        TileKey(ANY, (16, 512, 64, "e4m3")): MLAAttentionTiles(
-            stages=4,
-            min_pages_per_split=2,
-            long_min_pages=4,
-            long_pages=128,
-            max_split=256,
-            target_blocks=528,
-            merge_cols=64,
-            pages_per_step=2,
-        ),
+        TileKey(ANY, (16, 512, 64, "e4m3")): replace(_MLA_ATTENTION, stages=4, pages_per_step=2),
         # V2 (236B): 128 heads, 8 split blocks of 16 heads for each (row, split), and
         # target_blocks counts one head group's: 66 keeps the 528 split blocks of the grid that
         # V2-Lite's 16 heads aim at. Unmeasured
-        TileKey(ANY, (128, 512, 64, "float16")): MLAAttentionTiles(
-            stages=3,
-            min_pages_per_split=2,
-            long_min_pages=4,
-            long_pages=128,
-            max_split=256,
-            target_blocks=66,
-            merge_cols=64,
-        ),
+        TileKey(ANY, (128, 512, 64, "float16")): replace(_MLA_ATTENTION, target_blocks=66),
     },
     # not measured yet (schedules/results/mla_extend.md): 3 stages fit 227 KB at V2-Lite's
     # shapes; from 512 rows a sequence the row-tiled grid is one wave (132 SMs, 4 rows a block)

@@ -43,22 +43,8 @@ import lab_common  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 LAB_DIR = ROOT / "build" / "lab_expert_mma"  # schedules/build/, as the other labs
 PREFIX = "emma"
-# name -> MoeDecodeShape keyword arguments
-SHAPES: dict[str, dict] = {
-    "lite": dict(hidden=2048, inter=1408, shared_inter=2816, experts=64, top_k=6, group=128),
-    "v2": dict(
-        hidden=5120,
-        inter=1536,
-        shared_inter=3072,
-        experts=160,
-        top_k=6,
-        group=128,
-        n_group=8,
-        topk_group=3,
-        norm_topk_prob=False,
-        routed_scaling_factor=16.0,
-    ),
-}
+from kernel_lab_moe_decode import SHAPES  # noqa: E402 (the same two MoE shapes)
+
 SMS, SM_SHARED, SM_REGS, SM_THREADS = 132, 228 * 1024, 65536, 2048  # H200 (sm_90)
 # (changes to the table's MmaTiles, why): the first of each is the table's tiles. At chunk 16
 # gate/up stages 16 rows of x (2048 values) + the plan: 75.7 KB a block, and takes 152 registers
