@@ -1,7 +1,9 @@
 """The MLA kernel labs' builds (``schedules/lab/kernel_lab_mla.py``, ``kernel_lab_absorb.py``,
 ``kernel_lab_prefill_attn.py``), no GPU: every variant their ``prepare`` builds (the shipped
-builders' inner, tile-taking functions with the table's tiles changed) compiles to sm_90 machine
-code at V2-Lite's shapes. Lab only (``-m lab``)."""
+builders' inner, tile-taking functions with the table's tiles changed; the MLA lab's FP8 variants
+too) compiles to sm_90 machine code at V2-Lite's shapes, and the FP8 lab's inputs pass its
+self-check (the model's quantisation kernel, ml_dtypes, NumPy and the product's CPU attention,
+with a control that must fail). Lab only (``-m lab``)."""
 
 from __future__ import annotations
 
@@ -39,6 +41,22 @@ def _variants(script: str) -> dict:
 def test_attention_variants_compile(tmp_path: Path, variant: str) -> None:
     tiles = replace(tuned("mla_attention"), **_variants("kernel_lab_mla")[variant])
     _compiles(build_mla_attention(16, 512, 64, "float16", tiles), tmp_path)
+
+
+@pytest.mark.parametrize("variant", sorted(load_script("kernel_lab_mla").FP8_VARIANTS))
+def test_attention_fp8_variants_compile(tmp_path: Path, variant: str) -> None:
+    lab = load_script("kernel_lab_mla")
+    base = tuned("mla_attention", shape=(16, 512, 64, "e4m3"))
+    tiles = replace(base, **lab.FP8_VARIANTS[variant])
+    func = build_mla_attention(16, 512, 64, "float16", tiles, kv_scale=lab.fp8.FP8_KV_SCALE)
+    _compiles(func, tmp_path)
+    resources = lab.fp8.kernel_resources(tmp_path / "m.so")
+    assert 0 < resources["m_kernel"]["regs"] <= 255, resources  # the split kernel's cubin read
+
+
+@pytest.mark.parametrize("kv_scale", [0.5, 1.0])
+def test_fp8_lab_selfcheck(kv_scale: float) -> None:
+    assert load_script("kernel_lab_mla").selfcheck(kv_scale)
 
 
 @pytest.mark.parametrize("variant", sorted(_variants("kernel_lab_absorb")))

@@ -23,6 +23,23 @@ table (case x kernel, us; ``!`` marks a wrong result) plus an error summary per 
 table, the GPU kernel time per call (split + merge kernels, CUPTI through ``torch.profiler``,
 one profiler session per case): what a CUDA-graph decode step pays besides ~1.1 us per launch,
 without the ``tvm_ffi`` call overhead that dominates the event times of calls below ~15 us.
+
+``--kv fp8`` (both commands): the split-KV kernel over the FP8 (e4m3) latent cache
+(:mod:`dsv2_mlc.schedules.kv_fp8`'s storage) at long decode contexts (:data:`FP8_CASES`: batch 1
+at 4K, 32K, 128K, batch 4 at 32K), in its own small folder (``build/lab_mla8``, ``--lab-dir``).
+``prepare --kv fp8 [--kv-scale S]`` first runs :func:`selfcheck` (the pages and reference the
+GPU run builds against the model's quantisation kernel, ml_dtypes, a float64 NumPy reference and
+the product's CPU FP8 attention, with a control that must fail; ``--check-only``: that alone),
+then builds :data:`FP8_VARIANTS` (the shipped FP8 tiles with fields changed; a variant the
+builder refuses is skipped with its message) and ``ours16`` (the shipped float16 kernel over a
+float16 cache, the reference bytes/s), recording each one's kv dtype and scale, tiles, shared
+memory, registers (read from the cubin), blocks an SM holds and grid at each case
+(``mla_lab_fp8.grid``: the builder's formulas). ``run --kv fp8`` checks every kernel against the
+float32 torch reference over the dequantized rows (``!`` if wrong), times it with CUDA events
+hot (one page pool) and cold (rotating over copies of the pool totalling >= 256 MB, so the
+pages come from HBM as in a decode step, where each layer has its own cache) and with
+``--cupti`` the split and merge kernels apart, and prints one table with the split kernel's
+bytes/s (split bytes = tokens x row bytes / split time, cold); ``--out``: ``mla_lab_fp8.json``.
 """
 
 from __future__ import annotations
@@ -31,15 +48,16 @@ import argparse
 import json
 import math
 import sys
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import lab_common  # noqa: E402
+import mla_lab_fp8 as fp8  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 LAB_DIR = ROOT / "build" / "lab"
-HEADS, LATENT, ROPE, PAGE = 16, 512, 64, 16
+HEADS, LATENT, ROPE, PAGE = fp8.HEADS, fp8.LATENT, fp8.ROPE, fp8.PAGE
 # name -> MLAAttentionTiles fields changed from the shipped tiles ("ours": none): the pipelined
 # split block's ring depth, pages per split and the grid's splits (schedules/results/
 # mla_attention.md has what each measured)
@@ -58,10 +76,36 @@ for _kwargs in VARIANTS.values():
         _kwargs.setdefault("long_pages", NO_LONG_TIER)
 BAD_REL, BAD_LSE = 2e-3, 1e-3  # a result worse than this is flagged "!"
 
+# --kv fp8: the split-KV kernel over the FP8 (e4m3) latent cache at long contexts, in its own
+# small lab folder (carried to the GPU machine). name -> fields changed from the shipped FP8
+# tiles (tiles.py, key (16, 512, 64, "e4m3"): G=2 pages a step, 4 stages); "ours16" is the
+# shipped float16 kernel over a float16 cache at the same cases (its bytes/s for comparison).
+FP8_LAB_DIR = ROOT / "build" / "lab_mla8"
+FP8_VARIANTS: dict[str, dict] = {
+    "ours8": {},
+    "f8_g1_s3": dict(pages_per_step=1, stages=3),
+    "f8_g2_s6": dict(stages=6),
+    "f8_g2_s8_m132": dict(stages=8, max_split=132, target_blocks=132),
+    "f8_g2_s4_m132": dict(max_split=132, target_blocks=132),
+    "f8_g2_s4_m512": dict(max_split=512, target_blocks=1056),
+    "f8_g2_s4_l16": dict(long_min_pages=16),
+    "f8_g2_s6_m132": dict(stages=6, max_split=132, target_blocks=132),
+}
+F16_KERNEL = "ours16"
+FP8_CASES: list[tuple[str, list[int]]] = [
+    ("b1 4K", [4096]),
+    ("b1 32K", [32768]),
+    ("b1 128K", [131072]),
+    ("b4 32K", [32768] * 4),
+]
+
 
 # -- here: builds ----------------------------------------------------------------------------------
 def prepare(args: argparse.Namespace) -> int:
-    """Compile TVM's kernel and every variant for CUDA into build/lab (no GPU needed)."""
+    """Compile TVM's kernel and every variant for CUDA into build/lab (no GPU needed); with
+    ``--kv fp8`` the FP8 lab (:func:`prepare_fp8`)."""
+    if args.kv == "fp8":
+        return prepare_fp8(args)
     from dsv2_mlc.compiler.cuda import make_cuda_target
 
     target = make_cuda_target(args.arch)
@@ -93,10 +137,11 @@ def prepare(args: argparse.Namespace) -> int:
 
 
 # -- there: measurement ----------------------------------------------------------------------------
-def _case(torch, kv_lens: list[int], q_lens: list[int], causal: int, seed: int) -> dict:
+def _case(
+    torch, kv_lens: list[int], q_lens: list[int], causal: int, seed: int, dev: str = "cuda"
+) -> dict:
     """Random inputs of one case: sequence i has kv_lens[i] cached tokens and q_lens[i] rows."""
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    dev = "cuda"
+    gen = torch.Generator(device=dev).manual_seed(seed)
     n_pages = [math.ceil(n / PAGE) for n in kv_lens]
     total_pages = max(sum(n_pages), 1)
     perm = torch.randperm(total_pages, generator=gen, device=dev).to(torch.int32)
@@ -122,22 +167,27 @@ def _case(torch, kv_lens: list[int], q_lens: list[int], causal: int, seed: int) 
 
 
 def _reference(torch, c: dict):
-    """float32 attention per sequence: (out[total, H, L], lse[total, H] base 2)."""
-    q, pages = c["q"].float(), c["pages"]
-    out = torch.zeros(q.shape[0], HEADS, LATENT, device="cuda")
-    lse = torch.full((q.shape[0], HEADS), -math.inf, device="cuda")
+    """float32 attention per sequence: (out[total, H, L], lse[total, H] base 2). The keys are
+    the case's pages (float16) or, for an FP8 case, its dequantized rows ``c["kv"]``."""
+    q, pages = c.get("q_ref", c["q"]).float(), c["pages"]
+    dev = q.device
+    out = torch.zeros(q.shape[0], HEADS, LATENT, device=dev)
+    lse = torch.full((q.shape[0], HEADS), -math.inf, device=dev)
     pin, qin = c["page_indptr"].tolist(), c["qo_indptr"].tolist()
     idx = c["page_indices"].long()
     for i, kv_len in enumerate(c["kv_lens"]):
         rows = slice(qin[i], qin[i + 1])
         if kv_len == 0 or qin[i + 1] == qin[i]:
             continue
-        kv = pages[idx[pin[i] : pin[i + 1]]].reshape(-1, LATENT + ROPE)[:kv_len].float()
+        if "kv" in c:
+            kv = c["kv"][i]
+        else:
+            kv = pages[idx[pin[i] : pin[i + 1]]].reshape(-1, LATENT + ROPE)[:kv_len].float()
         s = torch.einsum("rhd,kd->rhk", q[rows], kv) * c["sm_scale"]
         if c["causal"]:
             n = qin[i + 1] - qin[i]
-            r = torch.arange(n, device="cuda")[:, None, None]
-            k = torch.arange(kv_len, device="cuda")[None, None, :]
+            r = torch.arange(n, device=dev)[:, None, None]
+            k = torch.arange(kv_len, device=dev)[None, None, :]
             s = s.masked_fill(k >= kv_len - n + r + 1, -math.inf)
         ln = torch.logsumexp(s, dim=-1)
         p = torch.exp(s - ln[..., None]).nan_to_num(0.0)
@@ -146,26 +196,40 @@ def _reference(torch, c: dict):
     return out, lse
 
 
-def _args(c: dict, out, lse) -> list:
-    """The ABI's arguments, tensors as tvm_ffi tensors (DLPack, no copy)."""
+def _args(c: dict, out, lse, pages=None) -> list:
+    """The ABI's arguments, tensors as tvm_ffi tensors (DLPack, no copy); ``pages``: another
+    copy of the case's page pool (the cold-cache timing rotates over copies)."""
     names = ("q", "qo_indptr", "pages", "page_indptr", "page_indices", "length_info")
     tensors = [c[k] for k in names] + [out, lse]
+    if pages is not None:
+        tensors[2] = pages
     return lab_common.ffi_tensors(*tensors) + [c["causal"], c["sm_scale"]]
 
 
+def _outputs(torch, c: dict):
+    """Fresh ``out`` and ``lse`` (filled with 7) of the ABI's shapes (FP8: pseudo-heads)."""
+    n, heads, width = c["q"].shape[0], c["q"].shape[1], c.get("out_width", LATENT)
+    dev = c["q"].device
+    out = torch.full((n, heads, width), 7.0, dtype=torch.float16, device=dev)
+    return out, torch.full((n, heads), 7.0, dtype=torch.float32, device=dev)
+
+
 def _call(torch, func, c: dict):
-    out = torch.full((c["q"].shape[0], HEADS, LATENT), 7.0, dtype=torch.float16, device="cuda")
-    lse = torch.full((c["q"].shape[0], HEADS), 7.0, dtype=torch.float32, device="cuda")
+    out, lse = _outputs(torch, c)
     func(*_args(c, out, lse))
     return out, lse
 
 
 def _errors(torch, got, ref) -> dict:
+    """Errors of ``got`` (the ABI's out / lse; FP8: pseudo-heads, each carrying its head's lse)
+    against ``ref`` (out[total, H, L], lse[total, H])."""
     out, lse = got
     r_out, r_lse = ref
+    out = out.reshape(r_out.shape)
+    lse = lse.reshape(*r_lse.shape, -1)  # [total, H, pseudo-heads a head]
     rel = float((out.float() - r_out).norm() / r_out.norm().clamp_min(1e-30))
     fin = torch.isfinite(r_lse)
-    lse_err = float((lse[fin] - r_lse[fin]).abs().max()) if bool(fin.any()) else 0.0
+    lse_err = float((lse[fin] - r_lse[fin][:, None]).abs().max()) if bool(fin.any()) else 0.0
     empty_ok = bool((lse[~fin] == -math.inf).all()) and bool((out[~fin] == 0).all())
     nan = bool(torch.isnan(out).any() or torch.isnan(lse).any())
     return {"rel_l2": rel, "lse_max_err": lse_err, "empty_rows_ok": empty_ok, "nan": nan}
@@ -180,26 +244,37 @@ def _kernel_times(torch, kernels: dict, c: dict, reps: int = 32) -> dict[str, fl
     """Seconds of GPU kernel time per call (CUPTI via ``torch.profiler``: the durations of a
     kernel's split and merge launches, no launch gaps or host overhead), ``key -> s``, for all
     kernels of one case in one profiler session (``reps`` calls each, after a warm-up call)."""
+    calls = {k: (f, [_args(c, *_call(torch, f, c))]) for k, f in kernels.items()}
+    return {k: sum(v) for k, v in _split_merge_times(torch, calls, reps).items()}
+
+
+def _split_merge_times(torch, calls: dict, reps: int = 32) -> dict[str, tuple[float, float]]:
+    """``key -> (split s, merge s)`` per call (CUPTI via ``torch.profiler``), for ``calls`` of
+    ``key -> (function, [argument lists])`` in one profiler session: ``reps`` calls each,
+    rotating over its argument lists (after a warm-up call on each)."""
     import re
 
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    argsets = {k: _args(c, *_call(torch, f, c)) for k, f in kernels.items()}
+    for f, argsets in calls.values():
+        for a in argsets:
+            f(*a)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for key, f in kernels.items():
-            for _ in range(reps):
-                f(*argsets[key])
+        for f, argsets in calls.values():
+            for i in range(reps):
+                f(*argsets[i % len(argsets)])
         torch.cuda.synchronize()
-    # The library of kernel `key` exports `mla_<key>`; its kernels are `mla_<key>_kernel[_<i>]`.
+    # The library of kernel `key` exports `mla_<key>`; its kernels are `mla_<key>_kernel` (the
+    # split kernel, the PrimFunc's first) and `mla_<key>_kernel_1` (the merge kernel).
     pattern = re.compile(r"mla_(.+)_kernel(_\d+)?$")
-    sums = dict.fromkeys(kernels, 0.0)
+    sums = {k: [0.0, 0.0] for k in calls}
     for e in prof.events():
         m = pattern.match(e.name) if e.device_type == DeviceType.CUDA else None
         if m and m.group(1) in sums:
-            sums[m.group(1)] += e.time_range.elapsed_us()
-    return {k: v / reps / 1e6 for k, v in sums.items()}
+            sums[m.group(1)][1 if m.group(2) else 0] += e.time_range.elapsed_us()
+    return {k: (v[0] / reps / 1e6, v[1] / reps / 1e6) for k, v in sums.items()}
 
 
 def _bad(e: dict) -> bool:
@@ -212,7 +287,10 @@ def _bad(e: dict) -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Check and time every kernel on every case; print the table, write results JSON."""
+    """Check and time every kernel on every case; print the table, write results JSON; with
+    ``--kv fp8`` the FP8 lab (:func:`run_fp8`)."""
+    if args.kv == "fp8":
+        return run_fp8(args)
     import torch
 
     kernels = lab_common.load_kernels(args.lib_dir, LAB_DIR, args.only)
@@ -299,6 +377,297 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def prepare_fp8(args: argparse.Namespace) -> int:
+    """The FP8 lab: :func:`selfcheck` (the pages the GPU run builds are the model's), then the
+    FP8 variants and the float16 kernel (``ours16``, for its bytes/s) compiled into the FP8 lab
+    folder, with their shared memory, registers and launch at each case in the manifest."""
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        print("FP8 self-check skipped: no torch here")
+    else:
+        if not selfcheck(args.kv_scale):
+            print("FP8 self-check FAILED: the lab's FP8 pages or reference are wrong")
+            return 1
+    if args.check_only:
+        return 0
+    from dsv2_mlc.compiler.cuda import make_cuda_target
+    from dsv2_mlc.errors import Dsv2Error
+    from dsv2_mlc.schedules.mla_attention_cuda import build_mla_attention
+    from dsv2_mlc.schedules.mla_cuda_helpers import pipe_shared_halves
+    from dsv2_mlc.schedules.tiles import tuned
+
+    target = make_cuda_target(args.arch)
+    lab_dir = Path(args.lab_dir) if args.lab_dir else FP8_LAB_DIR
+    lab_common.fresh_lab_dir(lab_dir, "mla_*.so")
+    base = tuned("mla_attention", shape=(HEADS, LATENT, ROPE, "e4m3"))
+    wanted = [(k, replace(base, **kw), args.kv_scale) for k, kw in FP8_VARIANTS.items()]
+    wanted.append((F16_KERNEL, tuned("mla_attention"), None))
+    funcs, info, skipped = {}, {}, {}
+    for name, tiles, scale in wanted:
+        try:
+            funcs[name] = build_mla_attention(HEADS, LATENT, ROPE, "float16", tiles, scale)
+        except (Dsv2Error, ValueError) as err:  # the builder's smem / multiple rules
+            skipped[name] = str(err)
+            print(f"{name}: SKIPPED, the builder refuses {FP8_VARIANTS[name]}: {err}", flush=True)
+            continue
+        g = tiles.pages_per_step
+        smem = 2 * pipe_shared_halves(LATENT + ROPE, tiles.stages, LATENT if scale else 0, g)
+        info[name] = {
+            "kv": "float16" if scale is None else "e4m3",
+            "kv_scale": scale,
+            "row_bytes": fp8.F16_ROW_BYTES if scale is None else fp8.FP8_ROW_BYTES,
+            "tiles": asdict(tiles),
+            "smem_bytes": smem,
+            "grid": {c: fp8.grid(tiles, lens) for c, lens in FP8_CASES},
+        }
+    kwargs = {**FP8_VARIANTS, F16_KERNEL: "the shipped float16 tiles"}
+    built = lab_common.build_libraries(funcs, lab_dir, "mla", args.arch, target, kwargs, "")
+    for key, entry in built.items():
+        entry.update(info[key])
+        res = fp8.kernel_resources(lab_dir / entry["library"])
+        entry["split_kernel"] = res.get(f"mla_{key}_kernel", {})
+        entry["merge_kernel"] = res.get(f"mla_{key}_kernel_1", {})
+        entry.update(fp8.occupancy(entry["smem_bytes"], entry["split_kernel"].get("regs")))
+    manifest = {
+        **lab_common.manifest_header(args.arch),
+        "shapes": {"heads": HEADS, "latent": LATENT, "rope": ROPE, "page_size": PAGE},
+        "kv_scale": args.kv_scale,
+        "cases": dict(FP8_CASES),
+        "kernels": built,
+        "skipped": skipped,
+    }
+    lab_common.write_manifest(lab_dir, manifest)
+    total = sum(f.stat().st_size for f in lab_dir.iterdir())
+    print(f"{lab_dir}: {len(built)} libraries, {total / 1e6:.1f} MB")
+    return 0
+
+
+def _time_rotating(torch, func, argsets: list, budget_s: float) -> float:
+    """Median seconds per call of ``func`` over loops of back-to-back calls rotating over
+    ``argsets`` (CUDA events)."""
+    one = max(lab_common.wall_seconds(torch, lambda: func(*argsets[0])), 1e-6)
+    inner, loops = lab_common.loop_counts(one, budget_s, max_inner=64, fill_s=0.02)
+
+    def run_loop() -> None:
+        for i in range(inner):
+            func(*argsets[i % len(argsets)])
+
+    return lab_common.event_median(torch, run_loop, inner, loops)
+
+
+def run_fp8(args: argparse.Namespace) -> int:
+    """Check and time the FP8 lab's kernels on the long-context decode cases: hot (one page
+    pool, L2-resident below ~40 MB) and cold (rotating over pool copies); CUPTI split / merge
+    times; bytes/s of the split kernel. Prints one table; JSON to ``--out``."""
+    import torch
+
+    lab_dir = Path(args.lab_dir) if args.lab_dir else FP8_LAB_DIR
+    manifest = lab_common.read_manifest(lab_dir)
+    meta = manifest["kernels"]
+    kv_scale = manifest["kv_scale"]
+    kernels = lab_common.load_kernels(args.lib_dir, lab_dir, args.only)
+    props = torch.cuda.get_device_properties(0)
+    print(f"GPU: {props.name}, {props.multi_processor_count} SMs; torch {torch.__version__}")
+    codes_ok = fp8.codes_agree(torch, kv_scale)
+    print(
+        f"FP8 cache: kv_scale {kv_scale}; device e4m3 codes = CPU's (checked against the model's "
+        f"quantisation by prepare): {codes_ok}{'' if codes_ok else ' !'}; skipped by the "
+        f"builder: {manifest['skipped'] or '-'}"
+    )
+    print(
+        f"split bytes = tokens x row bytes (FP8: L + 2R = {fp8.FP8_ROW_BYTES} B; float16: "
+        f"2 (L + R) = {fp8.F16_ROW_BYTES} B), the pages the split blocks read; TB/s = split bytes "
+        "/ split kernel time (CUPTI, cold)"
+    )
+    for key in kernels:
+        m, t = meta[key], meta[key]["tiles"]
+        print(
+            f"  {key:16s} kv {m['kv']:7s} G={t['pages_per_step']} stages={t['stages']} "
+            f"max_split={t['max_split']} target={t['target_blocks']} "
+            f"min_pps={t['min_pages_per_split']} long_min={t['long_min_pages']}>{t['long_pages']}"
+            f" | smem {m['smem_bytes']} B, regs {m['split_kernel'].get('regs', '?')}, frame "
+            f"{m['split_kernel'].get('frame_bytes', '?')} B -> {m['blocks_per_sm']} blocks/SM "
+            f"(smem {m['blocks_per_sm_smem']}, regs {m['blocks_per_sm_regs']})"
+        )
+    head = (
+        f"{'case':9s} {'kernel':16s} {'grid':>5s} {'act':>4s} {'pps':>4s} {'waves':>5s} "
+        f"{'ev hot':>8s} {'ev cold':>8s} {'split':>8s} {'merge':>7s} {'split h':>8s} "
+        f"{'TB/s':>5s}  err"
+    )
+    print("us per call: events (hot / cold), CUPTI split + merge (cold), split (hot)")
+    print(head, flush=True)
+    results = []
+    for i, (name, kv_lens) in enumerate(FP8_CASES):
+        if args.cases and args.cases not in name:
+            continue
+        cases = {}
+        for kv in sorted({meta[k]["kv"] for k in kernels}):
+            c = (
+                fp8.case8(torch, kv_lens, i, kv_scale)
+                if kv == "e4m3"
+                else _case(torch, kv_lens, [1] * len(kv_lens), 0, seed=i)
+            )
+            cases[kv] = (c, _reference(torch, c), fp8.pools(torch, c))
+        row: dict = {"case": name, "kv_lens": kv_lens, "tokens": sum(kv_lens)}
+        calls_hot, calls_cold = {}, {}
+        for key, func in kernels.items():
+            c, ref, pools = cases[meta[key]["kv"]]
+            r = row[key] = {"pools": len(pools), **meta[key]["grid"][name]}
+            r["split_bytes"] = sum(kv_lens) * meta[key]["row_bytes"]
+            try:
+                got = _call(torch, func, c)
+                torch.cuda.synchronize()
+                r.update(_errors(torch, got, ref))
+                outs = _outputs(torch, c)
+                hot = [_args(c, *outs)]
+                cold = [_args(c, *outs, pages=p) for p in pools]
+                r["s_hot"] = lab_common.time_call(torch, func, hot[0], args.budget_per_case_s)
+                r["s_cold"] = _time_rotating(torch, func, cold, args.budget_per_case_s)
+                calls_hot[key], calls_cold[key] = (func, hot), (func, cold)
+            except Exception as err:  # noqa: BLE001 - report and go on with the next kernel
+                r["error"] = str(err)[:300]
+        if args.cupti:
+            try:
+                for mode, calls in (("hot", calls_hot), ("cold", calls_cold)):
+                    for key, (split, merge) in _split_merge_times(torch, calls).items():
+                        row[key][f"split_s_{mode}"], row[key][f"merge_s_{mode}"] = split, merge
+            except Exception as err:  # noqa: BLE001 - the event times stand without it
+                print(f"  (profiler failed: {str(err)[:200]})")
+        del cases, calls_hot, calls_cold
+        torch.cuda.empty_cache()
+        results.append(row)
+        for key in kernels:
+            r, m = row[key], meta[key]
+            if "error" in r:
+                print(f"{name:9s} {key:16s} ERROR {r['error'][:100]}")
+                continue
+            waves = r["active_blocks"] / (props.multi_processor_count * m["blocks_per_sm"])
+            split = r.get("split_s_cold")
+            tbs = r["split_bytes"] / split / 1e12 if split else None
+
+            def us(x, w: int = 8, d: int = 1) -> str:
+                return f"{x * 1e6:{w}.{d}f}" if x else f"{'-':>{w}s}"
+
+            print(
+                f"{name:9s} {key:16s} {r['grid_blocks']:5d} {r['active_blocks']:4d} "
+                f"{max(r['pages_per_split']):4d} {waves:5.2f} {us(r['s_hot'])} "
+                f"{us(r['s_cold'])} {us(split)} {us(r.get('merge_s_cold'), 7)} "
+                f"{us(r.get('split_s_hot'))} {f'{tbs:5.2f}' if tbs else '    -'}  "
+                f"{'!' if _bad(r) else ' '} {r['rel_l2']:.1e}/{r['lse_max_err']:.1e}",
+                flush=True,
+            )
+    out = Path(args.out) if args.out else None
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "mla_lab_fp8.json").write_text(
+            json.dumps(
+                {
+                    "gpu": props.name,
+                    "sms": props.multi_processor_count,
+                    "torch": torch.__version__,
+                    "codes_match_cpu": codes_ok,
+                    "manifest": manifest,
+                    "bytes_formula": "split_bytes = tokens * row_bytes (FP8 L + 2R = 640, "
+                    "float16 2 (L + R) = 1152); TB/s = split_bytes / split_s_cold",
+                    "cases": results,
+                },
+                indent=1,
+            )
+        )
+    return 0
+
+
+def selfcheck(kv_scale: float) -> bool:
+    """The FP8 case builder against the product (build box, CPU torch + TVM): the codes of every
+    finite float16 latent value equal ml_dtypes' and those of the model's quantisation kernel
+    (``kv_fp8.quantize_latent``, CPU build); on a paged case, the torch float32 reference over
+    the dequantized rows equals a float64 NumPy reference over the pages read back through the
+    page table (ml_dtypes decode), and the product's CPU FP8 attention
+    (``mla_cpu.mla_paged_attention_fp8_cpu``) over the pages passes the lab's error bounds, while
+    pages with the two bytes of each latent slot swapped (control) fail them."""
+    import ml_dtypes
+    import numpy as np
+    import torch
+    import tvm
+
+    from dsv2_mlc.schedules.kv_fp8 import quantize_latent
+    from dsv2_mlc.schedules.mla_cpu import mla_paged_attention_fp8_cpu
+
+    def llvm(func):
+        mod = tvm.IRModule({"main": func.with_attr("global_symbol", "main")})
+        return tvm.compile(mod, "llvm")["main"]
+
+    ok = {}
+    # 1. codes of every finite float16 latent value
+    x = fp8.finite_float16(np)
+    want = np.clip(x.astype(np.float32) * np.float32(1.0 / kv_scale), -fp8.E4M3_MAX, fp8.E4M3_MAX)
+    want = want.astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+    got = fp8.e4m3_codes(torch, torch.from_numpy(x), kv_scale).numpy()
+    rope = np.random.default_rng(0).standard_normal((x.shape[0], ROPE)).astype(np.float16)
+    rows = tvm.runtime.tensor(np.ascontiguousarray(np.concatenate([x, rope], axis=1)))
+    slots = tvm.runtime.tensor(np.zeros((x.shape[0], LATENT // 2 + ROPE), np.float16))
+    llvm(quantize_latent(LATENT, ROPE, "float16", kv_scale, cuda=False))(rows, slots)
+    model = slots.numpy()
+    ok["codes_vs_ml_dtypes"] = bool((got == want).all())
+    ok["codes_vs_quantize_latent"] = bool(
+        (np.ascontiguousarray(model[:, : LATENT // 2]).view(np.uint8) == got).all()
+    )
+    ok["rope_copied"] = bool(
+        (model[:, LATENT // 2 :].view(np.uint16) == rope.view(np.uint16)).all()
+    )
+    # 2. a paged case: references and the product's CPU kernel over the lab's pages
+    c = fp8.case8(torch, [37, 300, 16, 1], seed=3, kv_scale=kv_scale, dev="cpu")
+    ref = _reference(torch, c)
+    pages, pin = c["pages"].numpy(), c["page_indptr"].tolist()
+    idx = c["page_indices"].numpy()
+    q = c["q_ref"].numpy().astype(np.float64)
+    worst_out = worst_lse = 0.0
+    for b, n in enumerate(c["kv_lens"]):
+        kv_rows = pages[idx[pin[b] : pin[b + 1]]].reshape(-1, LATENT // 2 + ROPE)[:n]
+        lat = np.ascontiguousarray(kv_rows[:, : LATENT // 2]).view(ml_dtypes.float8_e4m3fn)
+        keys = np.concatenate(
+            [lat.astype(np.float64) * kv_scale, kv_rows[:, LATENT // 2 :].astype(np.float64)], 1
+        )
+        s = q[b] @ keys.T * c["sm_scale"] * math.log2(math.e)
+        m = s.max(axis=1, keepdims=True)
+        w = np.exp2(s - m)
+        lse = m[:, 0] + np.log2(w.sum(axis=1))
+        out = w / w.sum(axis=1, keepdims=True) @ keys[:, :LATENT]
+        r_out = ref[0][b].double().numpy()
+        worst_out = max(worst_out, float(np.linalg.norm(r_out - out) / np.linalg.norm(out)))
+        worst_lse = max(worst_lse, float(np.abs(ref[1][b].double().numpy() - lse).max()))
+    ok["reference_vs_numpy"] = worst_out < 1e-5 and worst_lse < 1e-4
+    kernel = llvm(mla_paged_attention_fp8_cpu(HEADS, LATENT, ROPE, "float16", kv_scale))
+
+    def cpu_kernel(page_array) -> dict:
+        out, lse = _outputs(torch, c)
+        names = ("q", "qo_indptr", "pages", "page_indptr", "page_indices", "length_info")
+        arrays = [c[k].numpy() for k in names] + [out.numpy(), lse.numpy()]
+        arrays[2] = page_array
+        tensors = [tvm.runtime.tensor(np.ascontiguousarray(a)) for a in arrays]
+        kernel(*tensors, 0, c["sm_scale"])
+        got = (torch.from_numpy(tensors[6].numpy()), torch.from_numpy(tensors[7].numpy()))
+        return _errors(torch, got, ref)
+
+    err = cpu_kernel(pages)
+    swapped = pages.copy()
+    lat16 = np.ascontiguousarray(swapped[..., : LATENT // 2]).view(np.uint16)
+    swapped[..., : LATENT // 2] = lat16.byteswap().view(np.float16)
+    err_control = cpu_kernel(swapped)
+    ok["product_cpu_kernel"] = not _bad(err)
+    ok["control_swapped_bytes_fails"] = _bad(err_control)
+    print(
+        f"FP8 self-check (kv_scale {kv_scale}): "
+        + ", ".join(f"{k} {'ok' if v else 'FAILED'}" for k, v in ok.items())
+        + f"; reference vs NumPy rel {worst_out:.1e} lse {worst_lse:.1e}; product CPU kernel "
+        f"rel {err['rel_l2']:.1e} lse {err['lse_max_err']:.1e}; control rel "
+        f"{err_control['rel_l2']:.1e}",
+        flush=True,
+    )
+    return all(ok.values())
+
+
 def main(argv: list[str] | None = None) -> int:
     parser, p, r = lab_common.lab_parser(
         __doc__,
@@ -307,6 +676,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     lab_common.add_case_options(r, budget_per_case_s=0.3)
     r.add_argument("--cupti", action="store_true", help="also GPU kernel times (torch.profiler)")
+    for sub in (p, r):
+        sub.add_argument(
+            "--kv", choices=("float16", "fp8"), default="float16", help="the cache's dtype"
+        )
+        sub.add_argument("--lab-dir", default=None, help="FP8 lab folder (default build/lab_mla8)")
+    p.add_argument("--kv-scale", type=float, default=fp8.FP8_KV_SCALE, help="FP8 cache scale")
+    p.add_argument("--check-only", action="store_true", help="FP8: the self-check alone")
     args = parser.parse_args(argv)
     return prepare(args) if args.cmd == "prepare" else run(args)
 
