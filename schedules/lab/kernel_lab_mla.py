@@ -26,7 +26,8 @@ without the ``tvm_ffi`` call overhead that dominates the event times of calls be
 
 ``--kv fp8`` (both commands): the split-KV kernel over the FP8 (e4m3) latent cache
 (:mod:`dsv2_mlc.schedules.kv_fp8`'s storage) at long decode contexts (:data:`FP8_CASES`: batch 1
-at 4K, 32K, 128K, batch 4 at 32K), in its own small folder (``build/lab_mla8``, ``--lab-dir``).
+at 4K, 32K, 128K, batch 4 at 32K), in its own small folder (``schedules/build/lab_mla8``;
+``--lab-dir``).
 ``prepare --kv fp8 [--kv-scale S]`` first runs :func:`selfcheck` (the pages and reference the
 GPU run builds against the model's quantisation kernel, ml_dtypes, a float64 NumPy reference and
 the product's CPU FP8 attention, with a control that must fail; ``--check-only``: that alone),
@@ -680,7 +681,9 @@ def main(argv: list[str] | None = None) -> int:
         sub.add_argument(
             "--kv", choices=("float16", "fp8"), default="float16", help="the cache's dtype"
         )
-        sub.add_argument("--lab-dir", default=None, help="FP8 lab folder (default build/lab_mla8)")
+        sub.add_argument(
+            "--lab-dir", default=None, help="FP8 lab folder (default schedules/build/lab_mla8)"
+        )
     p.add_argument("--kv-scale", type=float, default=fp8.FP8_KV_SCALE, help="FP8 cache scale")
     p.add_argument("--check-only", action="store_true", help="FP8: the self-check alone")
     args = parser.parse_args(argv)
