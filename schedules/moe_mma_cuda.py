@@ -277,7 +277,7 @@ __device__ __forceinline__ void moe_mma_tiles_{tag}(
     const unsigned* __restrict__ qw, const half* __restrict__ sc, half* __restrict__ out,
     long long nt, long long t0, int cb, half* smem, int tid) {{
   constexpr int K = {K}, G = {G}, OUT = {OUT}, HALVES = {HALVES}, GATHERED = {GATHERED};
-  constexpr int BK = 64, KT = K / BK, KW = K / 8, KG = K / G;
+  constexpr int BK = 64, KT = K / BK, KW = K / 8, KG = (K + G - 1) / G;
   constexpr int NTH = 32 * WM * WN, NJ = 16 / WN, ACH = 256 * WM / NTH, BCH = 256 / NTH;
   constexpr int ASTAGE = 32 * WM * 64, BSTAGE = 128 * 64;
   const int e0 = tile_expert[t0];
@@ -374,16 +374,27 @@ __device__ __forceinline__ void moe_mma_pair_{tag}(
 
 def int4_group(weights: Sequence[te.Tensor], red: int) -> int | None:
     """The INT4 group size of ``weights`` (packed ``uint32 [E, out, red / 8]`` + ``float16``
-    scales ``[E, out, red / group]``, the layout that
-    :func:`dsv2_mlc.quant.modules.dequantize_expr` reads), or None for any other format."""
+    scales ``[E, out, ceil(red / group)]``, the layout that
+    :func:`dsv2_mlc.quant.modules.dequantize_expr` reads), or None for any other format.
+
+    The group is read from the shapes: ``red / groups`` where that divides, else (a last,
+    shorter group: V2-Lite's dense ``down_proj``, 10,944 = 85.5 groups of 128) the multiple of
+    32 whose ceiling division gives the scale count. Shapes cannot tell a shorter last group
+    whose count divides the reduction (192 in groups of 128 reads as 2 groups of 96): a caller
+    that knows its group compares it with this one."""
     if len(weights) != 2:
         return None
     qw, sc = weights
     if qw.dtype != "uint32" or sc.dtype != "float16" or len(qw.shape) != 3 or len(sc.shape) != 3:
         return None
-    if int(qw.shape[-1]) * 8 != red or red % int(sc.shape[-1]):
+    groups = int(sc.shape[-1])
+    if int(qw.shape[-1]) * 8 != red or groups < 1:
         return None
-    return red // int(sc.shape[-1])
+    if red % groups == 0:
+        return red // groups
+    least = -(-red // groups)  # a group at least this long covers the reduction
+    group = -(-least // 32) * 32
+    return group if -(-red // group) == groups else None
 
 
 def mma_supported(
@@ -542,7 +553,7 @@ def _gemm_prim_func(
         rb = T.match_buffer(var_rows, (nt, TMR), "int32")
         teb = T.match_buffer(var_te, (nt,), "int32")
         qb = T.match_buffer(var_qw, (E, out_all, K // 8), "uint32")
-        sb = T.match_buffer(var_sc, (E, out_all, K // G), "float16")
+        sb = T.match_buffer(var_sc, (E, out_all, -(-K // G)), "float16")
         ob = T.match_buffer(var_out, (nt, TMR, out_dim), "float16")
         if MODE == 0:
             pairs(xb, rb, teb, qb, sb, ob, nt)

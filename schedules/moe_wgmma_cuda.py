@@ -120,7 +120,7 @@ __device__ __forceinline__ void moe_wg_tiles_{tag}(
     const unsigned* __restrict__ qw, const half* __restrict__ sc, half* __restrict__ out,
     long long nt, long long t0, int cb, half* smem, int tid) {{
   constexpr int K = {K}, G = {G}, OUT = {OUT}, HALVES = {HALVES}, GATHERED = {GATHERED};
-  constexpr int BK = 64, KT = K / BK, KW = K / 8, KG = K / G;
+  constexpr int BK = 64, KT = K / BK, KW = K / 8, KG = (K + G - 1) / G;
   constexpr int NTH = 128 * NWG, ACH = 4, BCH = 2 / NWG, ASTAGE = 64 * NWG * 64;
   constexpr int BSTAGE = 128 * 64;
   const int e0 = tile_expert[t0];

@@ -93,7 +93,8 @@ def reference(
 ) -> tuple[np.ndarray, np.ndarray]:
     """float64 outputs ``[nt, TM, out]`` of the valid tiles (NaN elsewhere) and their bounds."""
     nt = len(tile_expert)
-    out_dim = INTER if kind == "gate_up" else HIDDEN
+    inter = w.shape[1] // 2 if kind == "gate_up" else w.shape[2]
+    out_dim = inter if kind == "gate_up" else w.shape[1]
     want, tol = np.full((nt, TM, out_dim), np.nan), np.full((nt, TM, out_dim), np.nan)
     for t in np.nonzero(tile_expert >= 0)[0]:
         e = tile_expert[t]
@@ -104,7 +105,7 @@ def reference(
         if kind == "down":
             want[t], tol[t] = y, (1 + U16) * eps + U16 * np.abs(y)
             continue
-        g, u, eg, eu = y[:, :INTER], y[:, INTER:], eps[:, :INTER], eps[:, INTER:]
+        g, u, eg, eu = y[:, :inter], y[:, inter:], eps[:, :inter], eps[:, inter:]
         silu = g / (1 + np.exp(-g))
         h = silu * u
         bound = 1.1 * eg * (np.abs(u) + eu) + np.abs(silu) * eu
@@ -113,17 +114,24 @@ def reference(
 
 
 def run_kernel(
-    tmp_path: Path, kind: str, warps_n: int, rows_per_block: int, broken: str | None = None
+    tmp_path: Path,
+    kind: str,
+    warps_n: int,
+    rows_per_block: int,
+    broken: str | None = None,
+    dims: tuple[int, int, int] = (HIDDEN, INTER, GROUP),
 ) -> tuple[bool, str]:
-    """Emulate one GEMM (``broken``: with that :data:`BROKEN` edit); (whether every element of
-    the valid tiles is within its bound and the others unwritten, the worst error / bound)."""
+    """Emulate one GEMM (``broken``: with that :data:`BROKEN` edit; ``dims``: hidden, expert
+    width, INT4 group); (whether every element of the valid tiles is within its bound and the
+    others unwritten, the worst error / bound)."""
     rng = np.random.default_rng(len(kind) + warps_n + rows_per_block)
     idx = routing(rng)
     rows, tile_expert = align(idx)
     nt = len(tile_expert)
     gathered = kind == "gate_up"
-    k, out_dim, halves = (HIDDEN, INTER, 2) if gathered else (INTER, HIDDEN, 1)
-    packed, scale, w = random_int4(rng, (EXPERTS, out_dim * halves), k, GROUP)
+    hidden, inter, group = dims
+    k, out_dim, halves = (hidden, inter, 2) if gathered else (inter, hidden, 1)
+    packed, scale, w = random_int4(rng, (EXPERTS, out_dim * halves), k, group)
     x_shape = (len(idx), k) if gathered else (nt, TM, k)
     x = rng.standard_normal(x_shape).astype(np.float16)
 
@@ -160,22 +168,26 @@ def run_kernel(
     return ok, f"worst error / bound {ratio.max():.3g}, {outside} elements written outside"
 
 
-# (kind, warps along the columns, rows per block, broken variant for the negative control)
-CASES = {
+# (kind, warps along the columns, rows per block, broken variant for the negative control[,
+# (hidden, expert width, group)])
+CASES: dict[str, tuple] = {
     "gate_up-tile-w2": ("gate_up", 2, 64, "no-cp-wait"),
     "gate_up-tile-w4": ("gate_up", 4, 64, "ldsm-b-half"),
     "gate_up-pair": ("gate_up", 2, 128, "pass-expert"),
     "down-tile-w2": ("down", 2, 64, "ldsm-b-half"),
     "down-tile-w4": ("down", 4, 64, "no-cp-wait"),
     "down-pair": ("down", 2, 128, "pass-expert"),
+    # a reduction with a last, shorter group (V2-Lite's dense down_proj: 10,944 = 85.5 x 128)
+    "down-ragged-group": ("down", 2, 64, "no-cp-wait", (256, 320, 128)),
+    "gate_up-ragged-group": ("gate_up", 2, 64, "ldsm-b-half", (320, 128, 128)),
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_grouped_gemm_mma_matches_float64(case: str, tmp_path: Path) -> None:
-    kind, warps_n, rows_per_block, broken = CASES[case]
-    ok, summary = run_kernel(tmp_path, kind, warps_n, rows_per_block)
+    kind, warps_n, rows_per_block, broken, *dims = CASES[case]
+    ok, summary = run_kernel(tmp_path, kind, warps_n, rows_per_block, None, *dims)
     assert ok, summary
     # the negative control: the same check on a broken variant fails
-    ok, summary = run_kernel(tmp_path, kind, warps_n, rows_per_block, broken)
+    ok, summary = run_kernel(tmp_path, kind, warps_n, rows_per_block, broken, *dims)
     assert not ok, f"{broken} passed: {summary}"

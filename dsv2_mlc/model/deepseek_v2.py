@@ -212,7 +212,7 @@ class DeepseekV2DecoderLayer(nn.Module):
         if cfg.is_moe_layer(layer_id):
             self.mlp = DeepseekV2MoE(cfg, dtype)
         else:
-            self.mlp = DeepseekV2MLP(cfg.hidden_size, cfg.intermediate_size, dtype)
+            self.mlp = DeepseekV2MLP(cfg.hidden_size, cfg.intermediate_size, dtype, dense=True)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 

@@ -166,6 +166,51 @@ def grouped_experts(
     )  # fmt: skip
 
 
+def dense_int4_grouped(x: Tensor, gate_up: nn.Module, down: nn.Module) -> Tensor | None:
+    """``down(silu(gate) * up)`` of a dense SwiGLU MLP with INT4 weights, computed as the one
+    expert of the grouped tensor-core GEMMs (:func:`grouped_experts`, every token routed to it
+    with weight 1): the weights are read packed, so no float copy of them is written. For the
+    prefill and extend of CUDA builds: V2-Lite's dense layer would otherwise dequantise 134 MB
+    of ``gate_up_proj`` and ``down_proj`` for each chunk, buffers the pooled allocator keeps
+    for the process (the larger part of a long-context plan's fixed workspace). None where the
+    tensor-core kernel does not take the shapes (then the caller's GEMMs run)."""
+    lin = (gate_up, down)
+    if not use_grouped_experts("prefill") or x.dtype != "float16" or len(x.shape) != 2:
+        return None
+    if not all(isinstance(m, GroupQuantLinear) for m in lin):
+        return None
+    if any(m.q_scale.dtype != "float16" or m.group_size % 32 for m in lin):
+        return None
+    hidden, inter = int(x.shape[-1]), down.in_features
+    rows = te.placeholder((1, grouped.TM), "int32")
+
+    def takes(red: int, weights: tuple[Tensor, Tensor], out_dim: int, halves: int) -> bool:
+        ws = [te.placeholder((1, *w.shape), w.dtype) for w in weights]
+        xt = te.placeholder((1, red), x.dtype)
+        group = grouped.int4_group(ws, red)  # (read from the shapes: must be the module's)
+        ok = group == gate_up.group_size == down.group_size
+        return ok and grouped.mma_supported(xt, rows, ws, out_dim, halves)
+
+    if not (
+        takes(hidden, (gate_up.q_weight, gate_up.q_scale), inter, 2)
+        and takes(inter, (down.q_weight, down.q_scale), hidden, 1)
+    ):
+        return None
+    n = x.shape[0]
+
+    def stacked(t: Tensor) -> Tensor:
+        return op.reshape(t, (1, *t.shape))
+
+    def read(ws: list[te.Tensor], e: Expr, o: Expr, r: Expr) -> Expr:
+        return dequantize_expr(ws[0], ws[1], (e, o), r, gate_up.group_size)
+
+    return grouped_experts(
+        x, op.ones((n, 1), "float32"), op.zeros((n, 1), "int32"),
+        [stacked(gate_up.q_weight), stacked(gate_up.q_scale)],
+        [stacked(down.q_weight), stacked(down.q_scale)], 1, inter, "mlp_grouped_q4", read,
+    )  # fmt: skip
+
+
 def gate_logits_te(x: te.Tensor, w: te.Tensor) -> te.Tensor:
     """Router logits ``x [n, H] @ w[E, H]^T`` in float32: an NT GEMV tagged for decode.
 
@@ -200,17 +245,26 @@ def split_weight_logits(x: Tensor, w: Tensor) -> Tensor:
 class DeepseekV2MLP(nn.Module):
     """SwiGLU MLP (the dense layers and the shared experts) over a fused gate/up projection."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, dtype: str):
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, dtype: str, dense: bool = False
+    ):
         # gate_proj and up_proj are concatenated at conversion (gate rows first): one matmul.
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False, dtype=dtype)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False, dtype=dtype)
+        self.dense = dense  # a dense layer's MLP (not the shared experts)
 
     def forward(self, x: Tensor, mode: str | None = None) -> Tensor:
         """``mode``: the entry point's (see ``DeepseekV2MoE``). A CUDA decode step runs the INT4
         ``down_proj`` as the GEMV that loads its weights before it waits
         (:mod:`dsv2_mlc.quant.decode_linear`), faster than the TIR GEMV for V2-Lite's
         2048 x 10944; ``gate_up_proj`` (21888 x 2048) stays on the TIR GEMV, the faster of the
-        two for that shape (schedules/results/decode_kernels.md)."""
+        two for that shape (schedules/results/decode_kernels.md). A dense layer's prefill and
+        extend on CUDA read the INT4 weights in the grouped tensor-core GEMMs
+        (:func:`dense_int4_grouped`)."""
+        if self.dense and mode in ("prefill", "extend"):
+            out = dense_int4_grouped(x, self.gate_up_proj, self.down_proj)
+            if out is not None:
+                return out
         gate, up = op.split(self.gate_up_proj(x), 2, axis=-1)
         hidden = op.silu(gate) * up
         gemv = mode == "decode"
