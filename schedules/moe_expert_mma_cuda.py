@@ -80,6 +80,16 @@ from ..errors import UsageError
 from .cuda_call import TOKENS, WAIT_THEN_RELEASE, grid_wait_source, token_grid_call
 from .decode_gemv_cuda import dot32_source
 from .moe_decode_cuda import MoeDecodeShape
+from .moe_expert_loops import (
+    RUN,
+    copy_source,
+    item_units,
+    mma_source,
+    sliced_units,
+    split_parts,
+    tile_loop,
+)
+from .moe_expert_plan import items_head, plan_bytes, plan_source
 from .tiles import MmaTiles, tuned
 
 __all__ = [
@@ -111,19 +121,7 @@ def decode_gemm_expert_major() -> bool:
     return moe == "expert_major"
 
 
-_RUN = 128  # inputs a warp's 4 lanes of a row cover per uint4 a lane (16 bytes)
 _SHARED_LIMIT = 227 * 1024  # an sm_90 block's shared memory (dynamic past 48 KB)
-
-
-def plan_bytes(s: MoeDecodeShape, tiles: MmaTiles) -> int:
-    """Bytes of a block's plan (:func:`plan_source`) with ``tiles``' warps and tokens."""
-    e, k, g = s.experts, s.top_k, tiles.tokens
-    return _id_bytes(s) * g * k + 2 * tiles.warps * e + 12 * (e + 2) + 4 * g * (k + 1) + 16
-
-
-def _id_bytes(s: MoeDecodeShape) -> int:
-    """Bytes of an expert id in the plan's copy of ``ids`` (a byte below 255 experts)."""
-    return 1 if s.experts < 255 else 2
 
 
 def _stride(width: int) -> int:
@@ -140,15 +138,15 @@ def expert_mma_unsupported(s: MoeDecodeShape, tiles: MmaTiles | None = None) -> 
         )
     if tiles.warps < 1 or tiles.blocks < 1 or tiles.rows < 16 or tiles.rows % 16:
         return f"bad tiles {tiles}"
-    if tiles.depth < 1 or (tiles.depth > 1 and _parts(tiles) > 1):
+    if tiles.depth < 1 or (tiles.depth > 1 and split_parts(tiles) > 1):
         return f"depth {tiles.depth} needs 1 <= depth, and depth 1 with a K split ({tiles})"
-    if tiles.run not in (_RUN, 2 * _RUN):
-        return f"run {tiles.run} is not {_RUN} or {2 * _RUN}"
+    if tiles.run not in (RUN, 2 * RUN):
+        return f"run {tiles.run} is not {RUN} or {2 * RUN}"
     if tiles.chunk not in _CHUNKS:
         return f"chunk {tiles.chunk} is not one of {_CHUNKS} pairs"
     if tiles.stage_k and (tiles.stage_k < 0 or tiles.stage_k % tiles.run):
         return f"stage_k {tiles.stage_k} is not 0 or a positive multiple of the run ({tiles.run})"
-    if tiles.stage_k and (tiles.depth > 1 or _parts(tiles) > 1):
+    if tiles.stage_k and (tiles.depth > 1 or split_parts(tiles) > 1):
         return (
             f"stage_k {tiles.stage_k} (activations staged in K slices) needs depth 1 and no K "
             f"split: rows {tiles.rows} of at least {16 * tiles.warps} ({tiles})"
@@ -159,9 +157,9 @@ def expert_mma_unsupported(s: MoeDecodeShape, tiles: MmaTiles | None = None) -> 
             "token a plan's 16-bit indices can count (tokens * (top_k + 1) <= 32767)"
         )
     for name, dim in (("hidden", s.hidden), ("inter", s.inter), ("shared", s.shared_inter)):
-        if dim <= 0 or dim % _RUN:
-            return f"{name} {dim} is not a positive multiple of {_RUN}"
-        if dim % tiles.run and _parts(tiles) > 1:
+        if dim <= 0 or dim % RUN:
+            return f"{name} {dim} is not a positive multiple of {RUN}"
+        if dim % tiles.run and split_parts(tiles) > 1:
             return f"{name} {dim} leaves a tail of the run ({tiles.run}), which needs no K split"
     if s.group % 32 or s.hidden % s.group or s.inter % s.group or s.shared_inter % s.group:
         return f"group {s.group} is not a multiple of 32 dividing every width"
@@ -180,609 +178,13 @@ def expert_mma_unsupported(s: MoeDecodeShape, tiles: MmaTiles | None = None) -> 
     return None
 
 
-def plan_source(s: MoeDecodeShape, tag: str, tiles: MmaTiles) -> str:
-    """CUDA: the plan (module docstring) and the item lookup, for the block of ``tiles``."""
-    E, K, GT, W = s.experts, s.top_k, tiles.tokens, tiles.warps
-    T, bits, per = 32 * W, E.bit_length(), -(-(E + 1) // 32)
-    id_t = "unsigned char" if _id_bytes(s) == 1 else "unsigned short"
-    return f"""
-#ifndef DSV2_EM_PLAN_{tag}
-#define DSV2_EM_PLAN_{tag}
-struct dsv2_em_plan_{tag} {{
-  {id_t} ids[{GT * K}];  // the group's ids (>= {E}: no expert)
-  short wcnt[{W * E}];  // [warp][e]: expert e's pairs in the warp's segment, then its first rank
-  int cnt[{E + 1}];   // pairs of expert e (e = {E}: the shared experts, one a token)
-  int off[{E + 2}];   // expert e's first pair in pair[]
-  int coff[{E + 2}];  // expert e's first chunk
-  short pair[{GT * (K + 1)}];  // local token * {K + 1} + slot, expert by expert
-  short expert[{GT * (K + 1)}];  // chunk -> its expert
-}};
-__device__ __forceinline__ unsigned dsv2_em_popc_{tag}(unsigned v) {{
-#if defined(__CUDA_ARCH__)
-  return __popc(v);
-#else
-  return __builtin_popcount(v);
-#endif
-}}
-// the lanes whose e equals this lane's (e in [-1, {E}); -1, all {bits} bits set, is no expert):
-// {bits} ballots, one a bit of e
-__device__ __forceinline__ unsigned dsv2_em_peers_{tag}(int e) {{
-  unsigned m = 0xffffffffu;
-#pragma unroll
-  for (int b = 0; b < {bits}; ++b) {{
-    const unsigned v = __ballot_sync(0xffffffffu, (e >> b) & 1);
-    m &= (e >> b) & 1 ? v : ~v;
-  }}
-  return m;
-}}
-// the plan of tokens [t0, t0 + nt) (every thread of the block; ends with a barrier). Warp w
-// takes the w-th contiguous segment of the nt * {K} pairs, 32 at a time: the lanes of one expert
-// (dsv2_em_peers) are counted by the lowest of them (pass 1), then each lane takes the expert's
-// offset + the warp's first rank + its rank among them (pass 2): (token, slot) order, the same
-// plan in every block, no atomics.
-__device__ __forceinline__ void dsv2_em_plan_build_{tag}(dsv2_em_plan_{tag}& P,
-    const int* __restrict__ ids, long long t0, int nt, int tm, int tid) {{
-  const int warp = tid >> 5, lane = tid & 31;
-  const unsigned below = (1u << lane) - 1u;
-  const int* __restrict__ gid = ids + t0 * {K};
-  const int seg = (nt * {K} + {W - 1}) / {W};
-  const int lo = min(nt * {K}, warp * seg), hi = min(nt * {K}, lo + seg);
-  for (int i = tid; i < nt * {K}; i += {T}) {{
-    const int v = gid[i];
-    P.ids[i] = ({id_t})(v >= 0 && v < {E} ? v : {E});
-  }}
-  for (int i = tid; i < {W * E}; i += {T}) P.wcnt[i] = 0;
-  __syncthreads();
-  for (int b = lo; b < hi; b += 32) {{
-    const int p = b + lane;
-    const int v = p < hi ? P.ids[p] : {E};
-    const int e = v < {E} ? v : -1;
-    const unsigned m = dsv2_em_peers_{tag}(e);
-    if (e >= 0 && !(m & below)) P.wcnt[warp * {E} + e] += dsv2_em_popc_{tag}(m);
-  }}
-  __syncthreads();
-  for (int e = tid; e < {E}; e += {T}) {{  // expert e: exclusive scan over the warps
-    int c = 0;
-    for (int v = 0; v < {W}; ++v) {{
-      const int k = P.wcnt[v * {E} + e];
-      P.wcnt[v * {E} + e] = (short)c;
-      c += k;
-    }}
-    P.cnt[e] = c;
-  }}
-  if (tid == 0) P.cnt[{E}] = nt;
-  __syncthreads();
-  if (warp == 0) {{  // off, coff: lane l scans experts [{per} l, {per} l + {per}), then the warp
-    const int e0 = min({E + 1}, {per} * lane), e1 = min({E + 1}, e0 + {per});
-    int o = 0, ch = 0;
-    for (int e = e0; e < e1; ++e) {{
-      o += P.cnt[e];
-      ch += (P.cnt[e] + tm - 1) / tm;
-    }}
-    int oi = o, ci = ch;  // inclusive sums over the lanes
-#pragma unroll
-    for (int d = 1; d < 32; d <<= 1) {{
-      const int po = __shfl_sync(0xffffffffu, oi, (lane - d) & 31);
-      const int pc = __shfl_sync(0xffffffffu, ci, (lane - d) & 31);
-      if (lane >= d) {{
-        oi += po;
-        ci += pc;
-      }}
-    }}
-    o = oi - o;
-    ch = ci - ch;
-    for (int e = e0; e < e1; ++e) {{
-      P.off[e] = o;
-      P.coff[e] = ch;
-      o += P.cnt[e];
-      ch += (P.cnt[e] + tm - 1) / tm;
-    }}
-    if (lane == 31) {{
-      P.off[{E + 1}] = oi;
-      P.coff[{E + 1}] = ci;
-    }}
-  }}
-  __syncthreads();
-  for (int b = lo; b < hi; b += 32) {{
-    const int p = b + lane;
-    const int v = p < hi ? P.ids[p] : {E};
-    const int e = v < {E} ? v : -1;
-    const unsigned m = dsv2_em_peers_{tag}(e);
-    if (e >= 0)
-      P.pair[P.off[e] + P.wcnt[warp * {E} + e] + dsv2_em_popc_{tag}(m & below)] =
-          (short)((p / {K}) * {K + 1} + p % {K});
-    __syncwarp();
-    if (e >= 0 && !(m & below)) P.wcnt[warp * {E} + e] += dsv2_em_popc_{tag}(m);
-    __syncwarp();
-  }}
-  for (int t = tid; t < nt; t += {T}) P.pair[P.off[{E}] + t] = (short)(t * {K + 1} + {K});
-  for (int e = tid; e <= {E}; e += {T})
-    for (int c = P.coff[e]; c < P.coff[e + 1]; ++c) P.expert[c] = (short)e;
-  __syncthreads();
-}}
-// items: the routed chunks x rbr row blocks, then the shared chunks x rbs
-__device__ __forceinline__ int dsv2_em_items_{tag}(const dsv2_em_plan_{tag}& P, int rbr, int rbs) {{
-  return P.coff[{E}] * rbr + (P.coff[{E + 1}] - P.coff[{E}]) * rbs;
-}}
-// item i -> its expert e, chunk c, row block rb, first pair and pair count
-__device__ __forceinline__ void dsv2_em_item_{tag}(const dsv2_em_plan_{tag}& P, int i, int rbr,
-    int rbs, int tm, int& e, int& c, int& rb, int& first, int& np) {{
-  if (i < P.coff[{E}] * rbr) {{
-    c = i / rbr;
-    rb = i - c * rbr;
-    e = P.expert[c];
-  }} else {{
-    const int j = i - P.coff[{E}] * rbr;
-    c = P.coff[{E}] + j / rbs;
-    rb = j - (j / rbs) * rbs;
-    e = {E};
-  }}
-  first = P.off[e] + (c - P.coff[e]) * tm;
-  np = min(tm, P.off[e] + P.cnt[e] - first);
-}}
-#endif
-"""
-
-
-def items_head(tag: str, tm: int, blocks: int, tokens: int) -> str:
-    """CUDA: the loop heads both kernels share, over the groups of ``tokens`` tokens (the plan
-    of each) and the block's items (``e, c, rb, first, np`` of item ``i``; ``rbr`` / ``rbs`` row
-    blocks of a routed / shared chunk declared before)."""
-    return f"""  for (long long t0 = 0; t0 < n; t0 += {tokens}) {{
-    const int nt = n - t0 < {tokens} ? (int)(n - t0) : {tokens};
-    dsv2_em_plan_build_{tag}(P, ids, t0, nt, {tm}, tid);
-    const int items = dsv2_em_items_{tag}(P, rbr, rbs);
-    // an even share of the items: blocks differ by one item at most
-    const int i1 = (int)((long long)(blk + 1) * items / {blocks});
-    int staged = -1;
-    for (int i = (int)((long long)blk * items / {blocks}); i < i1; ++i) {{
-      int e, c, rb, first, np;
-      dsv2_em_item_{tag}(P, i, rbr, rbs, {tm}, e, c, rb, first, np);
-"""
-
-
-def _mma_source() -> str:
-    """CUDA: ``dsv2_mma16816(c, a, b)`` (``c += A B``, fp16 in, fp32 accumulators; off the GPU
-    the emulation's ``dsv2_emu_mma16816``), ``dsv2_emm_deq8(q, scale, hv)`` (a word's 8 nibbles as
-    the pairs ``(n0, n4) .. (n3, n7)`` minus 8, times ``scale``) and ``dsv2_emm_stage`` (a staged
-    row)."""
-    return """
-#ifndef DSV2_EMM_MMA
-#define DSV2_EMM_MMA
-__device__ __forceinline__ void dsv2_mma16816(float* c, const unsigned* a, const unsigned* b) {
-#if defined(__CUDA_ARCH__)
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-#else
-  dsv2_emu_mma16816(c, a, b);
-#endif
-}
-__device__ __forceinline__ unsigned dsv2_emm_h2u(__half2 v) {
-  return *reinterpret_cast<unsigned*>(&v);
-}
-__device__ __forceinline__ __half2 dsv2_emm_u2h(unsigned v) {
-  return *reinterpret_cast<__half2*>(&v);
-}
-__device__ __forceinline__ void dsv2_emm_deq8(unsigned q, __half2 scale, unsigned* hv) {
-  const unsigned q8 = q >> 8;
-  const __half2 lo_b = dsv2_emm_u2h(0x64086408u), hi_m = dsv2_emm_u2h(0x2c002c00u);
-  const __half2 hi_b = dsv2_emm_u2h(0xd480d480u);
-  hv[0] = dsv2_emm_h2u(__hmul2(__hsub2(dsv2_emm_u2h((q & 0x000f000fu) | 0x64006400u), lo_b),
-                                scale));
-  hv[1] = dsv2_emm_h2u(__hmul2(__hfma2(dsv2_emm_u2h((q & 0x00f000f0u) | 0x64006400u), hi_m,
-                                        hi_b), scale));
-  hv[2] = dsv2_emm_h2u(__hmul2(__hsub2(dsv2_emm_u2h((q8 & 0x000f000fu) | 0x64006400u), lo_b),
-                                scale));
-  hv[3] = dsv2_emm_h2u(__hmul2(__hfma2(dsv2_emm_u2h((q8 & 0x00f000f0u) | 0x64006400u), hi_m,
-                                        hi_b), scale));
-}
-// 8 values of a row into its staged copy (pair order), 8-byte stores: `dst` word 4 v
-__device__ __forceinline__ void dsv2_emm_stage(unsigned* dst, uint4 v) {
-  const uint4 p = dsv2_pair8(v);
-  reinterpret_cast<uint2*>(dst)[0] = make_uint2(p.x, p.y);
-  reinterpret_cast<uint2*>(dst)[1] = make_uint2(p.z, p.w);
-}
-#endif
-"""
-
-
-def _tile_loop(
-    rows_words: str,
-    width: int,
-    tiles_a: int,
-    group: int,
-    depth: int = 1,
-    words: int = 1,
-    ntiles: int = 1,
-) -> str:
-    """CUDA: the K loop of a warp's 16-row tile over the runs ``[g0, g1)`` (``128 words`` of
-    ``width`` inputs each) for ``tiles_a`` A tiles (gate and up: 2; down: 1) sharing each B
-    fragment, then, where ``width`` is not a multiple of the run, its last 128 inputs (the
-    *tail*, loaded before the loop; only without a K split). Expects ``wr[m]`` (tile m's row
-    ``g`` words; row ``g + 8`` is ``rows_words`` further on), ``sr[m]`` (its scales, ``width /
-    group`` a row), ``xs`` (the staged rows, ``XS`` words each), ``acc[m * ntiles + j][4]``,
-    ``g``, ``t``, ``g0``, ``g1`` (compile-time constants for ``depth`` > 1: :func:`_ring_loop`);
-    ``ntiles``: n-tiles of 8 staged rows each A fragment serves."""
-    loop = (
-        _ring_loop(rows_words, width, tiles_a, group, depth, words, ntiles)
-        if depth > 1
-        else _pair_loop(rows_words, width, tiles_a, group, words, ntiles)
-    )
-    start = width - width % (_RUN * words)
-    if start == width:
-        return loop
-    return f"""
-        uint4 tq[{tiles_a}][2][1];
-        __half2 ts[{tiles_a}][2][1];
-        {{
-{_load_lambda(rows_words, width, tiles_a, group, 1, f"{start} + t * 32")}          load(0, tq, ts);
-        }}
-{loop}        {{
-{_mma_run(tiles_a, "tq", "ts", 1, f"{start // 2} + t * 16", ntiles)}        }}
-"""
-
-
-def _pair_loop(
-    rows_words: str, width: int, tiles_a: int, group: int, words: int, ntiles: int = 1
-) -> str:
-    """CUDA: :func:`_tile_loop`'s runs with the next run's words in flight (two buffers)."""
-    return f"""
-        uint4 wq[{tiles_a}][2][{words}], nq[{tiles_a}][2][{words}];
-        __half2 sc[{tiles_a}][2][{words}], ns[{tiles_a}][2][{words}];
-{_load_lambda(rows_words, width, tiles_a, group, words)}        if (g0 < g1) load(g0, wq, sc);
-        for (int gi = g0; gi < g1; ++gi) {{
-          if (gi + 1 < g1) load(gi + 1, nq, ns);
-{_mma_run(tiles_a, "wq", "sc", words, None, ntiles)}          if (gi + 1 < g1) {{
-#pragma unroll
-            for (int m = 0; m < {tiles_a}; ++m)
-#pragma unroll
-              for (int h = 0; h < 2; ++h)
-#pragma unroll
-                for (int u = 0; u < {words}; ++u) {{
-                  wq[m][h][u] = nq[m][h][u];
-                  sc[m][h][u] = ns[m][h][u];
-                }}
-          }}
-        }}
-"""
-
-
-def _load_lambda(
-    rows_words: str, width: int, tiles_a: int, group: int, words: int, first: str | None = None
-) -> str:
-    """CUDA: ``load(gi, q, sv)``, a lane's ``words`` uint4 (32 inputs each: one scale) of run
-    ``gi`` for its two rows of each of the ``tiles_a`` A tiles; ``first``: the lane's first input
-    (default: its share of run ``gi``)."""
-    bufs = f"uint4 (&q)[{tiles_a}][2][{words}], __half2 (&sv)[{tiles_a}][2][{words}]"
-    first = first or f"gi * {_RUN * words} + t * {32 * words}"
-    return f"""        auto load = [&](int gi, {bufs}) {{
-#pragma unroll
-          for (int m = 0; m < {tiles_a}; ++m)
-#pragma unroll
-            for (int h = 0; h < 2; ++h)
-#pragma unroll
-              for (int u = 0; u < {words}; ++u) {{
-                const int col = {first} + 32 * u;
-                const long long row = (long long)h * 8;
-                q[m][h][u] =
-                    reinterpret_cast<const uint4*>(wr[m] + row * {rows_words} + col / 8)[0];
-                sv[m][h][u] = __half2half2(sr[m][row * {width // group} + col / {group}]);
-              }}
-        }};
-"""
-
-
-def _mma_run(
-    tiles_a: int,
-    q: str,
-    sc: str,
-    words: int,
-    span: str | None = None,
-    ntiles: int = 1,
-    base: str = "xs",
-) -> str:
-    """CUDA: the MMAs of a run with the words ``q`` and scales ``sc`` (``[tiles_a][2][words]``):
-    a lane's ``32 words`` inputs from its staged word ``span`` (default: its share of run ``gi``
-    at ``[t * 32 words, (t + 1) * 32 words)``), 8 a word; with ``ntiles`` > 1 each A fragment
-    serves that many n-tiles of 8 staged rows (``acc[m * ntiles + j]``: A tile m, n-tile j);
-    ``base``: the staged rows."""
-    span = span or f"gi * {_RUN // 2 * words} + t * {16 * words}"
-    if ntiles > 1:
-        return _mma_run_tiles(tiles_a, q, sc, words, span, ntiles, base)
-    return f"""          const unsigned* xb = {base} + g * XS + {span};
-#pragma unroll
-          for (int i = 0; i < {4 * words}; ++i) {{
-            unsigned hv[{tiles_a}][2][4];
-#pragma unroll
-            for (int m = 0; m < {tiles_a}; ++m)
-#pragma unroll
-              for (int h = 0; h < 2; ++h)
-                dsv2_emm_deq8(reinterpret_cast<const unsigned*>(&{q}[m][h][i / 4])[i % 4],
-                              {sc}[m][h][i / 4], hv[m][h]);
-#pragma unroll
-            for (int p = 0; p < 2; ++p) {{
-              const uint2 bx = reinterpret_cast<const uint2*>(xb + 4 * i + 2 * p)[0];
-              const unsigned b[2] = {{bx.x, bx.y}};
-#pragma unroll
-              for (int m = 0; m < {tiles_a}; ++m) {{
-                const unsigned a[4] = {{hv[m][0][2 * p], hv[m][1][2 * p], hv[m][0][2 * p + 1],
-                                       hv[m][1][2 * p + 1]}};
-                dsv2_mma16816(acc[m], a, b);
-              }}
-            }}
-          }}
-"""
-
-
-def _mma_run_tiles(
-    tiles_a: int, q: str, sc: str, words: int, span: str, ntiles: int, base: str = "xs"
-) -> str:
-    """CUDA: :func:`_mma_run` of ``ntiles`` n-tiles (the B fragments of n-tile j from staged
-    rows ``8 j .. 8 j + 7``)."""
-    return f"""          const unsigned* xb = {base} + g * XS + {span};
-#pragma unroll
-          for (int i = 0; i < {4 * words}; ++i) {{
-            unsigned hv[{tiles_a}][2][4];
-#pragma unroll
-            for (int m = 0; m < {tiles_a}; ++m)
-#pragma unroll
-              for (int h = 0; h < 2; ++h)
-                dsv2_emm_deq8(reinterpret_cast<const unsigned*>(&{q}[m][h][i / 4])[i % 4],
-                              {sc}[m][h][i / 4], hv[m][h]);
-#pragma unroll
-            for (int p = 0; p < 2; ++p) {{
-              unsigned b[{ntiles}][2];
-#pragma unroll
-              for (int j = 0; j < {ntiles}; ++j) {{
-                const uint2 bx =
-                    reinterpret_cast<const uint2*>(xb + j * 8 * XS + 4 * i + 2 * p)[0];
-                b[j][0] = bx.x;
-                b[j][1] = bx.y;
-              }}
-#pragma unroll
-              for (int m = 0; m < {tiles_a}; ++m) {{
-                const unsigned a[4] = {{hv[m][0][2 * p], hv[m][1][2 * p], hv[m][0][2 * p + 1],
-                                       hv[m][1][2 * p + 1]}};
-#pragma unroll
-                for (int j = 0; j < {ntiles}; ++j) dsv2_mma16816(acc[m * {ntiles} + j], a, b[j]);
-              }}
-            }}
-          }}
-"""
-
-
-def _ring_loop(
-    rows_words: str, width: int, tiles_a: int, group: int, depth: int, words: int, ntiles: int = 1
-) -> str:
-    """CUDA: :func:`_tile_loop`'s runs with ``depth`` in flight: a ring of ``depth + 1`` register
-    buffers, the loop over the compile-time runs ``[g0, g1)`` fully unrolled so that every ring
-    index is a constant."""
-    slots = depth + 1
-    run = _mma_run(
-        tiles_a, f"wq[(gi - g0) % {slots}]", f"sc[(gi - g0) % {slots}]", words, None, ntiles
-    )
-    return f"""
-        uint4 wq[{slots}][{tiles_a}][2][{words}];
-        __half2 sc[{slots}][{tiles_a}][2][{words}];
-{_load_lambda(rows_words, width, tiles_a, group, words)}#pragma unroll
-        for (int d = 0; d < {depth}; ++d)
-          if (g0 + d < g1) load(g0 + d, wq[d], sc[d]);
-#pragma unroll
-        for (int gi = g0; gi < g1; ++gi) {{
-          if (gi + {depth} < g1) load(gi + {depth}, wq[(gi - g0 + {depth}) % {slots}],
-                                    sc[(gi - g0 + {depth}) % {slots}]);
-{run}        }}
-"""
-
-
-def _parts(tiles: MmaTiles) -> int:
-    """Warps a 16-row tile's runs of 128 inputs are split among: 1 unless an item has fewer
-    tiles than the block has warps."""
-    return max(1, tiles.warps // (tiles.rows // 16))
-
-
-def _units(
-    first: str, last: str, tiles: MmaTiles, runs: int, tiles_a: int, body: str, emit: str
-) -> str:
-    """CUDA: an item's rows ``[first, last)`` as 16-row tiles, a warp each; with fewer tiles than
-    warps (:func:`_parts` > 1) each tile's ``runs`` runs of 128 inputs split among the warps
-    (``g0``, ``g1``), their accumulators summed through shared memory (``red``) in a fixed order.
-    ``body`` computes ``acc`` for the tile at row ``r``; ``emit`` writes ``acc`` of that tile
-    (``tiles_a`` A tiles x ``tiles.ntiles`` n-tiles of accumulators)."""
-    W, parts = tiles.warps, _parts(tiles)
-    tiles_a *= tiles.ntiles
-    if parts == 1:
-        return f"""      for (int u = warp; u < ({last} - {first}) / 16; u += {W}) {{
-        const int r = {first} + 16 * u;
-        constexpr int g0 = 0, g1 = {runs};
-        float acc[{tiles_a}][4] = {{}};
-{body}
-{emit}
-      }}
-"""
-    per = tiles_a * 4 * 32
-    return f"""      {{
-        const int nt = ({last} - {first}) / 16;  // (nt * {parts} <= {W})
-        for (int u = warp; u < nt * {parts}; u += {W}) {{
-          const int r = {first} + 16 * (u % nt), kp = u / nt;
-          const int g0 = kp * {runs} / {parts}, g1 = (kp + 1) * {runs} / {parts};
-          float acc[{tiles_a}][4] = {{}};
-{body}
-#pragma unroll
-          for (int m = 0; m < {tiles_a}; ++m)
-#pragma unroll
-            for (int j = 0; j < 4; ++j) red[u * {per} + (m * 4 + j) * 32 + lane] = acc[m][j];
-        }}
-        __syncthreads();  // the first warp of each tile sums its parts in order
-        for (int u = warp; u < nt; u += {W}) {{
-          const int r = {first} + 16 * u;
-          float acc[{tiles_a}][4];
-#pragma unroll
-          for (int m = 0; m < {tiles_a}; ++m)
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {{
-              float v = 0.f;
-              for (int kp = 0; kp < {parts}; ++kp)
-                v += red[(kp * nt + u) * {per} + (m * 4 + j) * 32 + lane];
-              acc[m][j] = v;
-            }}
-{emit}
-        }}
-        __syncthreads();  // red is the next item's
-      }}
-"""
-
-
-def _copy_source() -> str:
-    """CUDA: ``dsv2_emm_cp16(dst, src)`` (16 bytes of a row into a staged row as two 8-byte
-    copies: a padded row is 8-byte aligned; ``cp.async`` on the GPU, a plain copy off it),
-    ``dsv2_emm_cp_wait()`` (this thread's copies landed) and ``dsv2_emm_pair_in_place(p)`` (a
-    16-byte piece this thread copied, into pair order)."""
-    return """
-#ifndef DSV2_EMM_CP
-#define DSV2_EMM_CP
-__device__ __forceinline__ void dsv2_emm_cp16(unsigned* dst, const uint4* src) {
-#if defined(__CUDA_ARCH__)
-  const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
-  const char* p = reinterpret_cast<const char*>(src);
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\\n" ::"r"(d), "l"(p));
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\\n" ::"r"(d + 8), "l"(p + 8));
-#else
-  const uint2* s2 = reinterpret_cast<const uint2*>(src);
-  reinterpret_cast<uint2*>(dst)[0] = s2[0];
-  reinterpret_cast<uint2*>(dst)[1] = s2[1];
-#endif
-}
-__device__ __forceinline__ void dsv2_emm_cp_wait() {
-#if defined(__CUDA_ARCH__)
-  asm volatile("cp.async.wait_all;\\n" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void dsv2_emm_pair_in_place(unsigned* p) {
-  const uint2 a = reinterpret_cast<const uint2*>(p)[0];
-  const uint2 b = reinterpret_cast<const uint2*>(p)[1];
-  uint4 v;
-  v.x = a.x;
-  v.y = a.y;
-  v.z = b.x;
-  v.w = b.y;
-  dsv2_emm_stage(p, v);
-}
-#endif
-"""
-
-
-def _sliced_units(
-    first: str,
-    last: str,
-    tiles: MmaTiles,
-    width: int,
-    tiles_a: int,
-    group: int,
-    rows: str,
-    src_row: str,
-    emit: str,
-) -> str:
-    """CUDA: an item's rows ``[first, last)`` as 16-row tiles with the chunk's activations staged
-    in slices of ``tiles.stage_k`` inputs (of ``width``): in rounds of a tile a warp (every warp
-    at every barrier, some without a tile), slice ``sl + 1`` copied into buffer ``(sl + 1) & 1``
-    (``cp.async``) while the warps multiply slice ``sl``, then put in pair order by the threads
-    that copied it, one barrier a slice. The weights of the next run are loaded before this run's
-    MMAs, across slices; a width that is an odd number of 128 with runs of 256 ends its last
-    slice with a run of 128 (the tail, loaded first). ``rows``: CUDA declaring ``wr``, ``sr``
-    for the tile at row ``r`` (:func:`_tile_loop`); ``src_row``: the ``const half*`` row of the
-    chunk's pair ``k``; ``emit`` writes ``acc``."""
-    W, TM, NT, SK, words = tiles.warps, tiles.chunk, tiles.ntiles, tiles.stage_k, tiles.words
-    T, run = 32 * W, tiles.run
-    slices, runs, rps = -(-width // SK), width // run, SK // run
-    tail = width - runs * run  # 0 or 128
-    last_sl = slices - 1
-    t_span = f"{(width - tail - last_sl * SK) // 2} + t * 16"
-    tail_load = tail_mma = ""
-    if tail:
-        tail_load = f"""          uint4 tq[{tiles_a}][2][1];
-          __half2 ts[{tiles_a}][2][1];
-          {{
-  {_load_lambda(str(width // 8), width, tiles_a, group, 1, f"{width - tail} + t * 32")}
-            if (act) load(0, tq, ts);
-          }}
-"""
-        tail_mma = f"""            if (sl == {last_sl}) {{
-{_mma_run(tiles_a, "tq", "ts", 1, t_span, NT, "xb0")}            }}
-"""
-    load = _load_lambda(str(width // 8), width, tiles_a, group, words)
-    span = f"(gi - sl * {rps}) * {64 * words} + t * {16 * words}"
-    mma = _mma_run(tiles_a, "wq", "sc", words, span, NT, "xb0")
-    pieces = f"""        const int c0 = sl * {SK // 8}, sw = min({SK // 8}, {width // 8} - c0);
-        for (int v = tid; v < np * sw; v += {T}) {{
-          const int k = v / sw, q = v - k * sw;"""
-    return f"""      {{
-        auto stage = [&](int sl, unsigned* buf) {{  // the raw 16-byte pieces of slice sl
-{pieces}
-          const half* row = {src_row};
-          dsv2_emm_cp16(buf + k * XS + 4 * q, reinterpret_cast<const uint4*>(row) + c0 + q);
-        }}
-      }};
-      auto pair = [&](int sl, unsigned* buf) {{  // this thread's pieces into pair order
-        dsv2_emm_cp_wait();
-{pieces}
-          dsv2_emm_pair_in_place(buf + k * XS + 4 * q);
-        }}
-      }};
-      const int nu = ({last} - {first}) / 16;
-      for (int u0 = 0; u0 < nu; u0 += {W}) {{  // a round: a tile a warp
-        const bool act = u0 + warp < nu;
-        const int r = {first} + 16 * (act ? u0 + warp : 0);
-        float acc[{tiles_a * NT}][4] = {{}};
-{rows}
-        uint4 wq[{tiles_a}][2][{words}], nq[{tiles_a}][2][{words}];
-        __half2 sc[{tiles_a}][2][{words}], ns[{tiles_a}][2][{words}];
-{load}{tail_load}        if (act && {runs} > 0) load(0, wq, sc);
-        stage(0, xs);
-        pair(0, xs);
-        __syncthreads();
-#pragma unroll 1
-        for (int sl = 0; sl < {slices}; ++sl) {{
-          if (sl + 1 < {slices}) stage(sl + 1, xs + ((sl + 1) & 1) * {TM} * XS);
-          if (act) {{
-            const unsigned* xb0 = xs + (sl & 1) * {TM} * XS;
-            const int ge = min({runs}, (sl + 1) * {rps});
-            for (int gi = sl * {rps}; gi < ge; ++gi) {{
-              if (gi + 1 < {runs}) load(gi + 1, nq, ns);
-{mma}              if (gi + 1 < {runs}) {{
-#pragma unroll
-                for (int m = 0; m < {tiles_a}; ++m)
-#pragma unroll
-                  for (int h = 0; h < 2; ++h)
-#pragma unroll
-                    for (int u = 0; u < {words}; ++u) {{
-                      wq[m][h][u] = nq[m][h][u];
-                      sc[m][h][u] = ns[m][h][u];
-                    }}
-              }}
-            }}
-{tail_mma}          }}
-          if (sl + 1 < {slices}) pair(sl + 1, xs + ((sl + 1) & 1) * {TM} * XS);
-          __syncthreads();  // slice sl + 1 staged; buffer sl & 1 is the next slice's
-        }}
-        if (act) {{
-{emit}
-        }}
-      }}
-      }}
-"""
-
-
 def _smem_bytes(tiles: MmaTiles, width: int, tiles_a: int) -> int:
     """Shared memory besides the plan: the chunk's staged rows of ``width`` values, then (with a
     K split) its partial accumulators (``tiles_a`` A tiles x the n-tiles, a float per lane and
     fragment, per warp); with ``stage_k``, two buffers of the chunk's rows of a slice."""
     if tiles.stage_k:  # two slice buffers (no K split)
         return 8 * tiles.chunk * _stride(tiles.stage_k)
-    red = 4 * tiles.warps * tiles_a * tiles.ntiles * 4 * 32 if _parts(tiles) > 1 else 0
+    red = 4 * tiles.warps * tiles_a * tiles.ntiles * 4 * 32 if split_parts(tiles) > 1 else 0
     return 4 * tiles.chunk * _stride(width) + red
 
 
@@ -836,7 +238,7 @@ def gate_up_source(s: MoeDecodeShape, tiles: MmaTiles) -> tuple[str, str]:
                                     ew + (r + up + g) * {H // 8}}};
           const half* sr[2] = {{es + (r + g) * {H // G}, es + (r + up + g) * {H // G}}};"""
     body = f"""{rows}
-{_tile_loop(str(H // 8), H, 2, G, tiles.depth, tiles.words, NT)}"""
+{tile_loop(str(H // 8), H, 2, G, tiles.depth, tiles.words, NT)}"""
     emit = f"""#pragma unroll
             for (int j = 0; j < 4; ++j) {{  // row r + g (+ 8), pair 2 t (+ 1)
               const int k = 2 * t + (j & 1);
@@ -864,7 +266,7 @@ def gate_up_source(s: MoeDecodeShape, tiles: MmaTiles) -> tuple[str, str]:
     loop_head = items_head(tag, TM, NB, tiles.tokens)
     if tiles.stage_k:
         src_row = f"x + (t0 + P.pair[first + k] / {K + 1}) * {H}"
-        units = _sliced_units("r0", "r1", tiles, H, 2, G, rows, src_row, emit)
+        units = sliced_units("r0", "r1", tiles, H, 2, G, rows, src_row, emit)
         src = f"""
 #ifndef DSV2_EMM_GU_{tag}
 #define DSV2_EMM_GU_{tag}
@@ -882,7 +284,7 @@ def gate_up_source(s: MoeDecodeShape, tiles: MmaTiles) -> tuple[str, str]:
 }}
 #endif
 """
-        head = dot32_source(16) + _mma_source() + _copy_source() + grid_wait_source()
+        head = dot32_source(16) + mma_source() + copy_source() + grid_wait_source()
         return name, head + plan_source(s, tag, tiles) + src
     src = f"""
 #ifndef DSV2_EMM_GU_{tag}
@@ -905,13 +307,13 @@ def gate_up_source(s: MoeDecodeShape, tiles: MmaTiles) -> tuple[str, str]:
       const half* es = sh ? ss : s + (long long)e * {2 * NI * (H // G)};
       const long long up = sh ? {IS} : {NI};
       const int r0 = rb * {R}, r1 = min(sh ? {IS} : {NI}, r0 + {R});
-{_units("r0", "r1", tiles, H // tiles.run, 2, body, emit)}    }}
+{item_units("r0", "r1", tiles, H // tiles.run, 2, body, emit)}    }}
     __syncthreads();  // this group's plan and rows are read no more
   }}
 }}
 #endif
 """
-    head = dot32_source(16) + _mma_source() + grid_wait_source()
+    head = dot32_source(16) + mma_source() + grid_wait_source()
     return name, head + plan_source(s, tag, tiles) + src
 
 
@@ -936,7 +338,7 @@ def down_source(s: MoeDecodeShape, tiles: MmaTiles) -> tuple[str, str]:
 
     def body(width: int) -> str:
         return f"""{rows(width)}
-{_tile_loop(str(width // 8), width, 1, G, tiles.depth, tiles.words, NT)}"""
+{tile_loop(str(width // 8), width, 1, G, tiles.depth, tiles.words, NT)}"""
 
     emit = f"""#pragma unroll
             for (int j = 0; j < 4; ++j) {{  // output r + g (+ 8), pair 2 t (+ 1)
@@ -959,8 +361,8 @@ def down_source(s: MoeDecodeShape, tiles: MmaTiles) -> tuple[str, str]:
                 }}
               }}"""
     units = f"""      if (sh) {{
-{_units("r0", "r1", tiles, IS // tiles.run, 1, body(IS), emit)}      }} else {{
-{_units("r0", "r1", tiles, NI // tiles.run, 1, body(NI), emit)}      }}
+{item_units("r0", "r1", tiles, IS // tiles.run, 1, body(IS), emit)}      }} else {{
+{item_units("r0", "r1", tiles, NI // tiles.run, 1, body(NI), emit)}      }}
 """
     if tiles.stage_k:
         src_row = (
@@ -968,8 +370,8 @@ def down_source(s: MoeDecodeShape, tiles: MmaTiles) -> tuple[str, str]:
             f"(P.pair[first + k] % {K + 1}) * {NI}"
         )
         units = f"""      if (sh) {{
-{_sliced_units("r0", "r1", tiles, IS, 1, G, rows(IS), src_row, emit)}      }} else {{
-{_sliced_units("r0", "r1", tiles, NI, 1, G, rows(NI), src_row, emit)}      }}
+{sliced_units("r0", "r1", tiles, IS, 1, G, rows(IS), src_row, emit)}      }} else {{
+{sliced_units("r0", "r1", tiles, NI, 1, G, rows(NI), src_row, emit)}      }}
 """
         src = f"""
 #ifndef DSV2_EMM_DN_{tag}
@@ -986,7 +388,7 @@ def down_source(s: MoeDecodeShape, tiles: MmaTiles) -> tuple[str, str]:
 }}
 #endif
 """
-        head = dot32_source(16) + _mma_source() + _copy_source() + grid_wait_source()
+        head = dot32_source(16) + mma_source() + copy_source() + grid_wait_source()
         return name, head + plan_source(s, tag, tiles) + src
     src = f"""
 #ifndef DSV2_EMM_DN_{tag}
@@ -1014,7 +416,7 @@ def down_source(s: MoeDecodeShape, tiles: MmaTiles) -> tuple[str, str]:
 }}
 #endif
 """
-    head = dot32_source(16) + _mma_source() + grid_wait_source()
+    head = dot32_source(16) + mma_source() + grid_wait_source()
     return name, head + plan_source(s, tag, tiles) + src
 
 
