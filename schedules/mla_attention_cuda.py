@@ -220,6 +220,7 @@ def build_mla_attention(
     if D % _VEC:
         raise ValueError(f"mla_attention_cuda needs (latent + rope) % {_VEC} == 0, got {D}")
     NT = _THREADS
+    MIN_BLOCKS = tiles.min_blocks
     # FP8 cache (kv_fp8's storage): K e4m3 bytes a dtype slot; the C++ cache passes q, out and
     # lse as KH pseudo-heads of QD, ODL values, the pages as rows of PD slots
     KV8 = kv_scale is not None
@@ -381,6 +382,8 @@ def build_mla_attention(
                     with T.sblock("split_attn"):
                         T.reads()
                         T.writes()
+                        if MIN_BLOCKS > 0:
+                            T.attr(0, "tirx.launch_bounds_min_blocks_per_sm", MIN_BLOCKS)
                         q_s = T.sblock_alloc_buffer((Q_SH,), dtype, scope="shared")
                         kv_s = T.sblock_alloc_buffer((KV_N,), dtype, scope="shared")
                         s_part = T.sblock_alloc_buffer((SP_N, HG, P), "float32", scope="shared")
@@ -700,7 +703,12 @@ def build_mla_attention(
                         if split == 0 and by == 0 and tx == 0:
                             ws_n[row] = nsplit
 
-        for mbx in T.thread_binding(total_len * H * n_merge_blocks, thread="blockIdx.x"):
+        # one split a row (the grid's, so every row's): nothing to merge, one idle block
+        # instead of total * H * NCH blocks that return at once (21 us at 256 rows)
+        merge_grid = T.meta_var(
+            T.if_then_else(max_splits(total_len) > 1, total_len * H * n_merge_blocks, 1)
+        )
+        for mbx in T.thread_binding(merge_grid, thread="blockIdx.x"):
             for mtx in T.thread_binding(MT, thread="threadIdx.x"):
                 with T.sblock("merge"):
                     T.reads()

@@ -54,7 +54,10 @@ class MLAAttentionTiles:
     must fit 227 KB (the builder refuses other combinations). A split's page count is rounded
     up to a multiple of ``G`` (only a row's last split has a part-filled group, its pages past
     the row's end zero-filled and masked). The pages copied before the PDL wait are those of
-    the split's old pages among its first ``stages - G``. ``G = 1``: the one-page block."""
+    the split's old pages among its first ``stages - G``. ``G = 1``: the one-page block.
+
+    ``min_blocks`` (0: none): the split kernel's ``__launch_bounds__`` minimum of blocks an SM,
+    which caps its registers (65,536 / (256 x min_blocks) a thread) so that more blocks fit."""
 
     stages: int
     min_pages_per_split: int
@@ -64,6 +67,7 @@ class MLAAttentionTiles:
     target_blocks: int
     merge_cols: int
     pages_per_step: int = 1
+    min_blocks: int = 0
 
 
 @dataclass(frozen=True)
@@ -305,7 +309,11 @@ _MLA_ATTENTION = MLAAttentionTiles(
     long_min_pages=4,
     long_pages=128,
     max_split=256,
-    target_blocks=528,
+    # 256: at most one wave of 2 blocks an SM, and one split a row from 256 rows on (no merge):
+    # 134 against 230 us a layer at 256 x 1K (528: 3 splits a row, 2.9 waves, a merge of 32,768
+    # blocks); batch 1 keeps its 256 splits (schedules/results/mla_attention.md, "Splits at
+    # large batches")
+    target_blocks=256,
     merge_cols=64,
 )
 
@@ -320,8 +328,8 @@ TABLE: dict[str, dict[TileKey, Any]] = {
         # schedules/results/mla_attention.md, "Pages a step")
         TileKey(ANY, (16, 512, 64, "e4m3")): replace(_MLA_ATTENTION, stages=4, pages_per_step=2),
         # V2 (236B): 128 heads, 8 split blocks of 16 heads for each (row, split), and
-        # target_blocks counts one head group's: 66 keeps the 528 split blocks of the grid that
-        # V2-Lite's 16 heads aim at. Unmeasured
+        # target_blocks counts one head group's: 66 keeps 528 split blocks a grid (V2-Lite's
+        # target before it went to 256), what V2's figures were measured with
         TileKey(ANY, (128, 512, 64, "float16")): replace(_MLA_ATTENTION, target_blocks=66),
     },
     # not measured yet (schedules/results/mla_extend.md): 3 stages fit 227 KB at V2-Lite's
