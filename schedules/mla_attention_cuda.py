@@ -101,14 +101,14 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from ..errors import Dsv2Error, UsageError
-from .cuda_call import (
-    L2_PREFETCH,
-    WAIT_THEN_RELEASE,
-    grid_wait_source,
-    l2_prefetch_source,
-)
 from .kv_fp8 import e4m3_byte_f16, fp8_cache_dims, read_scale, slot_values
-from .mla_cuda_helpers import pipe_shared_halves, pipe_source
+from .mla_cuda_helpers import (
+    WAIT_RELEASE,
+    pipe_shared_halves,
+    pipe_source,
+    prefetch_source,
+    wait_release_source,
+)
 from .mla_paging import find_sequence, kv_length, visible_length
 from .tiles import MLAAttentionTiles, tuned
 
@@ -266,8 +266,8 @@ def build_mla_attention(
         else ""
     )
     pf_tag, pf_bytes = (tag + "_fp8" if KV8 else tag), P * PD * _ELEM_BYTES[dtype]
-    pf_name, pf_src = _prefetch_source(pf_tag, pf_bytes, NT) if pipe else ("", "")
-    wr_src = _wait_release_source()
+    pf_name, pf_src = prefetch_source(pf_tag, pf_bytes, NT) if pipe else ("", "")
+    wr_src = wait_release_source()
     SMEM_N = pipe_shared_halves(D, stages, DL if KV8 else 0, G) if pipe else 1  # one buffer
     SMEM_SCOPE = "shared.dyn" if SMEM_N * 2 > _MAX_SHARED_BYTES else "shared"
     if pipe:
@@ -442,10 +442,10 @@ def build_mla_attention(
                                 source_code=pf_src,
                             )
                             if split >= nsplit:
-                                T.cuda.func_call(_WAIT_RELEASE, source_code=wr_src)
+                                T.cuda.func_call(WAIT_RELEASE, source_code=wr_src)
                         else:
                             # page tables only before the wait: the runtime writes them
-                            T.cuda.func_call(_WAIT_RELEASE, source_code=wr_src)
+                            T.cuda.func_call(WAIT_RELEASE, source_code=wr_src)
 
                         if pipe:
                             # The whole split block in CUDA (mla_cuda_helpers.pipe_source).
@@ -808,47 +808,3 @@ def build_mla_attention(
                             )
 
     return batch_mla_paged_attention_split_kv
-
-
-def _prefetch_source(tag: str, page_bytes: int, threads: int) -> tuple[str, str]:
-    """(name, CUDA) of ``mla_prefetch_<tag>(pages, page_ids, first, count, tid)``: the block's
-    threads ask L2 for pages ``page_ids[first:first + count]`` (``cp.async.bulk.prefetch``, one
-    page of ``page_bytes`` each). Safe before the PDL wait: a prefetch reads nothing into the
-    block, and the rows the previous kernel appends are read after the wait."""
-    name = f"mla_prefetch_{tag}"
-    # (the blank line before the closing brace keeps the generated source as it was)
-    return name, (
-        grid_wait_source()
-        + l2_prefetch_source()
-        + f"""
-#ifndef {name.upper()}
-#define {name.upper()}
-__device__ __forceinline__ void {name}(const half* pages, const int* page_ids,
-    int first, int count, int tid) {{
-  for (int i = tid; i < count; i += {threads})
-    {L2_PREFETCH}(reinterpret_cast<const char*>(pages) + (long long)page_ids[first + i] *
-                  {page_bytes}, {page_bytes});
-"""
-        + "  \n"
-        + """}
-#endif
-"""
-    )
-
-
-_WAIT_RELEASE = "mla_wait_release"
-
-
-def _wait_release_source() -> str:
-    """CUDA: ``mla_wait_release()``, the PDL wait, then the release of the dependents."""
-    return (
-        grid_wait_source()
-        + f"""
-#ifndef MLA_WAIT_RELEASE
-#define MLA_WAIT_RELEASE
-__device__ __forceinline__ void {_WAIT_RELEASE}() {{
-  {WAIT_THEN_RELEASE}
-}}
-#endif
-"""
-    )

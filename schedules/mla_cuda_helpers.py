@@ -10,9 +10,15 @@ that no kernel of the step writes before its PDL wait, which it calls itself.
 
 from string import Template
 
-from .cuda_call import WAIT_THEN_RELEASE, grid_wait_source
+from .cuda_call import L2_PREFETCH, WAIT_THEN_RELEASE, grid_wait_source, l2_prefetch_source
 
-__all__ = ["pipe_shared_halves", "pipe_source"]
+__all__ = [
+    "WAIT_RELEASE",
+    "pipe_shared_halves",
+    "pipe_source",
+    "prefetch_source",
+    "wait_release_source",
+]
 
 P = 16  # page size (tokens)
 PS = 24  # P tile row stride (halves): conflict-free ldmatrix rows
@@ -694,4 +700,48 @@ def _group_source(
         kv_halves=kv_halves,
         spart=8 * 16 * T,
         p_halves=16 * (T + 8),
+    )
+
+
+def prefetch_source(tag: str, page_bytes: int, threads: int) -> tuple[str, str]:
+    """(name, CUDA) of ``mla_prefetch_<tag>(pages, page_ids, first, count, tid)``: the block's
+    threads ask L2 for pages ``page_ids[first:first + count]`` (``cp.async.bulk.prefetch``, one
+    page of ``page_bytes`` each). Safe before the PDL wait: a prefetch reads nothing into the
+    block, and the rows the previous kernel appends are read after the wait."""
+    name = f"mla_prefetch_{tag}"
+    # (the blank line before the closing brace keeps the generated source as it was)
+    return name, (
+        grid_wait_source()
+        + l2_prefetch_source()
+        + f"""
+#ifndef {name.upper()}
+#define {name.upper()}
+__device__ __forceinline__ void {name}(const half* pages, const int* page_ids,
+    int first, int count, int tid) {{
+  for (int i = tid; i < count; i += {threads})
+    {L2_PREFETCH}(reinterpret_cast<const char*>(pages) + (long long)page_ids[first + i] *
+                  {page_bytes}, {page_bytes});
+"""
+        + "  \n"
+        + """}
+#endif
+"""
+    )
+
+
+WAIT_RELEASE = "mla_wait_release"
+
+
+def wait_release_source() -> str:
+    """CUDA: ``mla_wait_release()``, the PDL wait, then the release of the dependents."""
+    return (
+        grid_wait_source()
+        + f"""
+#ifndef MLA_WAIT_RELEASE
+#define MLA_WAIT_RELEASE
+__device__ __forceinline__ void {WAIT_RELEASE}() {{
+  {WAIT_THEN_RELEASE}
+}}
+#endif
+"""
     )
