@@ -245,13 +245,13 @@ def _split_kv_fp8(tmp_path: Path, kv_scale_built: float, kv_scale: float = 0.5, 
     arrays["ws_lse"] = np.full(n["ws_lse"], np.nan, np.float32)
     arrays["ws_n"] = np.full(n["ws_n"], -1, np.int32)
     scalars = {"batch_size": len(SEQS), "causal": 1, "total_len": total, "sm_scale": sm}
-    # the host's common subexpressions: the splits per row and the split grid
-    host = [n["smax"], n["split"]]
+    # the host's common subexpressions, named as the split kernel takes them: the splits per row
+    # and the split grid (the merge also gets its grid's, which its body does not read: 0)
+    smax, blocks = (s for s in split.scalars if s.startswith("cse"))
+    scalars.update({smax: n["smax"], blocks: n["split"]})
 
     def args(kernel):
-        cse = iter(host)
-        return [scalars[s] if s in scalars else next(cse) if s.startswith("cse") else 0
-                for s in kernel.scalars]  # fmt: skip
+        return [scalars.get(s, 0) for s in kernel.scalars]
 
     split((n["split"], 1), arrays, *args(split))
     merge(n["merge"], arrays, *args(merge))
