@@ -46,6 +46,16 @@ def read_float_weight(ws: list[te.Tensor], e: Expr, o: Expr, r: Expr):
     return ws[0][e, o, r].astype("float32")
 
 
+def int4_weight_reader(group: int) -> WeightReader:
+    """The reader of stacked INT4-group weights ``ws = [packed, scales]``: element ``[e, o,
+    r]`` dequantised (:func:`dsv2_mlc.quant.modules.dequantize_expr`)."""
+
+    def read(ws: list[te.Tensor], e: Expr, o: Expr, r: Expr) -> Expr:
+        return dequantize_expr(ws[0], ws[1], (e, o), r, group)
+
+    return read
+
+
 def gather_matmul_te(
     xt: te.Tensor,
     it: te.Tensor,
@@ -179,8 +189,6 @@ def dense_int4_grouped(x: Tensor, gate_up: nn.Module, down: nn.Module) -> Tensor
         return None
     if not all(isinstance(m, GroupQuantLinear) for m in lin):
         return None
-    if any(m.q_scale.dtype != "float16" or m.group_size % 32 for m in lin):
-        return None
     hidden, inter = int(x.shape[-1]), down.in_features
     rows = te.placeholder((1, grouped.TM), "int32")
 
@@ -201,13 +209,11 @@ def dense_int4_grouped(x: Tensor, gate_up: nn.Module, down: nn.Module) -> Tensor
     def stacked(t: Tensor) -> Tensor:
         return op.reshape(t, (1, *t.shape))
 
-    def read(ws: list[te.Tensor], e: Expr, o: Expr, r: Expr) -> Expr:
-        return dequantize_expr(ws[0], ws[1], (e, o), r, gate_up.group_size)
-
     return grouped_experts(
         x, op.ones((n, 1), "float32"), op.zeros((n, 1), "int32"),
         [stacked(gate_up.q_weight), stacked(gate_up.q_scale)],
-        [stacked(down.q_weight), stacked(down.q_scale)], 1, inter, "mlp_grouped_q4", read,
+        [stacked(down.q_weight), stacked(down.q_scale)], 1, inter, "mlp_grouped_q4",
+        int4_weight_reader(gate_up.group_size),
     )  # fmt: skip
 
 
@@ -499,11 +505,7 @@ class GroupQuantExperts(nn.Module):
 
     def forward(self, x: Tensor, weights: Tensor, idx: Tensor, mode: str | None = None) -> Tensor:
         """As ``DeepseekV2Experts.forward``: grouped GEMMs for prefill / extend on CUDA."""
-        group = self.group_size
-
-        def read(ws: list[te.Tensor], e: Expr, o: Expr, r: Expr) -> Expr:
-            return dequantize_expr(ws[0], ws[1], (e, o), r, group)
-
+        read = int4_weight_reader(self.group_size)
         if use_grouped_experts(mode):
             return grouped_experts(
                 x, weights, idx, [self.gate_up_q_weight, self.gate_up_q_scale],
