@@ -182,10 +182,33 @@ class MmaTiles:
 
 
 @dataclass(frozen=True)
+class SwapTiles:
+    """The grouped GEMMs of decode batches with the weights as ``wgmma``'s M (``moe_swap_cuda``):
+    ``tokens`` rows of a tile (``wgmma``'s N and ``moe_align``'s padding unit: 16, 32 or 64),
+    ``stages`` activation slots of the K loop's ``cp.async`` ring (loads ``stages - 2`` steps of
+    64 ahead), ``line_steps`` steps of packed weights a copy (1, 2 or 4: a row's 32, 64 or 128
+    contiguous bytes); ``operand_a``: where the MMA's A (the dequantised weights) comes from,
+    ``"smem"`` (a shared stage the threads dequantise into) or ``"regs"`` (the threads'
+    registers; ``line_steps`` is then the steps of packed weights loaded ahead)."""
+
+    tokens: int = 32
+    stages: int = 4
+    line_steps: int = 1
+    operand_a: str = "smem"
+
+    @property
+    def name(self) -> str:
+        regs = "_ra" if self.operand_a == "regs" else ""
+        return f"t{self.tokens}_s{self.stages}_l{self.line_steps}{regs}"
+
+
+@dataclass(frozen=True)
 class DecodeGemmTiles:
     """What ``batch_decode_gemm`` (decode of large batches through the prefill path's GEMMs)
     runs for a MoE layer's experts: ``moe="grouped"``, the routed experts as grouped GEMMs
-    (``moe_mma_cuda``) plus the shared experts' GEMMs; ``moe="expert_major"``, the expert-major
+    (``moe_mma_cuda``) plus the shared experts' GEMMs; ``moe="swap"``, the same with the grouped
+    GEMMs of ``moe_swap_cuda`` (weights as the MMA's M, tiles of a few tokens) where they take
+    the shapes; ``moe="expert_major"``, the expert-major
     kernels (``moe_expert_mma_cuda``, each with its ``tokens`` of the table: with ``tokens`` >=
     the batch every selected expert's weights are read once a step) where they take the layer's
     shape, else the grouped GEMMs."""
@@ -411,6 +434,8 @@ TABLE: dict[str, dict[TileKey, Any]] = {
     # batch_decode_gemm's MoE experts: the expert-major kernels above, against the grouped GEMMs
     # (3,862 / 6,909 / 11,468 tok/s at 64 / 128 / 256 sequences; moe_decode.md)
     "decode_gemm": {TileKey(): DecodeGemmTiles(moe="expert_major")},
+    # moe_swap_cuda (schedules/results/moe_swap.md)
+    "moe_swap": {TileKey(): SwapTiles(tokens=32, stages=4)},
 }
 
 

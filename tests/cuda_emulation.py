@@ -24,7 +24,8 @@ one launcher per kernel (``kernel=``). Emulation limits: no inline PTX outside
 ``#if defined(__CUDA_ARCH__)`` blocks (whose ``#else`` or ``#elif defined(DSV2_EMULATION)``
 branch is compiled instead: the bulk-copy and mbarrier helpers call the ``dsv2_emu_*``
 functions, where a copy lands at issue; an L2 prefetch is checked for alignment and bounds and
-counted; ``ldmatrix``, ``mma.sync`` m16n8k16, ``cp.async`` (a copy lands at its ``wait_group``,
+counted; ``ldmatrix``, ``mma.sync`` m16n8k16, ``wgmma`` m64nNk16 (shared-memory operands; an
+MMA computed at its ``wait_group``), ``cp.async`` (a copy lands at its ``wait_group``,
 its destination NaN from issue to then) and ``ex2.approx`` have stand-ins too, shared addresses
 map back to the ``__shared__`` arrays; these use ``threadIdx.x`` as the lane, so kernels that
 use them have one-dimensional blocks), dynamic shared memory as one static array, warp
@@ -325,7 +326,7 @@ static inline unsigned char* dsv2_emu_smem(unsigned addr, unsigned bytes) {
 // and gets the data only when a wait_group completes the copy's group, the latest moment the
 // hardware may land it, so a read before the wait, or a copy into a stage that other threads
 // still read, shows. Copies of a block not waited for are dropped at the thread's next block.
-struct EmuCp { unsigned char* dst; unsigned char data[16]; };
+struct EmuCp { unsigned char* dst; unsigned char data[16]; unsigned n; };
 thread_local std::vector<std::vector<EmuCp>> t_cp_groups;  // committed, oldest first
 thread_local std::vector<EmuCp> t_cp_open;  // issued since the last commit_group
 thread_local unsigned long long t_cp_block = ~0ull;
@@ -340,9 +341,18 @@ static inline void dsv2_emu_cp_async(unsigned dst, const void* src, int src_byte
   if (dst % 16 || (uintptr_t)src % 16) emu_fail("cp.async alignment");
   if (src_bytes < 0 || src_bytes > 16) emu_fail("cp.async source size");
   dsv2_emu_cp_block();
-  EmuCp cp{dsv2_emu_smem(dst, 16), {}};
+  EmuCp cp{dsv2_emu_smem(dst, 16), {}, 16};
   if (src_bytes) memcpy(cp.data, src, src_bytes);
   memset(cp.dst, 0xff, 16);
+  t_cp_open.push_back(cp);
+}
+// cp.async.ca.shared.global of 4 bytes (both addresses 4-byte aligned), as above
+static inline void dsv2_emu_cp_async4(unsigned dst, const void* src) {
+  if (dst % 4 || (uintptr_t)src % 4) emu_fail("cp.async (4 bytes) alignment");
+  dsv2_emu_cp_block();
+  EmuCp cp{dsv2_emu_smem(dst, 4), {}, 4};
+  memcpy(cp.data, src, 4);
+  memset(cp.dst, 0xff, 4);
   t_cp_open.push_back(cp);
 }
 static inline void dsv2_emu_cp_commit() {
@@ -355,7 +365,7 @@ static inline void dsv2_emu_cp_wait(int pending) {  // all but the `pending` new
   const size_t keep = std::min(t_cp_groups.size(), (size_t)pending);
   const size_t done = t_cp_groups.size() - keep;
   for (size_t i = 0; i < done; ++i)
-    for (const EmuCp& cp : t_cp_groups[i]) memcpy(cp.dst, cp.data, 16);
+    for (const EmuCp& cp : t_cp_groups[i]) memcpy(cp.dst, cp.data, cp.n);
   t_cp_groups.erase(t_cp_groups.begin(), t_cp_groups.begin() + done);
 }
 // ldmatrix.sync.aligned.m8n8.x4(.trans).shared.b16: lane 8 i + r gives the address of row r of
@@ -411,6 +421,91 @@ static inline void dsv2_emu_mma16816(float* c, const unsigned* a, const unsigned
       }
     }
   for (int r = 0; r < 4; ++r) c[r] = (float)acc[r];
+}
+// wgmma.mma_async.sync.aligned.m64nNk16.f32.f16.f16 (both operands in shared memory, K-major
+// rows of 128 bytes with the 128-byte swizzle: the 16-byte chunk bits 4-6 of an address XORed
+// with its bits 7-9, 8-row groups 1024 bytes apart; `a` / `b` the shared addresses the
+// descriptors start at), commit_group and wait_group: an MMA is queued at issue and computed at
+// the wait_group that completes its group, the latest moment the hardware may read its
+// operands, so a stage overwritten before the wait, or an accumulator read before it, shows.
+// Thread (warp w of its warpgroup, lane (g, t)) computes its d[4 j + v]: D row 16 w + g +
+// 8 (v >> 1), column 8 j + 2 t + (v & 1), D = A (64 x 16) B (N x 16)^T, products exact in
+// double, rounded once to float.
+struct EmuWg { float* d; unsigned a, b; int n; bool ra; half ar[2][16]; };
+thread_local std::vector<std::vector<EmuWg>> t_wg_groups;
+thread_local std::vector<EmuWg> t_wg_open;
+thread_local unsigned long long t_wg_block = ~0ull;
+static inline void dsv2_emu_wg_block() {
+  const unsigned long long b = ((unsigned long long)blockIdx.y << 32) | blockIdx.x;
+  if (b == t_wg_block) return;
+  t_wg_block = b;
+  t_wg_groups.clear();
+  t_wg_open.clear();
+}
+static inline double emu_wg_elem(unsigned base, unsigned row, unsigned k) {
+  unsigned addr = base + (row >> 3) * 1024u + (row & 7u) * 128u + 2u * k;
+  addr ^= ((addr >> 7) & 7u) << 4;
+  half h;
+  memcpy(&h, dsv2_emu_smem(addr, 2), 2);
+  return (double)h;
+}
+static inline void emu_wg_run(const EmuWg& op) {
+  const unsigned w = (t_lin >> 5) & 3u, l = t_lin & 31u, g = l >> 2, tq = l & 3u;
+  for (int j = 0; j < op.n / 8; ++j)
+    for (unsigned v = 0; v < 4; ++v) {
+      const unsigned m = 16 * w + g + 8 * (v >> 1), c = 8 * j + 2 * tq + (v & 1);
+      double acc = op.d[4 * j + v];
+      for (unsigned k = 0; k < 16; ++k) {
+        const double av = op.ra ? (double)op.ar[v >> 1][k] : emu_wg_elem(op.a, m, k);
+        acc += av * emu_wg_elem(op.b, c, k);
+      }
+      op.d[4 * j + v] = (float)acc;
+    }
+}
+// A from registers (4 x b32 a thread): lane (g, t) of warp w holds A rows 16 w + g (a[0], a[2])
+// and 16 w + g + 8 (a[1], a[3]) at k 2t, 2t + 1 (a[0], a[1]) and 2t + 8, 2t + 9 (a[2], a[3]);
+// the warp's fragments are exchanged at issue (one of two buffers, as the mma.sync stand-in),
+// each thread keeping its two rows' 16 values for the wait that computes the MMA
+static unsigned g_wg_frag[2][1024][4];
+thread_local unsigned t_wg_buf;
+static inline void dsv2_emu_wgmma_ra(float* d, const unsigned* a, unsigned b, int n) {
+  if (b % 16) emu_fail("wgmma descriptor start alignment");
+  if (n % 8 || n < 8 || n > 256) emu_fail("wgmma N");
+  dsv2_emu_wg_block();
+  const unsigned t = t_lin, w = t & ~31u, g = (t & 31u) >> 2;
+  unsigned (*frag)[4] = g_wg_frag[t_wg_buf ^= 1u];
+  for (int r = 0; r < 4; ++r) frag[t][r] = a[r];
+  __syncwarp();
+  EmuWg op{d, 0u, b, n, true, {}};
+  for (unsigned q = 0; q < 4; ++q)  // lane (g, q) holds k 2q, 2q + 1, 2q + 8, 2q + 9
+    for (unsigned r = 0; r < 2; ++r)  // row g (a[0], a[2]) / g + 8 (a[1], a[3])
+      for (unsigned hi = 0; hi < 2; ++hi) {
+        const unsigned word = frag[w + g * 4 + q][r + 2 * hi];
+        half h2[2];
+        memcpy(h2, &word, 4);
+        op.ar[r][2 * q + 8 * hi] = h2[0];
+        op.ar[r][2 * q + 8 * hi + 1] = h2[1];
+      }
+  t_wg_open.push_back(op);
+}
+static inline void dsv2_emu_wgmma(float* d, unsigned a, unsigned b, int n) {
+  if (a % 16 || b % 16) emu_fail("wgmma descriptor start alignment");
+  if (n % 8 || n < 8 || n > 256) emu_fail("wgmma N");
+  dsv2_emu_wg_block();
+  t_wg_open.push_back({d, a, b, n, false, {}});
+}
+static inline void dsv2_emu_wg_commit() {
+  dsv2_emu_wg_block();
+  t_wg_groups.push_back(std::move(t_wg_open));
+  t_wg_open.clear();
+}
+static inline void dsv2_emu_wg_wait(int pending) {  // all but the `pending` newest groups
+  dsv2_emu_wg_block();
+  const size_t keep = std::min(t_wg_groups.size(), (size_t)pending);
+  const size_t done = t_wg_groups.size() - keep;
+  for (size_t i = 0; i < done; ++i)
+    for (const EmuWg& op : t_wg_groups[i]) emu_wg_run(op);
+  t_wg_groups.erase(t_wg_groups.begin(), t_wg_groups.begin() + done);
 }
 // ex2.approx.ftz.f32: 2^x, exact here (the hardware's relative error is about 2^-22), subnormal
 // inputs and results flushed to zero

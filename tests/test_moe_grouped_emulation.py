@@ -88,11 +88,12 @@ def align(idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return rows.reshape(nt, TM), tile_expert
 
 
-def reference(
+def reference_tiles(
     kind: str, x: np.ndarray, rows: np.ndarray, tile_expert: np.ndarray, w: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
-    """float64 outputs ``[nt, TM, out]`` of the valid tiles (NaN elsewhere) and their bounds."""
-    nt = len(tile_expert)
+    """float64 outputs ``[nt, tm, out]`` of the valid tiles (NaN elsewhere) and their bounds
+    (``rows [nt, tm]``: the tile height is the caller's)."""
+    nt, TM = rows.shape
     inter = w.shape[1] // 2 if kind == "gate_up" else w.shape[2]
     out_dim = inter if kind == "gate_up" else w.shape[1]
     want, tol = np.full((nt, TM, out_dim), np.nan), np.full((nt, TM, out_dim), np.nan)
@@ -159,7 +160,7 @@ def run_kernel(
     grid = (blocks, col_blocks) if gathered else (col_blocks, blocks)  # (down: columns first)
     run(grid, arrays, *[{"nt": nt, "n": len(idx)}[s] for s in run.scalars], slow_warp=1)
 
-    want, tol = reference(kind, x, rows, tile_expert, w)
+    want, tol = reference_tiles(kind, x, rows, tile_expert, w)
     valid = ~np.isnan(want)
     err = np.abs(out.astype(np.float64) - want)
     ratio = np.nan_to_num(err[valid] / tol[valid], nan=np.inf)

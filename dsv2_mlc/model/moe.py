@@ -36,6 +36,8 @@ from ..schedules.moe_expert_mma_cuda import (
     moe_gate_up_expert_mma,
 )
 from ..schedules.moe_routing import moe_route
+from ..schedules.moe_swap_cuda import grouped_gemm_swap, swap_supported, swap_tiles
+from ..schedules.tiles import tuned
 from .config import DeepseekV2Config
 
 WeightReader = Callable[[list[te.Tensor], Expr, Expr, Expr], Expr]
@@ -119,16 +121,19 @@ def grouped_experts(
     intermediate: int,
     name: str,
     read: WeightReader = read_float_weight,
+    swap: bool = False,
 ) -> Tensor:
     """``sum_j weights[:, j] * expert_{idx[:, j]}(x)`` through the expert-sorted grouped GEMMs:
     align (sort the (token, slot) pairs by expert), gate/up with SwiGLU, down, combine.
 
     ``gate_up`` / ``down`` are the stacked weights (one float tensor, or packed INT4 + scales,
-    read through ``read``), ``[E, 2I, H]`` / ``[E, H, I]`` in the float layout.
+    read through ``read``), ``[E, 2I, H]`` / ``[E, H, I]`` in the float layout. ``swap``: the
+    GEMMs of :mod:`dsv2_mlc.schedules.moe_swap_cuda` (INT4; tiles of the table's few tokens, the
+    weights as the MMA's M: decode batches) instead of the tiles of ``grouped.TM`` rows.
     """
     n, k = idx.shape
     h = int(x.shape[-1])
-    tm = grouped.TM
+    tm = swap_tiles().tokens if swap else grouped.TM
     tiles = grouped.num_tiles(n, k, num_experts, tm)
     rows, tile_expert, inv, _counts = op.tensor_ir_op(
         grouped.moe_align(num_experts, int(k), tm),
@@ -151,17 +156,21 @@ def grouped_experts(
     te_te = te.placeholder((nt,), "int32", name="tile_expert")
     x_te = te.placeholder((nv, h), x.dtype, name="x")
     gu_te = te_args(gate_up)
-    gate_up_fn = grouped.grouped_gemm_cuda(
-        x_te, rows_te, te_te, gu_te, read, intermediate, 2, True, f"{name}_gate_up"
-    )
+
+    def gemm(xt: te.Tensor, ws: list[te.Tensor], out_dim: int, halves: int, tag: str):
+        if swap:
+            return grouped_gemm_swap(xt, rows_te, te_te, ws, out_dim, halves, halves == 2, tag)
+        return grouped.grouped_gemm_cuda(
+            xt, rows_te, te_te, ws, read, out_dim, halves, halves == 2, tag
+        )
+
+    gate_up_fn = gemm(x_te, gu_te, intermediate, 2, f"{name}_gate_up")
     hidden = op.tensor_ir_op(
         gate_up_fn, f"{name}_gate_up", args=[x, rows, tile_expert, *gate_up],
         out=Tensor.placeholder((tiles, tm, intermediate), x.dtype),
     )  # fmt: skip
     h_te = te.placeholder((nt, tm, intermediate), x.dtype, name="hidden")
-    down_fn = grouped.grouped_gemm_cuda(
-        h_te, rows_te, te_te, te_args(down), read, h, 1, False, f"{name}_down"
-    )
+    down_fn = gemm(h_te, te_args(down), h, 1, f"{name}_down")
     rows_out = op.tensor_ir_op(
         down_fn, f"{name}_down", args=[hidden, rows, tile_expert, *down],
         out=Tensor.placeholder((tiles, tm, h), x.dtype),
@@ -472,6 +481,24 @@ class GroupQuantExperts(nn.Module):
             out=Tensor.placeholder((n, shape.hidden), x.dtype),
         )  # fmt: skip
 
+    def swap_takes(self, dtype: str) -> bool:
+        """Whether a ``decode_gemm`` step runs the routed experts through the grouped GEMMs of
+        :mod:`dsv2_mlc.schedules.moe_swap_cuda`: the tile table's ``decode_gemm`` entry says
+        ``moe="swap"`` and the kernel takes both shapes (INT4, an sm_90 target)."""
+        if tuned("decode_gemm").moe != "swap":
+            return False
+        e, h, i = self.num_experts, self.hidden, self.intermediate
+        ws = [
+            [te.placeholder((e, *t.shape[1:]), t.dtype) for t in pair]
+            for pair in (
+                (self.gate_up_q_weight, self.gate_up_q_scale),
+                (self.down_q_weight, self.down_q_scale),
+            )
+        ]
+        return swap_supported(te.placeholder((1, h), dtype), ws[0], i, 2) and swap_supported(
+            te.placeholder((1, i), dtype), ws[1], h, 1
+        )
+
     def expert_major_decode(
         self, x: Tensor, logits: Tensor, gate: DeepseekV2Gate, shared: DeepseekV2MLP
     ) -> Tensor | None:
@@ -507,10 +534,12 @@ class GroupQuantExperts(nn.Module):
         """As ``DeepseekV2Experts.forward``: grouped GEMMs for prefill / extend on CUDA."""
         read = int4_weight_reader(self.group_size)
         if use_grouped_experts(mode):
+            gate_up = [self.gate_up_q_weight, self.gate_up_q_scale]
+            down = [self.down_q_weight, self.down_q_scale]
+            swap = mode == "decode_gemm" and self.swap_takes(x.dtype)
             return grouped_experts(
-                x, weights, idx, [self.gate_up_q_weight, self.gate_up_q_scale],
-                [self.down_q_weight, self.down_q_scale], self.num_experts, self.intermediate,
-                "moe_grouped_q4", read,
+                x, weights, idx, gate_up, down, self.num_experts, self.intermediate,
+                "moe_swap_q4" if swap else "moe_grouped_q4", read, swap,
             )  # fmt: skip
 
         gate_up = gather_matmul(
