@@ -107,7 +107,7 @@ __all__ = [
 GROUP_TOKENS = 32  # tokens planned together by default (``MmaTiles.tokens``)
 MMA_TOKENS = 8  # pairs of a chunk by default (``MmaTiles.chunk``): the MMA's N
 _CHUNKS = (8, 16, 32)  # chunks of one, two or four n-tiles
-DECODE_GEMM_MOE = ("grouped", "expert_major", "swap")  # DecodeGemmTiles.moe
+DECODE_GEMM_MOE = ("grouped", "expert_major")  # DecodeGemmTiles.moe
 
 
 def decode_gemm_expert_major() -> bool:

@@ -185,30 +185,26 @@ class MmaTiles:
 class SwapTiles:
     """The grouped GEMMs of decode batches with the weights as ``wgmma``'s M (``moe_swap_cuda``):
     ``tokens`` rows of a tile (``wgmma``'s N and ``moe_align``'s padding unit: 16, 32 or 64),
-    ``stages`` activation slots of the K loop's ``cp.async`` ring (loads ``stages - 2`` steps of
-    64 ahead), ``line_steps`` steps of packed weights a copy (1, 2 or 4: a row's 32, 64 or 128
-    contiguous bytes); ``operand_a``: where the MMA's A (the dequantised weights) comes from,
-    ``"smem"`` (a shared stage the threads dequantise into) or ``"regs"`` (the threads'
-    registers; ``line_steps`` is then the steps of packed weights loaded ahead)."""
+    ``stages`` activation slots of the K loop's ``cp.async`` ring (loaded ``stages - 1`` steps of
+    64 inputs ahead), ``ahead`` steps of packed weights a lane loads ahead into registers,
+    ``warpgroups`` a block: 1 (a lane holds both 64-row halves) or 2 (one half each)."""
 
     tokens: int = 32
     stages: int = 4
-    line_steps: int = 1
-    operand_a: str = "smem"
+    ahead: int = 2
+    warpgroups: int = 1
 
     @property
     def name(self) -> str:
-        regs = "_ra" if self.operand_a == "regs" else ""
-        return f"t{self.tokens}_s{self.stages}_l{self.line_steps}{regs}"
+        wgs = f"_wg{self.warpgroups}" if self.warpgroups != 1 else ""
+        return f"t{self.tokens}_s{self.stages}_a{self.ahead}{wgs}"
 
 
 @dataclass(frozen=True)
 class DecodeGemmTiles:
     """What ``batch_decode_gemm`` (decode of large batches through the prefill path's GEMMs)
     runs for a MoE layer's experts: ``moe="grouped"``, the routed experts as grouped GEMMs
-    (``moe_mma_cuda``) plus the shared experts' GEMMs; ``moe="swap"``, the same with the grouped
-    GEMMs of ``moe_swap_cuda`` (weights as the MMA's M, tiles of a few tokens) where they take
-    the shapes; ``moe="expert_major"``, the expert-major
+    (``moe_mma_cuda``) plus the shared experts' GEMMs; ``moe="expert_major"``, the expert-major
     kernels (``moe_expert_mma_cuda``, each with its ``tokens`` of the table: with ``tokens`` >=
     the batch every selected expert's weights are read once a step) where they take the layer's
     shape, else the grouped GEMMs."""
@@ -434,8 +430,10 @@ TABLE: dict[str, dict[TileKey, Any]] = {
     # batch_decode_gemm's MoE experts: the expert-major kernels above, against the grouped GEMMs
     # (3,862 / 6,909 / 11,468 tok/s at 64 / 128 / 256 sequences; moe_decode.md)
     "decode_gemm": {TileKey(): DecodeGemmTiles(moe="expert_major")},
-    # moe_swap_cuda (schedules/results/moe_swap.md)
-    "moe_swap": {TileKey(): SwapTiles(tokens=32, stages=4)},
+    # moe_swap_cuda (schedules/results/moe_swap.md): tiles of 32 tokens, weights 2 steps ahead,
+    # one warpgroup a block: at 256 tokens of V2-Lite 124 + 65 us a layer (gate/up + down);
+    # 4 steps ahead 133 + 77, two warpgroups 133 + 77, tiles of 16 172 + 105
+    "moe_swap": {TileKey(): SwapTiles(tokens=32, stages=4, ahead=2, warpgroups=1)},
 }
 
 

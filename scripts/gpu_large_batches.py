@@ -10,13 +10,15 @@ arg-max, tokens back) through each way of running a step of one token per sequen
 * ``whole``: ``batch_decode_expert_major`` over the whole batch in one step (CUDA graphs);
 * ``gemm``: ``batch_decode_gemm`` (the prefill path's GEMMs and grouped expert GEMMs, the decode
   path's attention) over the whole batch, CUDA graphs; ``gemm_eager``: the same without graphs;
+* ``swap``: ``batch_decode_swap`` (sm_90 builds: ``batch_decode_gemm`` with the routed experts as
+  the grouped GEMMs of ``moe_swap_cuda``), CUDA graphs;
 * ``default``: the entry the engine picks for the batch by itself (CUDA graphs).
 
-``check``: one step from the same cache state through ``whole`` and ``gemm``: arg-max agreement
-and the largest logit difference. With ``--profile`` the kernels of ``--profile-steps`` eager
-``--profile-mode`` steps (default ``gemm``) at the largest batch are recorded by CUPTI
-(torch.profiler); with ``--profile-prefill`` also the prefill of the largest batch. Writes
-``large_batches.json``.
+``check``: one step from the same cache state through ``whole`` and ``gemm`` (and ``swap`` where
+the build has it): arg-max agreement and the largest logit difference. With ``--profile`` the
+kernels of ``--profile-steps`` eager ``--profile-mode`` steps (default ``gemm``) at the largest
+batch are recorded by CUPTI (torch.profiler); with ``--profile-prefill`` also the prefill of the
+largest batch. Writes ``large_batches.json``.
 """
 
 from __future__ import annotations
@@ -66,18 +68,22 @@ def run_batch(args: argparse.Namespace, b: int) -> dict:
     report: dict = {"batch": b, "prefill_s": time.perf_counter() - t0}
     if args.profile_prefill and largest:
         report["prefill_profile"] = _profile_prefill(engine, rng, b, args.prompt_len)
-    defaults = (engine._major_from, engine._gemm_from)
+    defaults = (engine._major_from, engine._gemm_from, engine._swap_from)
 
-    def use(major: int | None, gemm: int | None) -> None:
+    def use(major: int | None, gemm: int | None, swap: int | None = None) -> None:
         engine.settle()
         if engine._graphs is not None:
             engine._graphs.clear()  # a key's graph is one entry point's
         has_major = "batch_decode_expert_major" in engine._fn
         engine._major_from, engine._gemm_from = (major if has_major else None), gemm
+        engine._swap_from = swap if "batch_decode_swap" in engine._fn else None
 
     logits = {}
-    for name, gemm in (("whole", None), ("gemm", 1)):  # the same step, same cache state
-        use(1, gemm)
+    ways = [("whole", None, None), ("gemm", 1, None)]
+    if "batch_decode_swap" in engine._fn:
+        ways.append(("swap", 1, 1))
+    for name, gemm, swap in ways:  # the same step, same cache state
+        use(1, gemm, swap)
         logits[name] = engine.decode(seqs, toks)
         for s in seqs:
             engine.popn(s, 1)
@@ -86,6 +92,10 @@ def run_batch(args: argparse.Namespace, b: int) -> dict:
         "max_abs_diff": float(np.abs(logits["whole"] - logits["gemm"]).max()),
         "max_abs_logit": float(np.abs(logits["whole"]).max()),
     }
+    if "swap" in logits:
+        agree = int((logits["whole"].argmax(-1) == logits["swap"].argmax(-1)).sum())
+        report["check"]["swap_argmax_agree"] = agree
+        report["check"]["swap_max_abs_diff"] = float(np.abs(logits["whole"] - logits["swap"]).max())
     graphs = engine._graphs
 
     def greedy(ts: list[int]) -> list[int]:
@@ -114,6 +124,9 @@ def run_batch(args: argparse.Namespace, b: int) -> dict:
             if name == "gemm_eager":
                 engine._graphs = None
             step = greedy
+        elif name == "swap":
+            use(1, 1, 1)
+            step = greedy
         else:
             raise SystemExit(f"unknown mode {name}")
         _, toks = _timed(step, args.warmup, toks)
@@ -126,7 +139,9 @@ def run_batch(args: argparse.Namespace, b: int) -> dict:
     engine._graphs = graphs
     report["graph_stats"] = engine.cuda_graph_stats
     if args.profile and largest:
-        use(*{"gemm": (1, 1), "whole": (1, None), "default": defaults}[args.profile_mode])
+        use(*{"gemm": (1, 1), "swap": (1, 1, 1), "whole": (1, None), "default": defaults}[
+            args.profile_mode
+        ])
         engine._graphs = None
         report["profile"] = _profile(greedy, toks, args.profile_steps)
     return report
@@ -183,7 +198,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--profile", action="store_true")
     p.add_argument("--profile-steps", type=int, default=3)
-    p.add_argument("--profile-mode", choices=("gemm", "whole", "default"), default="gemm")
+    p.add_argument(
+        "--profile-mode", choices=("gemm", "swap", "whole", "default"), default="gemm"
+    )
     p.add_argument("--profile-prefill", action="store_true")
     args = p.parse_args(argv)
     out = Path(args.out)

@@ -74,3 +74,49 @@ def test_gemm_threshold_must_be_a_sequence_count(compiled) -> None:
         BenchOptions(model="x", gemm_decode_from=0).check()
     eng = Engine(compiled["A"], context_window=64, max_batch_size=1)
     assert eng.gemm_decode_from == GEMM_DECODE_FROM  # builds have the entry on every target
+
+
+SWAP = {"moe_swap_q4_gate_up", "moe_swap_q4_down", "moe_swap_q4_combine"}
+
+
+@pytest.mark.parametrize("arch", ["sm_90", "sm_80"])
+def test_swap_entry_is_the_gemm_entry_with_the_swap_experts(arch: str) -> None:
+    """``batch_decode_swap``, traced for sm_90 where the experts' shapes take the wgmma kernels
+    (hidden 128, expert width 64, INT4): the attention and projections of ``batch_decode_gemm``,
+    the routed experts through moe_swap_cuda's grouped GEMMs instead of the 64-row ones. For
+    sm_80 (no wgmma), and at CONFIG_A's width of 32 (not a multiple of 64), no such entry."""
+    from dsv2_mlc.compiler.compile import _export
+    from dsv2_mlc.passes.pipeline import PHASES, PipelineOptions
+
+    target = tvm.target.Target({"kind": "cuda", "arch": arch}, host={"kind": "llvm"})
+    quant = get_quantization("q4f16_g32")
+    cfg = DeepseekV2Config.from_hf({**CONFIG_A, "hidden_size": 128, "moe_intermediate_size": 64})
+    mod, _, _ = _export(cfg, target, quant)
+    names = {gv.name_hint for gv in mod.functions}
+    small, _, _ = _export(DeepseekV2Config.from_hf(CONFIG_A), target, quant)
+    assert "batch_decode_swap" not in {gv.name_hint for gv in small.functions}
+    if arch != "sm_90":
+        assert "batch_decode_swap" not in names and "batch_decode_gemm" in names
+        return
+    with target:
+        passes = [p for name, make in PHASES[:3] for p in make(target, PipelineOptions())]
+        mod = tvm.transform.Sequential(passes)(mod)
+    entries = ("batch_decode", "batch_decode_gemm", "batch_decode_swap")
+    packed = {e: _packed(mod[e]) for e in entries}
+    assert packed["batch_decode_swap"] == packed["batch_decode"], packed["batch_decode_swap"]
+    called = {e: {gv.name_hint for gv in _called(mod[e])} for e in entries}
+    swap, gemm = called["batch_decode_swap"], called["batch_decode_gemm"]
+    assert SWAP <= swap and not swap & GROUPED, sorted(n for n in swap if "moe" in n)
+    assert any(n.startswith("moe_align") for n in swap)  # (tiles of 32 rows: a second align)
+    assert {n for n in swap if not n.startswith("moe_")} == {
+        n for n in gemm if not n.startswith("moe_")
+    }
+
+
+def test_swap_threshold_must_be_a_sequence_count(compiled) -> None:
+    from dsv2_mlc.runtime.engine import Engine
+
+    with pytest.raises(ValueError, match="swap_decode_from must be at least 1"):
+        Engine(compiled["A"], context_window=64, max_batch_size=1, swap_decode_from=0)
+    eng = Engine(compiled["A"], context_window=64, max_batch_size=1)
+    assert eng.swap_decode_from is None  # a CPU build has no batch_decode_swap

@@ -72,20 +72,20 @@ def routing(rng: np.random.Generator) -> np.ndarray:
     return idx[rng.permutation(85)]
 
 
-def align(idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``moe_align``'s rows ``[nt, TM]`` (each expert's pairs in (token, slot) order, padded with
+def align(idx: np.ndarray, tm: int = TM) -> tuple[np.ndarray, np.ndarray]:
+    """``moe_align``'s rows ``[nt, tm]`` (each expert's pairs in (token, slot) order, padded with
     token 0 to whole tiles) and ``tile_expert [nt]`` (-1 past the last segment)."""
     n, k = idx.shape
-    nt = (n * k + EXPERTS * (TM - 1)) // TM
-    rows, tile_expert = np.zeros(nt * TM, np.int32), np.full(nt, -1, np.int32)
+    nt = (n * k + EXPERTS * (tm - 1)) // tm
+    rows, tile_expert = np.zeros(nt * tm, np.int32), np.full(nt, -1, np.int32)
     start = 0
     for e in range(EXPERTS):
         pairs = np.nonzero(idx.reshape(-1) == e)[0]
         rows[start : start + len(pairs)] = pairs // k
-        tiles = -(-len(pairs) // TM)
-        tile_expert[start // TM : start // TM + tiles] = e
-        start += tiles * TM
-    return rows.reshape(nt, TM), tile_expert
+        tiles = -(-len(pairs) // tm)
+        tile_expert[start // tm : start // tm + tiles] = e
+        start += tiles * tm
+    return rows.reshape(nt, tm), tile_expert
 
 
 def reference_tiles(

@@ -3,26 +3,22 @@
 float64 NumPy reference, no GPU.
 
 Both GEMMs (gate/up with the SwiGLU epilogue, gathering the token rows; down on the padded rows)
-at token tiles of 16, 32 and 64, rings of 3 to 6 stages and packed weights copied 1, 2 or 4
-steps at a time, two column blocks or more each. The
-routing is uneven on purpose: an expert of 80 pairs (several tiles, the last one partial), one of
-none, one of 5, tiles past the last segment (``tile_expert = -1``, which must stay unwritten).
-``wgmma`` runs as the emulation's stand-in, which reads its shared-memory operands (through the
-128-byte swizzle) at the ``wait_group`` that completes it, and ``cp.async`` lands at its
-``wait_group`` (its destination NaN until then), so a stage reused while an MMA or a copy may
-still touch it shows. Every output element starts NaN. Warp 1 lags behind in every block.
+at token tiles of 16, 32 and 64, rings of 2 to 5 activation slots, weights loaded 1, 2 or 4 steps
+ahead, one or two warpgroups a block, two column blocks or more each. The routing is uneven on
+purpose: an expert of 80 pairs (several tiles, the last one partial), one of none, one of 5, tiles
+past the last segment (``tile_expert = -1``, which must stay unwritten). ``wgmma`` runs as the
+emulation's stand-in (A from the warp's registers, exchanged at issue; B read from shared memory
+through the 128-byte swizzle at the ``wait_group`` that completes it) and ``cp.async`` lands at its
+``wait_group`` (its destination NaN until then), so a slot reused while an MMA or a copy may still
+touch it shows. Every output element starts NaN. Warp 1 lags behind in every block.
 
 Tolerances as in ``test_moe_grouped_emulation.py`` (the same dequantisation and fp32 sums):
 ``eps = (u16 + K u32) sum_k |w_k x_k|`` a dot product, then the epilogue's roundings.
 
-Both ways of feeding the MMA's A: a shared stage the threads dequantise into, and the threads'
-registers (``operand_a="regs"``: the activations staged in the permuted input order the
-registers' fragments imply).
-
 Each case has a negative control, the same check on a broken variant: the ``cp.async`` wait
-skipped, the MMAs not waited for (their stage rewritten under them), the dequantised weights
-stored without the swizzle the descriptor reads, the register fragments' pairs in an order the
-staged activations do not follow.
+skipped, the MMAs not waited for (their slot rewritten under them), the register fragments'
+pairs in an order the staged activations do not follow, the activations staged without the
+swizzle the descriptor reads. A skipped MMA wait shows only where a slot comes round again.
 """
 
 from __future__ import annotations
@@ -32,44 +28,30 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import tvm
 from tvm import te, tirx
 
 from dsv2_mlc.schedules import moe_swap_cuda as swap
 from dsv2_mlc.schedules.tiles import SwapTiles
 
 sys.path.insert(0, str(Path(__file__).parent))
+from cuda_builds import needs_nvcc  # noqa: E402
 from cuda_emulation import emulate, needs_toolchain, random_int4  # noqa: E402
-from test_moe_grouped_emulation import reference_tiles, routing  # noqa: E402
+from test_moe_grouped_emulation import EXPERTS, align, reference_tiles, routing  # noqa: E402
 
 pytestmark = needs_toolchain
 
-HIDDEN, INTER, EXPERTS, GROUP = 256, 128, 5, 64
+HIDDEN, INTER, GROUP = 256, 128, 64
 
-# (kernel body, replaced text, broken text): each must make the check fail
+# (replaced text of _SWAP_BODY, broken text): each must make the check fail
 BROKEN = {
-    "no-cp-wait": ("_SWAP_BODY", "    swap_cp_wait<S - 3>();", "    (void)0;"),
-    "no-wg-wait": ("_SWAP_BODY", "    swap_wg_wait<1>();", "    (void)0;"),
-    "no-swizzle": ("_SWAP_BODY", "(ws + ((j ^ (tid & 7)) << 3))", "(ws + (j << 3))"),
-    "ra-no-cp-wait": ("_SWAP_RA_BODY", "        swap_cp_wait<S - 2>();", "        (void)0;"),
-    "ra-no-wg-wait": ("_SWAP_RA_BODY", "        swap_wg_wait<0>();", "        (void)0;"),
+    "no-cp-wait": ("        swap_cp_wait<S - 2>();", "        (void)0;"),
+    "no-wg-wait": ("        swap_wg_wait0();", "        (void)0;"),
     # the hi word's pairs given as the lo word's: A and B disagree on the inputs' order
-    "ra-pair-order": ("_SWAP_RA_BODY", "a[h][sl][2 + m] = hv[sl];", "a[h][sl][2 + m] = lv[sl];"),
+    "pair-order": ("[sl][2 + m] = hv[sl];", "[sl][2 + m] = lv[sl];"),
+    # the activation pairs stored without the swizzle the descriptor reads
+    "no-swizzle": ("(((2 * sl + hh) ^ (r & 7)) << 4)", "((2 * sl + hh) << 4)"),
 }
-
-
-def align(idx: np.ndarray, tm: int) -> tuple[np.ndarray, np.ndarray]:
-    """``moe_align``'s rows ``[nt, tm]`` and ``tile_expert [nt]`` (-1 past the last segment)."""
-    n, k = idx.shape
-    nt = (n * k + EXPERTS * (tm - 1)) // tm
-    rows, tile_expert = np.zeros(nt * tm, np.int32), np.full(nt, -1, np.int32)
-    start = 0
-    for e in range(EXPERTS):
-        pairs = np.nonzero(idx.reshape(-1) == e)[0]
-        rows[start : start + len(pairs)] = pairs // k
-        tiles = -(-len(pairs) // tm)
-        tile_expert[start // tm : start // tm + tiles] = e
-        start += tiles * tm
-    return rows.reshape(nt, tm), tile_expert
 
 
 def run_kernel(
@@ -98,10 +80,9 @@ def run_kernel(
     st = te.placeholder(scale.shape, "float16", name="sc")
     with pytest.MonkeyPatch.context() as patch:
         if broken is not None:
-            body, old, new = BROKEN[broken]
-            text = getattr(swap, body)
-            assert old in text, broken
-            patch.setattr(swap, body, text.replace(old, new))
+            old, new = BROKEN[broken]
+            assert old in swap._SWAP_BODY, broken
+            patch.setattr(swap, "_SWAP_BODY", swap._SWAP_BODY.replace(old, new))
         func = swap.swap_kernel(xt, [qt, st], out_dim, halves, gathered, kind, tiles, False)
     run = emulate(func, tmp_path, broken or "kernel")
     out = np.full((nt, tm, out_dim), np.nan, np.float16)
@@ -118,27 +99,20 @@ def run_kernel(
     return ok, f"worst error / bound {ratio.max():.3g}, {outside} elements written outside"
 
 
-# (kind, tiles, broken variant for the negative control[, (hidden, expert width, group)]); a
-# skipped MMA wait shows only where a stage comes round again (K of 4 steps or more)
+RAGGED = (256, 320, 128)  # hidden, expert width, group: 5 steps, the last group half as long
+# (kind, tiles, broken variant for the negative control[, (hidden, expert width, group)])
 CASES: dict[str, tuple] = {
-    "gate_up-t32-s4": ("gate_up", SwapTiles(32, 4), "no-cp-wait"),
-    "gate_up-t16-s3": ("gate_up", SwapTiles(16, 3), "no-swizzle"),
-    "gate_up-t64-s5": ("gate_up", SwapTiles(64, 5), "no-wg-wait"),
-    "down-t32-s4": ("down", SwapTiles(32, 4), "no-swizzle"),
-    "down-t16-s5": ("down", SwapTiles(16, 5), "no-cp-wait"),
-    # packed weights copied 2 or 4 steps at a time (whole lines); K of 2 steps with 4 a copy
-    "gate_up-t32-s6-l4": ("gate_up", SwapTiles(32, 6, 4), "no-wg-wait"),
-    "gate_up-t16-s4-l2": ("gate_up", SwapTiles(16, 4, 2), "no-cp-wait"),
-    "down-t32-s4-l4": ("down", SwapTiles(32, 4, 4), "no-swizzle"),
-    # a reduction with a last, shorter group (10,944 = 85.5 x 128 in V2-Lite's dense down_proj)
-    "down-ragged-group": ("down", SwapTiles(32, 4), "no-wg-wait", (256, 320, 128)),
-    # 5 steps in copies of 4: the second copy's last 3 steps lie past the reduction
-    "down-ragged-l4": ("down", SwapTiles(32, 5, 4), "no-cp-wait", (256, 320, 128)),
-    # A from registers (the weights loaded 1, 2 or 4 steps ahead)
-    "gate_up-t32-s4-ra": ("gate_up", SwapTiles(32, 4, 4, "regs"), "ra-no-cp-wait"),
-    "gate_up-t64-s3-ra": ("gate_up", SwapTiles(64, 3, 1, "regs"), "ra-pair-order"),
-    "down-t16-s5-ra": ("down", SwapTiles(16, 5, 2, "regs"), "ra-no-wg-wait"),
-    "down-ragged-ra": ("down", SwapTiles(32, 4, 4, "regs"), "ra-pair-order", (256, 320, 128)),
+    "gate_up-t32-s4-a2": ("gate_up", SwapTiles(32, 4, 2), "no-cp-wait"),
+    "gate_up-t16-s3-a4": ("gate_up", SwapTiles(16, 3, 4), "pair-order"),
+    "gate_up-t64-s2-a1": ("gate_up", SwapTiles(64, 2, 1), "no-swizzle"),
+    "down-t32-s4-a2": ("down", SwapTiles(32, 4, 2), "pair-order"),
+    "down-t16-s5-a2": ("down", SwapTiles(16, 5, 2), "no-cp-wait"),
+    "down-ragged-a4": ("down", SwapTiles(32, 3, 4), "no-wg-wait", RAGGED),
+    # two warpgroups, a 64-row half each (gate/up: the gate half's values through shared memory)
+    "gate_up-t32-s3-wg2": ("gate_up", SwapTiles(32, 3, 2, 2), "no-wg-wait"),
+    "gate_up-t16-s3-a4-wg2": ("gate_up", SwapTiles(16, 3, 4, 2), "no-swizzle"),
+    "down-t32-s4-wg2": ("down", SwapTiles(32, 4, 2, 2), "no-cp-wait"),
+    "down-ragged-wg2": ("down", SwapTiles(32, 3, 4, 2), "pair-order", RAGGED),
 }
 
 
@@ -164,3 +138,35 @@ def test_swap_refuses_what_it_cannot_take() -> None:
     assert not swap.swap_supported(x, [te.placeholder((2, 256, 128), "float16")], 128, 2, False)
     with pytest.raises(ValueError, match="does not take"):
         swap.swap_kernel(x, ok, 128, 2, True, "t", SwapTiles(), target=True)
+
+
+@needs_nvcc
+def test_swap_kernels_compile_for_sm90_with_wgmma():
+    """The table's kernels (and a two-warpgroup, 16-token variant) at V2-Lite's and V2's shapes:
+    nvcc fatbin for sm_90, compiled as sm_90a, the wgmma with A from registers and the 4-byte
+    cp.async in the source (what the emulation replaces with its stand-ins)."""
+    from dsv2_mlc.compiler.compile import make_target
+    from dsv2_mlc.compiler.cuda import cuda_codegen, cuda_sources
+
+    kernels = {}
+    n, nt = tirx.Var("n", "int64"), tirx.Var("nt", "int64")
+    shapes = {"lite": (2048, 1408, 64), "v2": (5120, 1536, 160)}  # hidden, width, experts
+    for shape, (hidden, inter, experts) in shapes.items():
+        for tiles in (swap.swap_tiles(), SwapTiles(16, 3, 4, 2)):
+            for kind, k, out_dim, halves in (("gu", hidden, inter, 2), ("dn", inter, hidden, 1)):
+                x = te.placeholder((n, k) if halves == 2 else (nt, tiles.tokens, k), "float16")
+                rows = out_dim * halves
+                ws = [te.placeholder((experts, rows, k // 8), "uint32"),
+                      te.placeholder((experts, rows, k // 128), "float16")]  # fmt: skip
+                key = f"{shape}_{kind}_{tiles.name}"
+                gathered = halves == 2
+                kernels[key] = swap.swap_kernel(x, ws, out_dim, halves, gathered, key, tiles, False)
+    target = make_target("cuda", "sm_90")
+    mod = tvm.IRModule({k: f.with_attr("global_symbol", k) for k, f in kernels.items()})
+    with target, cuda_codegen(True):
+        assert swap.swap_target()
+        lib = tvm.compile(mod, target=target)
+    (src,) = cuda_sources(lib.mod)
+    wgmma = "wgmma.mma_async.sync.aligned.m64n{}k16.f32.f16.f16"
+    for needle in (wgmma.format(32), wgmma.format(16), "cp.async.ca.shared.global", "fence.proxy"):
+        assert needle in src, needle

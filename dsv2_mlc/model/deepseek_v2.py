@@ -19,6 +19,9 @@ batch from ``begin_forward``):
   projections as GEMMs, the routed experts as expert-sorted grouped GEMMs on tensor cores, or,
   where the tile table's ``decode_gemm`` entry says ``moe="expert_major"``, the MoE blocks as
   ``batch_decode_expert_major`` runs them).
+* ``batch_decode_swap(input_ids[b, 1], cache)`` (sm_90 CUDA builds): ``batch_decode_gemm``
+  with the routed experts as expert-sorted grouped GEMMs over tiles of a few tokens, the weights
+  as the MMA's M (the largest batches).
 * ``create_paged_kv_cache(...)``: the MLA latent cache (only ``kv_lora_rank + rope`` values per
   token per layer), in pages of 16 tokens.
 
@@ -43,6 +46,7 @@ from tvm.target import Target
 from ..quant.decode_linear import int4_decode_gemv, int4_group
 from ..rope import rope_table
 from ..schedules.argmax import greedy_argmax
+from ..schedules.moe_swap_cuda import swap_target
 from ..schedules.norm_gemv_cuda import add_norm_gemv_q4, add_norm_router, add_norm_unsupported
 from ..schedules.rms_norm_cuda import RMS_NORM_ATTR  # the RMSNorm kernels' tag (epsilon)
 from .attrs import ENTRY_KIND_ATTR
@@ -62,6 +66,11 @@ from .moe import DeepseekV2MLP, DeepseekV2MoE
 # "decode_gemm": a decode step (absorbed attention over the pages, which already hold the new
 # token) whose projections and experts run the prefill path's GEMMs (``batch_decode_gemm``).
 Mode = Literal["prefill", "extend", "decode", "decode_gemm"]
+# How a MoE layer's experts run in a decode step: "auto" as the mode runs them (decode: the fused
+# per-token kernels; decode_gemm: the tile table's ``decode_gemm`` entry), "expert_major" (each
+# expert the batch selects read once: ``batch_decode_expert_major``), "swap" (grouped GEMMs with
+# the weights as the MMA's M: ``batch_decode_swap``).
+MoePath = Literal["auto", "expert_major", "swap"]
 
 # DeepSeek's q_a_layernorm / kv_a_layernorm use a fixed epsilon, not rms_norm_eps.
 LORA_NORM_EPS = 1e-6
@@ -217,15 +226,14 @@ class DeepseekV2DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
     def forward(
-        self, x: Tensor, rope: Tensor, cache: PagedKVCache, mode: Mode, expert_major: bool = False
+        self, x: Tensor, rope: Tensor, cache: PagedKVCache, mode: Mode, moe: MoePath = "auto"
     ) -> tuple[Tensor, PagedKVCache]:
-        """``expert_major``: a MoE layer's experts read once for the batch
-        (``batch_decode_expert_major``)."""
+        """``moe``: how a MoE layer's experts run (:data:`MoePath`)."""
         attn, cache = self.self_attn(self.input_layernorm(x), rope, cache, mode)
         x = x + attn
         xn = self.post_attention_layernorm(x)
-        moe = isinstance(self.mlp, DeepseekV2MoE)
-        x = x + (self.mlp(xn, mode, expert_major) if moe else self.mlp(xn, mode))
+        is_moe = isinstance(self.mlp, DeepseekV2MoE)
+        x = x + (self.mlp(xn, mode, moe) if is_moe else self.mlp(xn, mode))
         return x, cache
 
     def forward_decode(
@@ -234,14 +242,13 @@ class DeepseekV2DecoderLayer(nn.Module):
         d: Tensor | None,
         rope: Tensor,
         cache: PagedKVCache,
-        expert_major: bool = False,
+        moe: MoePath = "auto",
     ) -> tuple[Tensor, Tensor, PagedKVCache]:
         """Decode on CUDA (fp16) with each residual add + RMSNorm folded into the kernel that
         reads the norm (:mod:`dsv2_mlc.schedules.norm_gemv_cuda`): the INT4 ``qkv_a_proj`` and
         the MoE router. The hidden state is ``r + d`` (``d``: the previous
         layer's output, None before the first layer); returns ``(r', d', cache)``, the next
-        layer's. ``expert_major``: the experts read once for the batch
-        (``batch_decode_expert_major``)."""
+        layer's. ``moe``: how the experts run (:data:`MoePath`)."""
         proj, norm = self.self_attn.qkv_a_proj, self.input_layernorm
         n, h = r.shape
         q4 = int4_group(proj)
@@ -278,7 +285,7 @@ class DeepseekV2DecoderLayer(nn.Module):
                 Tensor.placeholder((n, h), r.dtype),
             ],
         )
-        return s, mlp.forward_with_logits(xn, logits, "decode", expert_major), cache
+        return s, mlp.forward_with_logits(xn, logits, "decode", moe), cache
 
 
 class DeepseekV2Model(nn.Module):
@@ -308,7 +315,7 @@ class DeepseekV2ForCausalLM(nn.Module):
             layer.self_attn.kv = self.kv
 
     def _body(
-        self, input_ids: Tensor, cache: PagedKVCache, mode: Mode, expert_major: bool = False
+        self, input_ids: Tensor, cache: PagedKVCache, mode: Mode, moe: MoePath = "auto"
     ) -> tuple[Tensor, Any]:
         n = input_ids.shape[0] * input_ids.shape[1]
         x = op.reshape(self.model.embed_tokens(op.reshape(input_ids, (n,))), (n, -1))
@@ -318,10 +325,10 @@ class DeepseekV2ForCausalLM(nn.Module):
         if mode == "decode" and self._fold_norms(x):
             r, d = x, None
             for layer in self.model.layers:
-                r, d, cache = layer.forward_decode(r, d, rope, cache, expert_major)
+                r, d, cache = layer.forward_decode(r, d, rope, cache, moe)
             return r + d, cache
         for layer in self.model.layers:
-            x, cache = layer(x, rope, cache, mode, expert_major)
+            x, cache = layer(x, rope, cache, mode, moe)
         return x, cache
 
     def _fold_norms(self, x: Tensor) -> bool:
@@ -358,7 +365,7 @@ class DeepseekV2ForCausalLM(nn.Module):
         self, input_ids: Tensor, paged_kv_cache: PagedKVCache
     ) -> tuple[Tensor, PagedKVCache]:
         """One token for each sequence of the batch (absorbed attention)."""
-        return self._decode(input_ids, paged_kv_cache, expert_major=False)
+        return self._decode(input_ids, paged_kv_cache, "auto")
 
     def batch_decode_gemm(
         self, input_ids: Tensor, paged_kv_cache: PagedKVCache
@@ -367,7 +374,21 @@ class DeepseekV2ForCausalLM(nn.Module):
         pages as there, the projections, ``lm_head`` and the routed experts as the prefill path
         runs them (GEMMs that read each weight once for the batch's tokens); the engine runs it
         for decode steps of ``Engine.gemm_decode_from`` sequences and more."""
-        x, cache = self._body(input_ids, paged_kv_cache, "decode_gemm")
+        return self._decode_gemm(input_ids, paged_kv_cache, "auto")
+
+    def batch_decode_swap(
+        self, input_ids: Tensor, paged_kv_cache: PagedKVCache
+    ) -> tuple[Tensor, PagedKVCache]:
+        """``batch_decode_gemm`` with the routed experts as the grouped GEMMs whose MMAs take
+        the weights as M and a few tokens as N (:mod:`dsv2_mlc.schedules.moe_swap_cuda`, sm_90
+        builds with INT4 experts; elsewhere the same step as ``batch_decode_gemm``): the engine
+        runs it for decode steps of ``Engine.swap_decode_from`` sequences and more."""
+        return self._decode_gemm(input_ids, paged_kv_cache, "swap")
+
+    def _decode_gemm(
+        self, input_ids: Tensor, cache: PagedKVCache, moe: MoePath
+    ) -> tuple[Tensor, PagedKVCache]:
+        x, cache = self._body(input_ids, cache, "decode_gemm", moe)
         logits = self._logits(x)
         return op.reshape(logits, (input_ids.shape[0], 1, self.cfg.vocab_size)), cache
 
@@ -378,12 +399,12 @@ class DeepseekV2ForCausalLM(nn.Module):
         expert the batch selects is read once for all its tokens, where the fused decode
         kernels read every token's experts; the engine runs it for batches of
         ``Engine.expert_major_from`` sequences and more."""
-        return self._decode(input_ids, paged_kv_cache, expert_major=True)
+        return self._decode(input_ids, paged_kv_cache, "expert_major")
 
     def _decode(
-        self, input_ids: Tensor, cache: PagedKVCache, expert_major: bool
+        self, input_ids: Tensor, cache: PagedKVCache, moe: MoePath
     ) -> tuple[Tensor, PagedKVCache]:
-        x, cache = self._body(input_ids, cache, "decode", expert_major)
+        x, cache = self._body(input_ids, cache, "decode", moe)
         logits = self._logits(x)
         return op.reshape(logits, (input_ids.shape[0], 1, self.cfg.vocab_size)), cache
 
@@ -434,7 +455,18 @@ class DeepseekV2ForCausalLM(nn.Module):
         "batch_decode_expert_major": "decode",
         # the passes give it the extend path's GEMMs (cuBLAS, dequantised weights, lm_head too)
         "batch_decode_gemm": "decode_gemm",
+        "batch_decode_swap": "decode_gemm",
     }
+
+    def _swap_applies(self) -> bool:
+        """Whether ``batch_decode_swap`` would differ from ``batch_decode_gemm``: the MoE layers'
+        experts take the grouped GEMMs of decode batches (INT4 at shapes they take, under the
+        current target); elsewhere the entry is not exported."""
+        for layer in self.model.layers:
+            if isinstance(layer.mlp, DeepseekV2MoE):
+                takes = getattr(layer.mlp.experts, "swap_takes", None)
+                return takes is not None and takes(self.dtype)
+        return False
 
     def annotate_entries(self, mod: IRModule) -> IRModule:
         """``mod`` (this model's export) with each entry point's kind as a function attribute."""
@@ -478,4 +510,6 @@ class DeepseekV2ForCausalLM(nn.Module):
         }
         if self.target.kind.name == "cuda":  # (elsewhere no such kernels: it would be a copy)
             spec["batch_decode_expert_major"] = dict(decode)
+        if swap_target(self.target) and self._swap_applies():  # (wgmma kernels: sm_90, INT4)
+            spec["batch_decode_swap"] = dict(decode)
         return nn.spec.ModuleSpec.from_raw(spec, self)

@@ -37,7 +37,6 @@ from ..schedules.moe_expert_mma_cuda import (
 )
 from ..schedules.moe_routing import moe_route
 from ..schedules.moe_swap_cuda import grouped_gemm_swap, swap_supported, swap_tiles
-from ..schedules.tiles import tuned
 from .config import DeepseekV2Config
 
 WeightReader = Callable[[list[te.Tensor], Expr, Expr, Expr], Expr]
@@ -371,10 +370,13 @@ class DeepseekV2Experts(nn.Module):
         None here (float weights)."""
         return None
 
-    def forward(self, x: Tensor, weights: Tensor, idx: Tensor, mode: str | None = None) -> Tensor:
+    def forward(
+        self, x: Tensor, weights: Tensor, idx: Tensor, mode: str | None = None, swap: bool = False
+    ) -> Tensor:
         """x [n, H], weights [n, k] fp32, idx [n, k] -> sum_j weights[:, j] * expert_j(x).
 
-        Prefill / extend on CUDA: grouped GEMMs (:func:`grouped_experts`); otherwise gathers."""
+        Prefill / extend on CUDA: grouped GEMMs (:func:`grouped_experts`); otherwise gathers.
+        ``swap`` (the grouped GEMMs of decode batches) needs INT4 experts: ignored here."""
         if use_grouped_experts(mode):
             return grouped_experts(
                 x, weights, idx, [self.gate_up_proj], [self.down_proj], self.num_experts,
@@ -482,11 +484,8 @@ class GroupQuantExperts(nn.Module):
         )  # fmt: skip
 
     def swap_takes(self, dtype: str) -> bool:
-        """Whether a ``decode_gemm`` step runs the routed experts through the grouped GEMMs of
-        :mod:`dsv2_mlc.schedules.moe_swap_cuda`: the tile table's ``decode_gemm`` entry says
-        ``moe="swap"`` and the kernel takes both shapes (INT4, an sm_90 target)."""
-        if tuned("decode_gemm").moe != "swap":
-            return False
+        """Whether the grouped GEMMs of :mod:`dsv2_mlc.schedules.moe_swap_cuda` take this
+        layer's experts: both shapes, INT4, an sm_90 target."""
         e, h, i = self.num_experts, self.hidden, self.intermediate
         ws = [
             [te.placeholder((e, *t.shape[1:]), t.dtype) for t in pair]
@@ -530,13 +529,17 @@ class GroupQuantExperts(nn.Module):
             [part, weights],
         )
 
-    def forward(self, x: Tensor, weights: Tensor, idx: Tensor, mode: str | None = None) -> Tensor:
-        """As ``DeepseekV2Experts.forward``: grouped GEMMs for prefill / extend on CUDA."""
+    def forward(
+        self, x: Tensor, weights: Tensor, idx: Tensor, mode: str | None = None, swap: bool = False
+    ) -> Tensor:
+        """As ``DeepseekV2Experts.forward``: grouped GEMMs for prefill / extend on CUDA; with
+        ``swap``, a ``decode_gemm`` step's grouped GEMMs are :mod:`~dsv2_mlc.schedules.
+        moe_swap_cuda`'s where they take the layer (:meth:`swap_takes`)."""
         read = int4_weight_reader(self.group_size)
         if use_grouped_experts(mode):
             gate_up = [self.gate_up_q_weight, self.gate_up_q_scale]
             down = [self.down_q_weight, self.down_q_scale]
-            swap = mode == "decode_gemm" and self.swap_takes(x.dtype)
+            swap = swap and mode == "decode_gemm" and self.swap_takes(x.dtype)
             return grouped_experts(
                 x, weights, idx, gate_up, down, self.num_experts, self.intermediate,
                 "moe_swap_q4" if swap else "moe_grouped_q4", read, swap,
@@ -567,28 +570,31 @@ class DeepseekV2MoE(nn.Module):
             else None
         )
 
-    def forward(self, x: Tensor, mode: str | None = None, expert_major: bool = False) -> Tensor:
+    def forward(self, x: Tensor, mode: str | None = None, moe: str = "auto") -> Tensor:
         """x: [n, H] (the tokens of the batch, flattened) -> [n, H].
 
         ``mode`` is the entry point's ("prefill" | "extend" | "decode"): the routed experts of
         prefill and extend on CUDA run as grouped GEMMs; decode runs the experts' fused kernels
         where they have them (``fused_decode``: routing, routed and shared experts in two
-        launches), the rest keeps the gather kernels. ``expert_major`` (decode of a batch,
+        launches), the rest keeps the gather kernels. ``moe="expert_major"`` (decode of a batch,
         ``batch_decode_expert_major``): the experts' expert-major kernels where they have them
         (``expert_major_decode``: each expert the batch selects read once). ``"decode_gemm"``
         (``batch_decode_gemm``) runs the grouped GEMMs, or the expert-major kernels where the
-        tile table's ``decode_gemm`` entry says so (``decode_gemm_expert_major``)."""
-        return self.forward_with_logits(x, self.gate.logits(x), mode, expert_major)
+        tile table's ``decode_gemm`` entry says so (``decode_gemm_expert_major``); with
+        ``moe="swap"`` (``batch_decode_swap``) the grouped GEMMs of decode batches
+        (:mod:`dsv2_mlc.schedules.moe_swap_cuda`) and the shared experts' GEMMs."""
+        return self.forward_with_logits(x, self.gate.logits(x), mode, moe)
 
     def forward_with_logits(
-        self, x: Tensor, logits: Tensor, mode: str | None = None, expert_major: bool = False
+        self, x: Tensor, logits: Tensor, mode: str | None = None, moe: str = "auto"
     ) -> Tensor:
         """:meth:`forward` with the router's logits ``[n, E]`` already computed (decode on
         CUDA computes them with the RMSNorm that produces ``x``: ``norm_gemv_cuda``)."""
         if mode in ("decode", "decode_gemm") and self.shared_experts is not None:
             experts, shared = self.experts, self.shared_experts
-            if mode == "decode_gemm":
-                expert_major = decode_gemm_expert_major()
+            expert_major = moe == "expert_major" or (
+                mode == "decode_gemm" and moe == "auto" and decode_gemm_expert_major()
+            )
             out = (
                 experts.expert_major_decode(x, logits, self.gate, shared) if expert_major else None
             )
@@ -597,7 +603,7 @@ class DeepseekV2MoE(nn.Module):
             if out is not None:
                 return out
         weights, idx = self.gate.route(logits)
-        out = self.experts(x, weights, idx, mode)
+        out = self.experts(x, weights, idx, mode, moe == "swap")
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out

@@ -23,7 +23,7 @@ from .device import copy_into, to_device, to_numpy
 from .generation import GenerationResult, GenerationStream, StreamDelta
 from .host_memory import HostWeights, load_params_placed
 from .integrity import verify_build
-from .memory_plan import GEMM_DECODE_FROM, plan_engine, reports_oom
+from .memory_plan import GEMM_DECODE_FROM, SWAP_DECODE_FROM, plan_engine, reports_oom
 from .pdl import PORTS as PDL_PORTS
 from .pending import PendingTokens
 from .placement import placed_bytes
@@ -116,6 +116,7 @@ class Engine(TextMixin):
         overlap_steps: bool = True,
         expert_major_from: int | None = EXPERT_MAJOR_FROM,
         gemm_decode_from: int | None = GEMM_DECODE_FROM,
+        swap_decode_from: int | None = SWAP_DECODE_FROM,
         verify: bool = False,
         experts: str | None = None,
         gpu_memory: int | str | None = None,
@@ -144,6 +145,9 @@ class Engine(TextMixin):
         ``gemm_decode_from``: decode steps of at least this many sequences run
         ``batch_decode_gemm`` (builds that have it; on CUDA the projections and experts as
         GEMMs on tensor cores, each weight read once for the step); None: never.
+        ``swap_decode_from``: decode steps of at least this many sequences run
+        ``batch_decode_swap`` (sm_90 builds that have it: ``batch_decode_gemm`` with the routed
+        experts as grouped GEMMs over tiles of a few tokens); None: never.
 
         Before anything is loaded the folder is checked against the sizes and SHA-256 recorded
         when it was made (:mod:`dsv2_mlc.runtime.integrity`: the library and the weight index
@@ -223,22 +227,12 @@ class Engine(TextMixin):
             )
         self.random_weights = random_weights
         self._fn = {name: vm[name] for name in ("batch_prefill", "batch_extend", "batch_decode")}
-        if expert_major_from is not None and expert_major_from < 1:
-            raise check.EngineOptionError(
-                f"expert_major_from must be at least 1 (got {expert_major_from})"
-            )
-        major = vm.implements_function("batch_decode_expert_major")  # CUDA builds since it exists
-        self._major_from = expert_major_from if major else None
-        if major:
-            self._fn["batch_decode_expert_major"] = vm["batch_decode_expert_major"]
-        if gemm_decode_from is not None and gemm_decode_from < 1:
-            raise check.EngineOptionError(
-                f"gemm_decode_from must be at least 1 (got {gemm_decode_from})"
-            )
-        gemm = vm.implements_function("batch_decode_gemm")  # builds since it exists
-        self._gemm_from = gemm_decode_from if gemm else None
-        if gemm:
-            self._fn["batch_decode_gemm"] = vm["batch_decode_gemm"]
+        # the decode entries for larger batches, each from a batch size where the build has it
+        # (batch_decode_expert_major: CUDA builds; batch_decode_gemm: every build since it
+        # exists; batch_decode_swap: sm_90 builds with INT4 experts)
+        self._major_from = self._entry_from(vm, "batch_decode_expert_major", expert_major_from)
+        self._gemm_from = self._entry_from(vm, "batch_decode_gemm", gemm_decode_from)
+        self._swap_from = self._entry_from(vm, "batch_decode_swap", swap_decode_from)
         # the device arg-max (``greedy_tokens``); builds compiled before it have none
         self._greedy = vm["greedy_tokens"] if vm.implements_function("greedy_tokens") else None
         self._kv_state = {
@@ -590,11 +584,26 @@ class Engine(TextMixin):
         upload = functools.partial(to_device, device=self.device)
         return self._graphs.run(key, ids, self._batch_decode, upload, copy_into, same_logits)
 
+    def _entry_from(self, vm: Any, name: str, first: int | None) -> int | None:
+        """The smallest decode batch that runs the entry ``name`` (``first``; None where the
+        build lacks it or ``first`` is None), its function kept in ``self._fn``."""
+        option = {"batch_decode_expert_major": "expert_major_from",
+                  "batch_decode_gemm": "gemm_decode_from",
+                  "batch_decode_swap": "swap_decode_from"}[name]  # fmt: skip
+        if first is not None and first < 1:
+            raise check.EngineOptionError(f"{option} must be at least 1 (got {first})")
+        if first is None or not vm.implements_function(name):
+            return None
+        self._fn[name] = vm[name]
+        return first
+
     def _batch_decode(self, ids_t: tvm_ffi.Tensor) -> Any:
         batch, start, gemm = ids_t.shape[0], self._major_from, self._gemm_from
         name = "batch_decode" if start is None or batch < start else "batch_decode_expert_major"
         if gemm is not None and batch >= gemm:
             name = "batch_decode_gemm"
+        if self._swap_from is not None and batch >= self._swap_from:
+            name = "batch_decode_swap"
         return self._fn[name](ids_t, self._cache, self._params)
 
     def _graph_key(self, seq_ids: list[int]) -> tuple[int, int] | None:
@@ -622,6 +631,11 @@ class Engine(TextMixin):
     def gemm_decode_from(self) -> int | None:
         """The smallest decode batch that runs ``batch_decode_gemm``; None: none does."""
         return self._gemm_from
+
+    @property
+    def swap_decode_from(self) -> int | None:
+        """The smallest decode batch that runs ``batch_decode_swap``; None: none does."""
+        return self._swap_from
 
     @property
     def cuda_graph_stats(self) -> dict[str, float] | None:

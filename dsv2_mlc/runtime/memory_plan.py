@@ -74,6 +74,12 @@ LOGITS_ITEMSIZE = 4  # the logits come back in float32
 # V2-Lite's shapes it beats the expert-major entry from 32 (3,471 against 2,890 tok/s; at 16:
 # 2,019 against 2,054; docs/benchmarks.md, "Decode batches")
 GEMM_DECODE_FROM = 32
+# decode steps of this many sequences and more run ``batch_decode_swap`` where the build has it
+# (sm_90: the routed experts as grouped GEMMs with the weights as the MMA's M; the engine's
+# default ``swap_decode_from``; its workspace is the GEMM path's). On the H200 at V2-Lite's
+# shapes (scripts/gpu_large_batches.py, tok/s against batch_decode_gemm): 9,442 / 8,731 at 128,
+# 10,236 / 9,172 at 160, 16,350 / 12,527 at 256; at 64 it was slower (5,237 / 6,011)
+SWAP_DECODE_FROM = 128
 
 
 class MemoryBudgetError(Dsv2Error, ValueError):

@@ -4,9 +4,9 @@
 ``python schedules/lab/kernel_lab_swap.py prepare`` (build box, TVM + nvcc, no GPU): for V2-Lite's
 routed experts (hidden 2048, expert width 1408, 64 experts, top-6, INT4 group 128) one library per
 entry of :data:`VARIANTS` for gate/up and down (``swap_kernel`` with the variant's tiles; a
-*floor* also edits the kernel source: ``nomma`` issues no MMA, ``nodq`` stores the packed words
-instead of dequantising them, ``nold`` copies no weights; a floor's output is wrong on purpose),
+*floor* also edits the kernel source),
 into the lab folder with ``manifest.json`` (tiles, registers from the cubin, shared memory).
+A floor's output is wrong on purpose: ``nomma`` issues no MMA, ``nold`` loads no weights.
 
 ``python3 schedules/lab/kernel_lab_swap.py run --lib-dir LIBS --out DIR`` (GPU machine; torch +
 ``tvm_ffi``, never imports tvm): random INT4 experts, x ~ N(0, 1), uniform top-6 routing of n
@@ -36,31 +36,32 @@ BAD_REL = 5e-3
 TOKENS = "32,128,256"
 SHAPE = dict(hidden=2048, inter=1408, experts=64, top_k=6, group=128)
 
-# (kinds, tiles (tokens, stages, line_steps[, operand_a]), floor, why)
+# (kinds, tiles (tokens, stages, ahead[, warpgroups]), floor, why); A dequantised into a shared
+# stage instead of registers (the design before, 217 + 123 us a layer at 256 tokens) is in git at
+# 92b116e with its lab variants
 VARIANTS: tuple[tuple[str, tuple, str, str], ...] = (
-    ("gu,dn", (32, 4, 1), "", "table"),
-    ("gu,dn", (32, 4, 4), "", "packed weights a whole 128-byte line a row a copy"),
-    ("gu,dn", (32, 5, 4), "", "lines, 3 steps of activations ahead"),
-    ("gu", (32, 4, 2), "", "64 bytes a row a copy"),
-    ("gu,dn", (32, 4, 1), "nold", "floor: no weight copies"),
-    ("gu", (32, 4, 1), "nomma", "floor: no MMA"),
-    ("gu", (32, 4, 1), "nodq", "floor: no dequantisation"),
-    ("gu,dn", (32, 4, 4, "regs"), "", "A from registers, weights 4 steps ahead"),
-    ("gu,dn", (32, 4, 2, "regs"), "", "A from registers, weights 2 steps ahead"),
-    ("gu,dn", (32, 6, 4, "regs"), "", "A from registers, activations 5 steps ahead"),
-    ("gu,dn", (16, 4, 4, "regs"), "", "A from registers, tiles of 16 tokens"),
-    ("gu", (64, 4, 4, "regs"), "", "A from registers, tiles of 64 tokens"),
-    ("gu", (32, 3, 4, "regs"), "", "A from registers, activations 2 steps ahead"),
+    ("gu,dn", (32, 4, 2), "", "table"),
+    ("gu,dn", (32, 4, 4), "", "weights 4 steps ahead"),
+    ("gu,dn", (32, 3, 2), "", "activations 2 steps ahead"),
+    ("gu,dn", (32, 4, 2, 2), "", "two warpgroups, a 64-row half each"),
+    ("gu,dn", (16, 4, 2), "", "tiles of 16 tokens"),
+    ("gu", (64, 4, 2), "", "tiles of 64 tokens"),
+    ("gu", (32, 4, 2), "nold", "floor: no weight loads"),
+    ("gu", (32, 4, 2), "nomma", "floor: no MMA"),
 )
 FLOORS = {
+    "nold": [
+        (
+            "wq[q][hp][m] = __ldg(reinterpret_cast<const uint2*>(wp[hp][m] + kt * 8));",
+            "wq[q][hp][m] = make_uint2(kt, hp + m);",
+        )
+    ],
     "nomma": [
-        ("      swap_wgmma<TN>(d0, wa + 32 * kk, xa + 32 * kk);\n", ""),
-        ("      swap_wgmma<TN>(d1, wa + 8192 + 32 * kk, xa + 32 * kk);\n", ""),
+        (
+            "swap_wgmma_ra<TN>(d[hp], a[hp][sl], xa + 32 * sl);",
+            "d[hp][sl] += __half2float(*(half*)&a[hp][sl][0]);",
+        )
     ],
-    "nodq": [
-        ("moe_dequant8(wv[j], j < 4 ? s_lo : s_hi);", "make_uint4(wv[j], wv[j], wv[j], wv[j]);")
-    ],
-    "nold": [("moe_cp_async16(raw_a + rslot * RAW * 2 + wdst[i], wsrc[i] + kt * 8);", "(void)0;")],
 }
 
 
@@ -74,7 +75,6 @@ def _kernels() -> tuple[dict, dict]:
     H, NI, E, G = (SHAPE[k] for k in ("hidden", "inter", "experts", "group"))
     n, nt = tirx.Var("n", "int64"), tirx.Var("nt", "int64")
     funcs, info = {}, {}
-    body = swap._SWAP_BODY
     for kinds, tiles_args, floor, why in VARIANTS:
         tiles = SwapTiles(*tiles_args)
         for kind in kinds.split(","):
@@ -83,7 +83,7 @@ def _kernels() -> tuple[dict, dict]:
             x = te.placeholder((n, k) if gu else (nt, tiles.tokens, k), "float16")
             ws = [te.placeholder((E, out_dim * halves, k // 8), "uint32"),
                   te.placeholder((E, out_dim * halves, k // G), "float16")]  # fmt: skip
-            text = body
+            body = text = swap._SWAP_BODY
             for old, new in FLOORS.get(floor, []):
                 assert old in text, (floor, old)
                 text = text.replace(old, new)
@@ -93,7 +93,7 @@ def _kernels() -> tuple[dict, dict]:
                 funcs[key] = swap.swap_kernel(x, ws, out_dim, halves, gu, key, tiles, False)
             finally:
                 swap._SWAP_BODY = body
-            smem = 2 * swap.smem_halves(tiles, k, G)
+            smem = 2 * swap.smem_halves(tiles)
             info[key] = {"kind": kind, "tiles": tiles.__dict__, "floor": floor, "why": why,
                          "smem_bytes": smem}  # fmt: skip
     return funcs, info
@@ -113,9 +113,10 @@ def prepare(args: argparse.Namespace) -> int:
         regs = _registers(lab_dir / entry["library"])
         entry["regs"] = max(regs) if regs else None
         smem = entry["kwargs"]["smem_bytes"]
-        fit = min(228 * 1024 // (smem + 1024), 16)
+        threads = 128 * entry["kwargs"]["tiles"]["warpgroups"]
+        fit = min(228 * 1024 // (smem + 1024), 2048 // threads)
         if entry["regs"]:
-            fit = min(fit, 65536 // (-(-entry["regs"] // 8) * 8 * 128))
+            fit = min(fit, 65536 // (-(-entry["regs"] // 8) * 8 * threads))
         entry["blocks_per_sm"] = fit
         print(f"  {key}: {smem} B shared, {entry['regs']} registers, {fit} blocks an SM")
     manifest = {**lab_common.manifest_header(args.arch), "shape": SHAPE, "kernels": built,
