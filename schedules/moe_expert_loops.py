@@ -5,8 +5,8 @@ the INT4 layout as it is, dequantised (the exact ``1024 + nibble`` trick) into
 ``mma.sync.m16n8k16`` A fragments against the chunk's staged activations as B: runs of
 ``MmaTiles.run`` inputs with the next run's words loaded before this run's MMAs (``depth``
 runs in flight), a tile's runs split among warps where an item has fewer tiles than the block
-has warps (partial sums reduced in a fixed order), and the activations staged whole or in K
-slices (``MmaTiles.stage_k``). The module docstring of :mod:`.moe_expert_mma_cuda` says why.
+has warps (partial sums reduced in a fixed order), against the chunk's activations staged whole.
+The module docstring of :mod:`.moe_expert_mma_cuda` says why.
 """
 
 from __future__ import annotations
@@ -15,10 +15,8 @@ from .tiles import MmaTiles
 
 __all__ = [
     "RUN",
-    "copy_source",
     "item_units",
     "mma_source",
-    "sliced_units",
     "split_parts",
     "tile_loop",
 ]
@@ -317,145 +315,5 @@ def item_units(
 {emit}
         }}
         __syncthreads();  // red is the next item's
-      }}
-"""
-
-
-def copy_source() -> str:
-    """CUDA: ``dsv2_emm_cp16(dst, src)`` (16 bytes of a row into a staged row as two 8-byte
-    copies: a padded row is 8-byte aligned; ``cp.async`` on the GPU, a plain copy off it),
-    ``dsv2_emm_cp_wait()`` (this thread's copies landed) and ``dsv2_emm_pair_in_place(p)`` (a
-    16-byte piece this thread copied, into pair order)."""
-    return """
-#ifndef DSV2_EMM_CP
-#define DSV2_EMM_CP
-__device__ __forceinline__ void dsv2_emm_cp16(unsigned* dst, const uint4* src) {
-#if defined(__CUDA_ARCH__)
-  const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
-  const char* p = reinterpret_cast<const char*>(src);
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\\n" ::"r"(d), "l"(p));
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\\n" ::"r"(d + 8), "l"(p + 8));
-#else
-  const uint2* s2 = reinterpret_cast<const uint2*>(src);
-  reinterpret_cast<uint2*>(dst)[0] = s2[0];
-  reinterpret_cast<uint2*>(dst)[1] = s2[1];
-#endif
-}
-__device__ __forceinline__ void dsv2_emm_cp_wait() {
-#if defined(__CUDA_ARCH__)
-  asm volatile("cp.async.wait_all;\\n" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void dsv2_emm_pair_in_place(unsigned* p) {
-  const uint2 a = reinterpret_cast<const uint2*>(p)[0];
-  const uint2 b = reinterpret_cast<const uint2*>(p)[1];
-  uint4 v;
-  v.x = a.x;
-  v.y = a.y;
-  v.z = b.x;
-  v.w = b.y;
-  dsv2_emm_stage(p, v);
-}
-#endif
-"""
-
-
-def sliced_units(
-    first: str,
-    last: str,
-    tiles: MmaTiles,
-    width: int,
-    tiles_a: int,
-    group: int,
-    rows: str,
-    src_row: str,
-    emit: str,
-) -> str:
-    """CUDA: an item's rows ``[first, last)`` as 16-row tiles with the chunk's activations staged
-    in slices of ``tiles.stage_k`` inputs (of ``width``): in rounds of a tile a warp (every warp
-    at every barrier, some without a tile), slice ``sl + 1`` copied into buffer ``(sl + 1) & 1``
-    (``cp.async``) while the warps multiply slice ``sl``, then put in pair order by the threads
-    that copied it, one barrier a slice. The weights of the next run are loaded before this run's
-    MMAs, across slices; a width that is an odd number of 128 with runs of 256 ends its last
-    slice with a run of 128 (the tail, loaded first). ``rows``: CUDA declaring ``wr``, ``sr``
-    for the tile at row ``r`` (:func:`tile_loop`); ``src_row``: the ``const half*`` row of the
-    chunk's pair ``k``; ``emit`` writes ``acc``."""
-    W, TM, NT, SK, words = tiles.warps, tiles.chunk, tiles.ntiles, tiles.stage_k, tiles.words
-    T, run = 32 * W, tiles.run
-    slices, runs, rps = -(-width // SK), width // run, SK // run
-    tail = width - runs * run  # 0 or 128
-    last_sl = slices - 1
-    t_span = f"{(width - tail - last_sl * SK) // 2} + t * 16"
-    tail_load = tail_mma = ""
-    if tail:
-        tail_load = f"""          uint4 tq[{tiles_a}][2][1];
-          __half2 ts[{tiles_a}][2][1];
-          {{
-  {_load_lambda(str(width // 8), width, tiles_a, group, 1, f"{width - tail} + t * 32")}
-            if (act) load(0, tq, ts);
-          }}
-"""
-        tail_mma = f"""            if (sl == {last_sl}) {{
-{_mma_run(tiles_a, "tq", "ts", 1, t_span, NT, "xb0")}            }}
-"""
-    load = _load_lambda(str(width // 8), width, tiles_a, group, words)
-    span = f"(gi - sl * {rps}) * {64 * words} + t * {16 * words}"
-    mma = _mma_run(tiles_a, "wq", "sc", words, span, NT, "xb0")
-    pieces = f"""        const int c0 = sl * {SK // 8}, sw = min({SK // 8}, {width // 8} - c0);
-        for (int v = tid; v < np * sw; v += {T}) {{
-          const int k = v / sw, q = v - k * sw;"""
-    return f"""      {{
-        auto stage = [&](int sl, unsigned* buf) {{  // the raw 16-byte pieces of slice sl
-{pieces}
-          const half* row = {src_row};
-          dsv2_emm_cp16(buf + k * XS + 4 * q, reinterpret_cast<const uint4*>(row) + c0 + q);
-        }}
-      }};
-      auto pair = [&](int sl, unsigned* buf) {{  // this thread's pieces into pair order
-        dsv2_emm_cp_wait();
-{pieces}
-          dsv2_emm_pair_in_place(buf + k * XS + 4 * q);
-        }}
-      }};
-      const int nu = ({last} - {first}) / 16;
-      for (int u0 = 0; u0 < nu; u0 += {W}) {{  // a round: a tile a warp
-        const bool act = u0 + warp < nu;
-        const int r = {first} + 16 * (act ? u0 + warp : 0);
-        float acc[{tiles_a * NT}][4] = {{}};
-{rows}
-        uint4 wq[{tiles_a}][2][{words}], nq[{tiles_a}][2][{words}];
-        __half2 sc[{tiles_a}][2][{words}], ns[{tiles_a}][2][{words}];
-{load}{tail_load}        if (act && {runs} > 0) load(0, wq, sc);
-        stage(0, xs);
-        pair(0, xs);
-        __syncthreads();
-#pragma unroll 1
-        for (int sl = 0; sl < {slices}; ++sl) {{
-          if (sl + 1 < {slices}) stage(sl + 1, xs + ((sl + 1) & 1) * {TM} * XS);
-          if (act) {{
-            const unsigned* xb0 = xs + (sl & 1) * {TM} * XS;
-            const int ge = min({runs}, (sl + 1) * {rps});
-            for (int gi = sl * {rps}; gi < ge; ++gi) {{
-              if (gi + 1 < {runs}) load(gi + 1, nq, ns);
-{mma}              if (gi + 1 < {runs}) {{
-#pragma unroll
-                for (int m = 0; m < {tiles_a}; ++m)
-#pragma unroll
-                  for (int h = 0; h < 2; ++h)
-#pragma unroll
-                    for (int u = 0; u < {words}; ++u) {{
-                      wq[m][h][u] = nq[m][h][u];
-                      sc[m][h][u] = ns[m][h][u];
-                    }}
-              }}
-            }}
-{tail_mma}          }}
-          if (sl + 1 < {slices}) pair(sl + 1, xs + ((sl + 1) & 1) * {TM} * XS);
-          __syncthreads();  // slice sl + 1 staged; buffer sl & 1 is the next slice's
-        }}
-        if (act) {{
-{emit}
-        }}
-      }}
       }}
 """

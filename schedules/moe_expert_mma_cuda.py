@@ -57,15 +57,9 @@ needs (schedules/results/moe_decode.md).
    in float32 (unweighted, every element written by one item: the weighted sum stays
    deterministic).
 
-**Activations in K slices** (``MmaTiles.stage_k`` > 0; 0 stages the whole chunk as above): an
-item's chunk x full width of activations (64 KB at chunk 16 and hidden 2048, 128 KB at chunk 32:
-one block an SM) is staged ``stage_k`` inputs at a time (a multiple of the run) in a ring of two
-buffers of ``chunk`` padded rows (``2 x chunk x stage_k x 2`` bytes: 33 KB at chunk 32 and 256),
-with the same pair order and strides. The item's tiles go in rounds of a tile a warp; in a round
-slice ``sl + 1`` is copied (``cp.async``, 8 bytes at a time: padded rows are 8-byte aligned)
-while the warps multiply slice ``sl``, then each thread puts the pieces it copied in pair order,
-one barrier a slice. A warp's next run of weights is loaded before this run's MMAs across the
-slices (depth 1; no K split). Every item stages its own slices.
+**Activations in K slices** (a ring of two slice buffers so that chunks of 32 pairs leave room
+for several blocks an SM) measured slower at every batch and tiling tried and was removed: it is
+in git at ``62f3610`` (``MmaTiles.stage_k``), its figures in schedules/results/decode_batches.md.
 
 Shapes: ``hidden``, ``inter`` and the shared intermediate multiples of 128, the group a multiple
 of 32 (a lane's 32 inputs share a scale), ``rows`` a multiple of 16. The reference is float64
@@ -82,10 +76,8 @@ from .decode_gemv_cuda import dot32_source
 from .moe_decode_cuda import MoeDecodeShape
 from .moe_expert_loops import (
     RUN,
-    copy_source,
     item_units,
     mma_source,
-    sliced_units,
     split_parts,
     tile_loop,
 )
@@ -144,13 +136,6 @@ def expert_mma_unsupported(s: MoeDecodeShape, tiles: MmaTiles | None = None) -> 
         return f"run {tiles.run} is not {RUN} or {2 * RUN}"
     if tiles.chunk not in _CHUNKS:
         return f"chunk {tiles.chunk} is not one of {_CHUNKS} pairs"
-    if tiles.stage_k and (tiles.stage_k < 0 or tiles.stage_k % tiles.run):
-        return f"stage_k {tiles.stage_k} is not 0 or a positive multiple of the run ({tiles.run})"
-    if tiles.stage_k and (tiles.depth > 1 or split_parts(tiles) > 1):
-        return (
-            f"stage_k {tiles.stage_k} (activations staged in K slices) needs depth 1 and no K "
-            f"split: rows {tiles.rows} of at least {16 * tiles.warps} ({tiles})"
-        )
     if tiles.tokens < 32 or tiles.tokens % 32 or tiles.tokens * (s.top_k + 1) > 32767:
         return (
             f"tokens {tiles.tokens} is not a positive multiple of 32 whose {s.top_k + 1} pairs a "
@@ -181,9 +166,7 @@ def expert_mma_unsupported(s: MoeDecodeShape, tiles: MmaTiles | None = None) -> 
 def _smem_bytes(tiles: MmaTiles, width: int, tiles_a: int) -> int:
     """Shared memory besides the plan: the chunk's staged rows of ``width`` values, then (with a
     K split) its partial accumulators (``tiles_a`` A tiles x the n-tiles, a float per lane and
-    fragment, per warp); with ``stage_k``, two buffers of the chunk's rows of a slice."""
-    if tiles.stage_k:  # two slice buffers (no K split)
-        return 8 * tiles.chunk * _stride(tiles.stage_k)
+    fragment, per warp)."""
     red = 4 * tiles.warps * tiles_a * tiles.ntiles * 4 * 32 if split_parts(tiles) > 1 else 0
     return 4 * tiles.chunk * _stride(width) + red
 
@@ -264,28 +247,6 @@ def gate_up_source(s: MoeDecodeShape, tiles: MmaTiles) -> tuple[str, str]:
                 }}
               }}"""
     loop_head = items_head(tag, TM, NB, tiles.tokens)
-    if tiles.stage_k:
-        src_row = f"x + (t0 + P.pair[first + k] / {K + 1}) * {H}"
-        units = sliced_units("r0", "r1", tiles, H, 2, G, rows, src_row, emit)
-        src = f"""
-#ifndef DSV2_EMM_GU_{tag}
-#define DSV2_EMM_GU_{tag}
-{_head(name, params, tag, tiles.stage_k, dyn, 0, 2 * TM)}  // row blocks of a routed / shared chunk
-  const int rbr = {-(-NI // R)}, rbs = {-(-IS // R)};
-{loop_head}      (void)staged;  // every item stages its slices
-      const bool sh = e == {E};
-      const unsigned* ew = sh ? sw : w + (long long)e * {2 * NI * (H // 8)};
-      const half* es = sh ? ss : s + (long long)e * {2 * NI * (H // G)};
-      const long long up = sh ? {IS} : {NI};
-      const int r0 = rb * {R}, r1 = min(sh ? {IS} : {NI}, r0 + {R});
-{units}    }}
-    __syncthreads();  // this group's plan is read no more
-  }}
-}}
-#endif
-"""
-        head = dot32_source(16) + mma_source() + copy_source() + grid_wait_source()
-        return name, head + plan_source(s, tag, tiles) + src
     src = f"""
 #ifndef DSV2_EMM_GU_{tag}
 #define DSV2_EMM_GU_{tag}
@@ -364,32 +325,6 @@ def down_source(s: MoeDecodeShape, tiles: MmaTiles) -> tuple[str, str]:
 {item_units("r0", "r1", tiles, IS // tiles.run, 1, body(IS), emit)}      }} else {{
 {item_units("r0", "r1", tiles, NI // tiles.run, 1, body(NI), emit)}      }}
 """
-    if tiles.stage_k:
-        src_row = (
-            f"h + (t0 + P.pair[first + k] / {K + 1}) * {total} + "
-            f"(P.pair[first + k] % {K + 1}) * {NI}"
-        )
-        units = f"""      if (sh) {{
-{sliced_units("r0", "r1", tiles, IS, 1, G, rows(IS), src_row, emit)}      }} else {{
-{sliced_units("r0", "r1", tiles, NI, 1, G, rows(NI), src_row, emit)}      }}
-"""
-        src = f"""
-#ifndef DSV2_EMM_DN_{tag}
-#define DSV2_EMM_DN_{tag}
-{_head(name, params, tag, tiles.stage_k, dyn, 0, 2 * TM)}  const int rbr = {-(-H // R)}, rbs = rbr;
-{items_head(tag, TM, NB, tiles.tokens)}      (void)staged;  // every item stages its slices
-      const bool sh = e == {E};
-      const unsigned* ew = sh ? sw : w + (long long)e * {H * (NI // 8)};
-      const half* es = sh ? ss : s + (long long)e * {H * (NI // G)};
-      const int r0 = rb * {R}, r1 = min({H}, r0 + {R});
-{units}    }}
-    __syncthreads();  // this group's plan is read no more
-  }}
-}}
-#endif
-"""
-        head = dot32_source(16) + mma_source() + copy_source() + grid_wait_source()
-        return name, head + plan_source(s, tag, tiles) + src
     src = f"""
 #ifndef DSV2_EMM_DN_{tag}
 #define DSV2_EMM_DN_{tag}

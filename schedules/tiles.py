@@ -147,10 +147,8 @@ class MmaTiles:
     registers; depth > 1 only without a K split). ``tokens``: the tokens a block plans together
     (a multiple of 32; a batch of more runs as several groups, each group reading its experts'
     weights again); ``chunk``: the (token, slot) pairs of an item (8, 16 or 32: one, two or four
-    MMA n-tiles of 8 per dequantised weight fragment); ``stage_k``: 0 stages an item's whole
-    chunk of activations (chunk x the full width) before its K loop; else a slice of ``stage_k``
-    inputs at a time (a multiple of the run) in a ring of two shared buffers, so that a chunk of
-    32 pairs leaves room for several blocks an SM (depth 1, no K split)."""
+    MMA n-tiles of 8 per dequantised weight fragment); an item's chunk of activations (chunk x
+    the full width) is staged whole before its K loop."""
 
     warps: int = 4
     blocks: int = 264
@@ -159,7 +157,6 @@ class MmaTiles:
     run: int = 128
     tokens: int = 32
     chunk: int = 8
-    stage_k: int = 0
 
     @property
     def name(self) -> str:
@@ -167,8 +164,7 @@ class MmaTiles:
         run = f"_k{self.run}" if self.run != 128 else ""
         plan = f"_t{self.tokens}" if self.tokens != 32 else ""
         chunk = f"_c{self.chunk}" if self.chunk != 8 else ""
-        sliced = f"_s{self.stage_k}" if self.stage_k else ""
-        return f"w{self.warps}_b{self.blocks}_r{self.rows}{deep}{run}{plan}{chunk}{sliced}"
+        return f"w{self.warps}_b{self.blocks}_r{self.rows}{deep}{run}{plan}{chunk}"
 
     @property
     def words(self) -> int:

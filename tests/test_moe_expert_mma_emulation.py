@@ -11,10 +11,7 @@ no item wrote shows. The cases cover experts chosen by several tokens, chunks sp
 more tokens than a plan's group (two groups), items that end mid-expert, and groups of 32 and 64;
 plans of 256 tokens (a decode step's whole batch) with uneven expert loads (an expert of every
 token, one of none), chunks of 16 and 32 pairs (two and four MMA n-tiles an A fragment), and a
-negative control: a plan whose pair order differs between blocks. Activations staged in K slices
-(``MmaTiles.stage_k``): chunks of 16 and 32, widths that end with a shorter slice and with a tail
-of 128 after runs of 256, rounds where some warps have no tile, plans of 256 tokens with uneven
-experts, and a negative control: every slice's MMAs reading the ring's first buffer.
+negative control: a plan whose pair order differs between blocks.
 """
 
 from __future__ import annotations
@@ -153,52 +150,6 @@ def test_chunks_of_several_n_tiles_match_numpy(
     check_expert_kernels(tmp_path, shape, n, gate_up, down, tiles.blocks, seed=11)
 
 
-@pytest.mark.parametrize(
-    ("shape", "tiles", "n", "ids"),
-    [
-        # slices of 256 of hidden 384, routed 384, shared 640: each width ends with a slice of 128
-        (TAIL, MmaTiles(warps=2, blocks=3, rows=32, chunk=16, stage_k=256), 11, False),
-        # runs of 256, slices of 256: the last slice of 128 is the tail (only a run of 128)
-        (TAIL, MmaTiles(warps=4, blocks=5, rows=64, run=256, chunk=32, stage_k=256), 20, False),
-        # plans of 256 tokens with uneven experts: slices of 128 (4 of hidden, 2 of routed), 4
-        # tiles an item over 3 warps (a second round with one warp active); runs and slices of
-        # 256 with chunks of 16
-        (WIDE, MmaTiles(warps=3, blocks=5, rows=64, tokens=256, chunk=32, stage_k=128), 256, True),
-        (WIDE, MmaTiles(warps=2, blocks=4, rows=32, run=256, tokens=256, chunk=16, stage_k=256),
-         200, True),
-    ],
-    ids=["tail-chunk16-s256", "tail-run256-chunk32-s256", "plan256-chunk32-s128",
-         "plan256-run256-chunk16-s256"],
-)  # fmt: skip
-def test_activations_staged_in_k_slices_match_numpy(
-    tmp_path: Path, shape: MoeDecodeShape, tiles: MmaTiles, n: int, ids: bool
-) -> None:
-    assert expert_mma_unsupported(shape, tiles) is None
-    chosen = uneven_ids(np.random.default_rng(3), n, shape.experts) if ids else None
-    gate_up = gate_up_expert_mma_kernel(shape, tiles)
-    down = down_expert_mma_kernel(shape, tiles)
-    check_expert_kernels(tmp_path, shape, n, gate_up, down, tiles.blocks, seed=13, ids=chosen)
-
-
-def test_slices_read_from_the_wrong_buffer_fail(tmp_path: Path) -> None:
-    """Negative control: every slice's MMAs read the ring's first buffer, so from the second
-    slice on they multiply the first slice's activations (the second one is staged in the other
-    buffer)."""
-    tiles = MmaTiles(warps=2, blocks=3, rows=32, chunk=16, stage_k=128)
-
-    def first_buffer(src: str) -> str:
-        good = "const unsigned* xb0 = xs + (sl & 1) * 16 * XS;"
-        assert good in src, "the sliced K loop changed: update this control"
-        return src.replace(good, "const unsigned* xb0 = xs;")
-
-    gate_up = gate_up_expert_mma_kernel(TAIL, tiles)
-    down = down_expert_mma_kernel(TAIL, tiles)
-    with pytest.raises(AssertionError, match="h: rel L2"):
-        check_expert_kernels(
-            tmp_path, TAIL, 9, gate_up, down, tiles.blocks, seed=13, patch=first_buffer
-        )
-
-
 def test_a_plan_that_differs_between_blocks_fails(tmp_path: Path) -> None:
     """Negative control: odd blocks rank an expert's lanes of a run of 32 pairs in reverse, so
     an expert of more than 8 pairs a run has other pairs in a chunk there: the blocks that share
@@ -310,15 +261,4 @@ def test_expert_mma_refuses_shapes_it_cannot_tile() -> None:
         assert expert_mma_unsupported(lite, dataclasses.replace(tuned(kernel), chunk=32)) is None
         big = dataclasses.replace(tuned(kernel), tokens=256, chunk=32)
         assert "32 staged rows of 5120" in expert_mma_unsupported(v2, big)
-        # staged in slices of 256 (two buffers of 32 rows: 33 KB), chunks of 32 fit V2 too
-        sliced = dataclasses.replace(big, depth=1, stage_k=256)
-        assert expert_mma_unsupported(v2, sliced) is None, kernel
-        assert expert_mma_unsupported(lite, sliced) is None, kernel
-    # slices of whole runs; depth 1 and no K split
-    assert "stage_k 384" in expert_mma_unsupported(SMALL, MmaTiles(run=256, stage_k=384))
-    assert "stage_k -128" in expert_mma_unsupported(SMALL, MmaTiles(stage_k=-128))
-    assert "needs depth 1" in expert_mma_unsupported(SMALL, MmaTiles(depth=2, stage_k=128))
-    split = MmaTiles(warps=4, rows=16, stage_k=128)
-    assert "no K split" in expert_mma_unsupported(SMALL, split)
-    with pytest.raises(ValueError, match="no K split"):
-        gate_up_expert_mma_kernel(SMALL, split)
+

@@ -51,6 +51,8 @@ SMS, SM_SHARED, SM_REGS, SM_THREADS = 132, 228 * 1024, 65536, 2048  # H200 (sm_9
 # a thread: 3 blocks of 4 warps an SM by either (396 blocks: one wave); down stages 16 rows of
 # the widest h slice (the shared 2816) + the plan: 100.8 KB, 2 an SM, so its 528 blocks run as
 # two waves.
+# (the K-sliced activation staging, MmaTiles.stage_k, and its variants: in git up to 62f3610,
+# measured slower everywhere; schedules/results/decode_batches.md)
 GATE_UP_VARIANTS: tuple[tuple[dict, str], ...] = (
     ({}, "table: 64 rows, 3 blocks an SM by shared memory and registers, 396 = one wave"),
     (dict(rows=128), "staging per item: a staged chunk serves 128 rows (11 items a chunk)"),
@@ -60,9 +62,6 @@ GATE_UP_VARIANTS: tuple[tuple[dict, str], ...] = (
     (dict(blocks=264), "occupancy: 2 blocks an SM (8 warps), one wave"),
     (dict(chunk=8), "chunk 8: 42.9 KB (registers still hold 3 an SM); 3 reads an expert"),
     (dict(chunk=32, blocks=132), "chunk 32: 141 KB, 1 an SM; an expert's rows read once"),
-    (dict(chunk=32, stage_k=256, blocks=264), "chunk 32 in slices of 256: 42 KB, 2 an SM"),
-    (dict(chunk=32, stage_k=256, run=128), "chunk 32, slices of 256, runs of 128: 3 an SM"),
-    (dict(stage_k=256), "chunk 16 in slices of 256: 26 KB, what slicing costs at chunk 16"),
 )
 DOWN_VARIANTS: tuple[tuple[dict, str], ...] = (
     ({}, "table: 128 rows, depth 2, 528 blocks but 2 an SM fit: two waves"),
@@ -74,7 +73,6 @@ DOWN_VARIANTS: tuple[tuple[dict, str], ...] = (
     (dict(blocks=264, depth=1), "one run in flight instead of two, one wave"),
     (dict(blocks=264, warps=4), "4 warps (2 tiles each), 8 warps an SM: latency hiding"),
     (dict(blocks=396, rows=256), "rows 256 at 1.5 waves (3 asked, 2 fit)"),
-    (dict(chunk=32, depth=1, stage_k=256, blocks=264), "chunk 32 in slices of 256: 43 KB"),
 )
 V2_VARIANTS: tuple[tuple[dict, str], ...] = (({}, "table"),)
 BAD_REL = 5e-3  # relative L2 above this is flagged "!"
