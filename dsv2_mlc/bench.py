@@ -89,6 +89,7 @@ class BenchOptions:
     prefill_chunk: int | None = None
     expert_major_from: int | None = None  # None: the engine's default
     gemm_decode_from: int | None = None  # None: the engine's default
+    swap_decode_from: int | None = None  # None: the engine's default
     mixed_lengths: bool = False  # prompt lengths drawn from [prompt_len / 8, prompt_len]
     token_major: bool = False  # every decode step on the fused per-token MoE kernels
     verify: bool = False  # hash the weight files too before loading them
@@ -110,6 +111,8 @@ class BenchOptions:
             raise BenchError("--expert-major-from must be at least 1 sequence")
         if self.gemm_decode_from is not None and self.gemm_decode_from < 1:
             raise BenchError("--gemm-decode-from must be at least 1 sequence")
+        if self.swap_decode_from is not None and self.swap_decode_from < 1:
+            raise BenchError("--swap-decode-from must be at least 1 sequence")
         if self.mixed_lengths and self.compare_hf:
             raise BenchError("--compare-hf takes prompts of one length: drop --mixed-lengths")
         if self.experts not in (None, "gpu", "host"):
@@ -318,13 +321,16 @@ def _one_run(engine: Any, prompts: list[list[int]], gen_len: int) -> dict[str, A
 
 
 def _expert_major(opts: BenchOptions) -> dict[str, int | None]:
-    """The engine's ``expert_major_from`` / ``gemm_decode_from`` keywords for ``opts`` (none:
-    its defaults)."""
+    """The engine's ``expert_major_from`` / ``gemm_decode_from`` / ``swap_decode_from``
+    keywords for ``opts`` (none: its defaults)."""
     out: dict[str, int | None] = {}
     if opts.gemm_decode_from is not None:
         out["gemm_decode_from"] = opts.gemm_decode_from
+    if opts.swap_decode_from is not None:
+        out["swap_decode_from"] = opts.swap_decode_from
     if opts.token_major:
-        return {**out, "expert_major_from": None, "gemm_decode_from": None}
+        off = ("expert_major_from", "gemm_decode_from", "swap_decode_from")
+        return {**out, **dict.fromkeys(off)}
     if opts.expert_major_from is not None:
         out["expert_major_from"] = opts.expert_major_from
     return out
@@ -595,6 +601,8 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None] = print) -> dict[st
             and opts.batch >= engine.expert_major_from,
             "gemm_path": engine.gemm_decode_from is not None
             and opts.batch >= engine.gemm_decode_from,
+            "swap_moe": engine.swap_decode_from is not None
+            and opts.batch >= engine.swap_decode_from,
             "step_s": steps,
             "decode_tok_s": opts.batch * len(steps) / sum(steps) if steps else None,
             "tpot_ms_mean": float(np.mean(steps)) * 1e3 if steps else None,
@@ -657,7 +665,9 @@ def format_report(r: dict[str, Any]) -> str:
             f"decode: {d['decode_tok_s']:,.1f} tok/s, TPOT p50 {d['tpot_ms_p50']:.3f} ms, "
             f"p99 {d['tpot_ms_p99']:.3f} ms ("
             + (
-                "GEMM path; "
+                "GEMM path, swap MoE; "
+                if d.get("swap_moe")
+                else "GEMM path; "
                 if d.get("gemm_path")
                 else "expert-major MoE; "
                 if d.get("expert_major")

@@ -135,7 +135,15 @@ def _add_bench_command(sub: argparse._SubParsersAction) -> None:
         type=int,
         default=None,
         help="decode batches of at least this many sequences run the GEMM path (projections "
-        "and experts as the prefill path runs them; default: the engine's, 64)",
+        "and experts as the prefill path runs them; default: the engine's, 32)",
+    )
+    p.add_argument(
+        "--swap-decode-from",
+        type=int,
+        default=None,
+        help="decode batches of at least this many sequences run the GEMM path with the routed "
+        "experts as grouped GEMMs over tiles of a few tokens (sm_90 builds; default: the "
+        "engine's, 128)",
     )
     p.add_argument(
         "--token-major",

@@ -114,9 +114,15 @@ def test_swap_entry_is_the_gemm_entry_with_the_swap_experts(arch: str) -> None:
 
 
 def test_swap_threshold_must_be_a_sequence_count(compiled) -> None:
+    from dsv2_mlc.bench import BenchError, BenchOptions, _expert_major
     from dsv2_mlc.runtime.engine import Engine
 
     with pytest.raises(ValueError, match="swap_decode_from must be at least 1"):
         Engine(compiled["A"], context_window=64, max_batch_size=1, swap_decode_from=0)
+    with pytest.raises(BenchError, match="--swap-decode-from"):
+        BenchOptions(model="x", swap_decode_from=0).check()
+    assert _expert_major(BenchOptions(model="x", swap_decode_from=200)) == {"swap_decode_from": 200}
+    off = _expert_major(BenchOptions(model="x", swap_decode_from=200, token_major=True))
+    assert off == dict.fromkeys(("expert_major_from", "gemm_decode_from", "swap_decode_from"))
     eng = Engine(compiled["A"], context_window=64, max_batch_size=1)
     assert eng.swap_decode_from is None  # a CPU build has no batch_decode_swap
