@@ -64,7 +64,7 @@ __all__ = [
 ]
 
 SWAP_TOKENS = (16, 32, 64)  # the token tiles (wgmma N) the kernel is instantiated for
-SWAP_THREADS = 128  # one warpgroup a block
+SWAP_THREADS = 128  # a warpgroup (SwapTiles.warpgroups of them a block)
 _BK = 64  # a K step
 
 
