@@ -330,30 +330,35 @@ struct EmuCp { unsigned char* dst; unsigned char data[16]; unsigned n; };
 thread_local std::vector<std::vector<EmuCp>> t_cp_groups;  // committed, oldest first
 thread_local std::vector<EmuCp> t_cp_open;  // issued since the last commit_group
 thread_local unsigned long long t_cp_block = ~0ull;
-static inline void dsv2_emu_cp_block() {
+// whether this thread runs a block other than the one `seen` names (then `seen` is updated): an
+// asynchronous queue of the previous block is dropped then
+static inline bool emu_new_block(unsigned long long& seen) {
   const unsigned long long b = ((unsigned long long)blockIdx.y << 32) | blockIdx.x;
-  if (b == t_cp_block) return;
-  t_cp_block = b;
+  if (b == seen) return false;
+  seen = b;
+  return true;
+}
+static inline void dsv2_emu_cp_block() {
+  if (!emu_new_block(t_cp_block)) return;
   t_cp_groups.clear();
   t_cp_open.clear();
 }
-static inline void dsv2_emu_cp_async(unsigned dst, const void* src, int src_bytes) {
-  if (dst % 16 || (uintptr_t)src % 16) emu_fail("cp.async alignment");
-  if (src_bytes < 0 || src_bytes > 16) emu_fail("cp.async source size");
+// a copy of `n` bytes (16 or 4), `src_bytes` of them read from `src` (the rest zero-filled)
+static inline void emu_cp_issue(unsigned dst, const void* src, unsigned n, int src_bytes) {
+  if (dst % n || (uintptr_t)src % n) emu_fail("cp.async alignment");
+  if (src_bytes < 0 || src_bytes > (int)n) emu_fail("cp.async source size");
   dsv2_emu_cp_block();
-  EmuCp cp{dsv2_emu_smem(dst, 16), {}, 16};
+  EmuCp cp{dsv2_emu_smem(dst, n), {}, n};
   if (src_bytes) memcpy(cp.data, src, src_bytes);
-  memset(cp.dst, 0xff, 16);
+  memset(cp.dst, 0xff, n);
   t_cp_open.push_back(cp);
+}
+static inline void dsv2_emu_cp_async(unsigned dst, const void* src, int src_bytes) {
+  emu_cp_issue(dst, src, 16, src_bytes);
 }
 // cp.async.ca.shared.global of 4 bytes (both addresses 4-byte aligned), as above
 static inline void dsv2_emu_cp_async4(unsigned dst, const void* src) {
-  if (dst % 4 || (uintptr_t)src % 4) emu_fail("cp.async (4 bytes) alignment");
-  dsv2_emu_cp_block();
-  EmuCp cp{dsv2_emu_smem(dst, 4), {}, 4};
-  memcpy(cp.data, src, 4);
-  memset(cp.dst, 0xff, 4);
-  t_cp_open.push_back(cp);
+  emu_cp_issue(dst, src, 4, 4);
 }
 static inline void dsv2_emu_cp_commit() {
   dsv2_emu_cp_block();
@@ -436,9 +441,7 @@ thread_local std::vector<std::vector<EmuWg>> t_wg_groups;
 thread_local std::vector<EmuWg> t_wg_open;
 thread_local unsigned long long t_wg_block = ~0ull;
 static inline void dsv2_emu_wg_block() {
-  const unsigned long long b = ((unsigned long long)blockIdx.y << 32) | blockIdx.x;
-  if (b == t_wg_block) return;
-  t_wg_block = b;
+  if (!emu_new_block(t_wg_block)) return;
   t_wg_groups.clear();
   t_wg_open.clear();
 }

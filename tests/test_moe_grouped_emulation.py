@@ -114,6 +114,17 @@ def reference_tiles(
     return want, tol
 
 
+def check_tiles(out: np.ndarray, want: np.ndarray, tol: np.ndarray) -> tuple[bool, str]:
+    """(whether every element of the valid tiles (``want`` not NaN) is within its bound and the
+    others unwritten (NaN), the worst error / bound and the count written outside)."""
+    valid = ~np.isnan(want)
+    err = np.abs(out.astype(np.float64) - want)
+    ratio = np.nan_to_num(err[valid] / tol[valid], nan=np.inf)
+    ok = bool((ratio <= 1).all() and np.isnan(out[~valid]).all())
+    outside = int((~np.isnan(out[~valid])).sum())
+    return ok, f"worst error / bound {ratio.max():.3g}, {outside} elements written outside"
+
+
 def run_kernel(
     tmp_path: Path,
     kind: str,
@@ -160,13 +171,7 @@ def run_kernel(
     grid = (blocks, col_blocks) if gathered else (col_blocks, blocks)  # (down: columns first)
     run(grid, arrays, *[{"nt": nt, "n": len(idx)}[s] for s in run.scalars], slow_warp=1)
 
-    want, tol = reference_tiles(kind, x, rows, tile_expert, w)
-    valid = ~np.isnan(want)
-    err = np.abs(out.astype(np.float64) - want)
-    ratio = np.nan_to_num(err[valid] / tol[valid], nan=np.inf)
-    ok = bool((ratio <= 1).all() and np.isnan(out[~valid]).all())
-    outside = int((~np.isnan(out[~valid])).sum())
-    return ok, f"worst error / bound {ratio.max():.3g}, {outside} elements written outside"
+    return check_tiles(out, *reference_tiles(kind, x, rows, tile_expert, w))
 
 
 # (kind, warps along the columns, rows per block, broken variant for the negative control[,

@@ -37,7 +37,13 @@ from dsv2_mlc.schedules.tiles import SwapTiles
 sys.path.insert(0, str(Path(__file__).parent))
 from cuda_builds import needs_nvcc  # noqa: E402
 from cuda_emulation import emulate, needs_toolchain, random_int4  # noqa: E402
-from test_moe_grouped_emulation import EXPERTS, align, reference_tiles, routing  # noqa: E402
+from test_moe_grouped_emulation import (  # noqa: E402
+    EXPERTS,
+    align,
+    check_tiles,
+    reference_tiles,
+    routing,
+)
 
 pytestmark = needs_toolchain
 
@@ -90,13 +96,7 @@ def run_kernel(
     grid = (nt, out_dim * halves // 128)
     run(grid, arrays, *[{"nt": nt, "n": len(idx)}[s] for s in run.scalars], slow_warp=1)
 
-    want, tol = reference_tiles(kind, x, rows, tile_expert, w)
-    valid = ~np.isnan(want)
-    err = np.abs(out.astype(np.float64) - want)
-    ratio = np.nan_to_num(err[valid] / tol[valid], nan=np.inf)
-    ok = bool((ratio <= 1).all() and np.isnan(out[~valid]).all())
-    outside = int((~np.isnan(out[~valid])).sum())
-    return ok, f"worst error / bound {ratio.max():.3g}, {outside} elements written outside"
+    return check_tiles(out, *reference_tiles(kind, x, rows, tile_expert, w))
 
 
 RAGGED = (256, 320, 128)  # hidden, expert width, group: 5 steps, the last group half as long
