@@ -59,7 +59,7 @@ needs (schedules/results/moe_decode.md).
 
 **Activations in K slices** (a ring of two slice buffers so that chunks of 32 pairs leave room
 for several blocks an SM) measured slower at every batch and tiling tried and was removed: it is
-in git at ``62f3610`` (``MmaTiles.stage_k``), its figures in schedules/results/decode_batches.md.
+in git at ``ef59bc7`` (``MmaTiles.stage_k``), its figures in schedules/results/decode_batches.md.
 
 Shapes: ``hidden``, ``inter`` and the shared intermediate multiples of 128, the group a multiple
 of 32 (a lane's 32 inputs share a scale), ``rows`` a multiple of 16. The reference is float64

@@ -30,7 +30,7 @@ they are staged by 4-byte ``cp.async`` pairs into a ring of ``SwapTiles.stages``
 waited for before the next step's dequantisation rewrites the A registers. The epilogue goes
 through shared memory: the accumulators (``silu(gate) * up`` for gate/up; with two warpgroups the
 gate half's values pass as floats) as fp16, transposed to token rows, written 16 bytes at a time.
-Against A dequantised into a shared stage (the design before, in git at ``92b116e``) this reads
+Against A dequantised into a shared stage (the design before, in git at ``6a8834e``) this reads
 and writes ~40 KB less shared memory a block and step, which bounded it (ncu: L1 89 % busy, short
 scoreboard stalls): 124 + 65 against 217 + 123 us a layer (gate/up + down) at 256 tokens
 (schedules/results/moe_swap.md).

@@ -51,7 +51,7 @@ SMS, SM_SHARED, SM_REGS, SM_THREADS = 132, 228 * 1024, 65536, 2048  # H200 (sm_9
 # a thread: 3 blocks of 4 warps an SM by either (396 blocks: one wave); down stages 16 rows of
 # the widest h slice (the shared 2816) + the plan: 100.8 KB, 2 an SM, so its 528 blocks run as
 # two waves.
-# (the K-sliced activation staging, MmaTiles.stage_k, and its variants: in git up to 62f3610,
+# (the K-sliced activation staging, MmaTiles.stage_k, and its variants: in git up to ef59bc7,
 # measured slower everywhere; schedules/results/decode_batches.md)
 GATE_UP_VARIANTS: tuple[tuple[dict, str], ...] = (
     ({}, "table: 64 rows, 3 blocks an SM by shared memory and registers, 396 = one wave"),

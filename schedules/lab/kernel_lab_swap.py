@@ -38,7 +38,7 @@ SHAPE = dict(hidden=2048, inter=1408, experts=64, top_k=6, group=128)
 
 # (kinds, tiles (tokens, stages, ahead[, warpgroups]), floor, why); A dequantised into a shared
 # stage instead of registers (the design before, 217 + 123 us a layer at 256 tokens) is in git at
-# 92b116e with its lab variants
+# 6a8834e with its lab variants
 VARIANTS: tuple[tuple[str, tuple, str, str], ...] = (
     ("gu,dn", (32, 4, 2), "", "table"),
     ("gu,dn", (32, 4, 4), "", "weights 4 steps ahead"),
