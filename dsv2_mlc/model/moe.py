@@ -486,16 +486,14 @@ class GroupQuantExperts(nn.Module):
     def swap_takes(self, dtype: str) -> bool:
         """Whether the grouped GEMMs of :mod:`dsv2_mlc.schedules.moe_swap_cuda` take this
         layer's experts: both shapes, INT4, an sm_90 target."""
-        e, h, i = self.num_experts, self.hidden, self.intermediate
-        ws = [
-            [te.placeholder((e, *t.shape[1:]), t.dtype) for t in pair]
-            for pair in (
-                (self.gate_up_q_weight, self.gate_up_q_scale),
-                (self.down_q_weight, self.down_q_scale),
-            )
-        ]
-        return swap_supported(te.placeholder((1, h), dtype), ws[0], i, 2) and swap_supported(
-            te.placeholder((1, i), dtype), ws[1], h, 1
+        h, i = self.hidden, self.intermediate
+
+        def takes(red: int, pair: tuple[nn.Parameter, nn.Parameter], out_dim: int, halves: int):
+            ws = [te.placeholder(t.shape, t.dtype) for t in pair]
+            return swap_supported(te.placeholder((1, red), dtype), ws, out_dim, halves)
+
+        return takes(h, (self.gate_up_q_weight, self.gate_up_q_scale), i, 2) and takes(
+            i, (self.down_q_weight, self.down_q_scale), h, 1
         )
 
     def expert_major_decode(
