@@ -302,6 +302,9 @@ class SimCuda:
     def node_type(self, node: int) -> int:
         return KERNEL if self.graphs[node // 100][node % 100][0] == "kernel" else MEMCPY
 
+    def foreign_kernel(self, node: int) -> bool:  # every simulated kernel is the build's own
+        return False
+
     def graph_edges(self, graph: int) -> list:
         return [(a, b, d) for (a, b), d in self.edges[graph].items()]
 

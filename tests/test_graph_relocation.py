@@ -93,6 +93,28 @@ def test_derive_refuses_what_a_move_does_not_explain(change, every, why):
         derive(_captures(change, every=every))
 
 
+def _foreign(nodes, bucket, shape=(21, 4, 1, 1, 128, 1, 1, 0)):
+    """A change: a library's kernel (its arguments unreadable) after the first node."""
+    return [nodes[0], Node(KERNEL, shape, (), foreign=True), *nodes[1:]]
+
+
+def test_foreign_kernels_keep_their_arguments_and_must_launch_alike():
+    move = derive(_captures(_foreign, every=True))
+    assert move.steps == {(0, 3): 4, (2, 1): 16}  # the moves of the readable nodes only
+    # in one capture only (another node count), readable in one capture, or launched
+    # otherwise: refused
+    with pytest.raises(NotRelocatable, match="nodes"):
+        derive(_captures(_foreign))
+    readable = _foreign(_nodes(10), 10)
+    readable[1] = Node(KERNEL, readable[1].fixed, ())
+    wider = _foreign(_nodes(10), 10, (21, 8, 1, 1, 128, 1, 1, 0))
+    for other in (readable, wider):
+        captures = _captures(_foreign, every=True)
+        captures[1] = Capture(other, OWN[10], 10)
+        with pytest.raises(NotRelocatable, match="node 1 .type 0. differs beyond"):
+            derive(captures)
+
+
 def test_irregular_pointers_are_each_captures_own():
     # a pool block elsewhere in one capture, or the ids at another offset of their own buffer:
     # kept as the moved graph's capture had them, never moved
@@ -119,6 +141,10 @@ class _ArgKernel:
         self.fn(*self.args)
 
 
+class _ForeignKernel(_ArgKernel):
+    """A kernel whose graph node shows no arguments (a library's launch)."""
+
+
 def _arg_bytes(a) -> bytes:
     """A simulated kernel argument as a node shows it: ``np.int32`` 4 bytes, an int 8."""
     return _b(int(a), size=4 if isinstance(a, np.int32) else 8)[0]
@@ -136,14 +162,20 @@ class ArgCuda(SimCuda):
     def launch_kernel(self, fn, *args: int) -> None:  # the model's launches
         self.kernel(_ArgKernel(fn, args))
 
+    def launch_foreign(self, fn, *args: int) -> None:  # a library's launch (cuBLAS's)
+        self.kernel(_ForeignKernel(fn, args))
+
     def graph_node(self, node: int) -> Node:
         op = self.graphs[node // 100][node % 100]
+        if op[0] == "kernel" and isinstance(op[1], _ForeignKernel):
+            return Node(KERNEL, (id(op[1].fn),), (), foreign=True)
         if op[0] == "kernel":
             return Node(KERNEL, (id(op[1].fn),), tuple(_arg_bytes(a) for a in op[1].args))
         return Node(MEMCPY, (op[3], op[4]), _b(op[1], op[2]))
 
     def kernel_args(self, exe: int, node: int) -> _Setter:
-        assert self.execs[exe][node % 100][0] == "kernel"
+        op = self.execs[exe][node % 100]
+        assert op[0] == "kernel" and not isinstance(op[1], _ForeignKernel)
         return _Setter(self, exe, node % 100)
 
 
@@ -217,6 +249,26 @@ class AuxModel:
         return (tvm_ffi.from_dlpack(logits),)
 
 
+def _copy(src_ptr: int, dst_ptr: int) -> None:
+    ctypes.memmove(dst_ptr, src_ptr, 8)
+
+
+class ForeignAuxModel(AuxModel):
+    """AuxModel with a library's kernel between its two: the staged block copied into another
+    pool block (one per call), which the second kernel reads."""
+
+    def __call__(self, ids_t: tvm_ffi.Tensor) -> tuple:
+        logits = np.zeros((1, 1, 4), np.float32)
+        self.calls += 1
+        block = self.pool.ctypes.data + 256 * (self.calls**2 % 61)
+        other = self.pool.ctypes.data + 256 * (self.calls**2 % 59 + 1)
+        offset = np.int32(4 * self.bucket)
+        self.sim.launch_kernel(_stage, ids_t.data_ptr(), self.aux.ctypes.data, offset, block)
+        self.sim.launch_foreign(_copy, block, other)
+        self.sim.launch_kernel(_finish, other, logits.ctypes.data, np.int32(0))
+        return (tvm_ffi.from_dlpack(logits),)
+
+
 def _decode(graphs: DecodeGraphs, sim: ArgCuda, model: AuxModel, positions) -> None:
     """Decode one token at each position (the bucket from it, as the engine's key), checking
     the logits against the model's formula."""
@@ -249,6 +301,14 @@ def test_decode_graphs_move_to_new_buckets_after_three_captures():
     # bucket 1 (still cached), 10 (bucket 1's graph moved), 1 again (moved back)
     _decode(graphs, sim, model, [10, 20, 64 * 9, 5])
     assert graphs.stats["captures"] == 3 and graphs.stats["relocations"] == 6
+
+
+def test_graphs_with_a_foreign_kernel_move_and_keep_its_arguments():
+    sim = ArgCuda()
+    graphs, model = DecodeGraphs("cuda", cuda=sim), ForeignAuxModel(sim)
+    _decode(graphs, sim, model, range(0, 64 * 7, 5))  # right logits at every step
+    assert graphs.stats["captures"] == 3 and graphs.stats["relocations"] == 4
+    assert graphs.stats["relocation_failures"] == 0 and graphs.stats["moved_args"] == 1
 
 
 def test_graphs_whose_arguments_do_not_move_in_steps_are_captured_per_bucket():

@@ -33,8 +33,10 @@ class FakeGraphCuda:
     ``edges``; the edge calls edit it like CUDA does (an unknown edge to remove, or an existing
     one to add, is an error). ``fail`` names calls that raise."""
 
-    def __init__(self, nodes: dict[int, int], edges: list[tuple[int, int]], fail=()):
+    def __init__(self, nodes: dict[int, int], edges: list[tuple[int, int]], fail=(),
+                 foreign=()):  # fmt: skip
         self.nodes = nodes
+        self.foreign = set(foreign)  # kernel nodes a library launched (no argument array)
         self.captured = {(a, b): DEFAULT_EDGE for a, b in edges}
         self.edges: dict[tuple[int, int], tuple] = {}
         self.fail = set(fail)
@@ -81,6 +83,9 @@ class FakeGraphCuda:
 
     def node_type(self, node: int) -> int:
         return self.nodes[node]
+
+    def foreign_kernel(self, node: int) -> bool:
+        return node in self.foreign
 
     def graph_edges(self, graph: int) -> list:
         self._maybe_fail("graph_edges")
@@ -156,6 +161,23 @@ def test_decode_graphs_instantiate_with_programmatic_edges():
     plain = FakeGraphCuda(NODES, EDGES)
     _step(DecodeGraphs("cuda", cuda=plain))  # no pdl_port: the graph as captured
     assert plain.instantiated == [plain.captured] and "graph_edges" not in plain.log
+
+
+def test_a_graph_with_a_foreign_kernel_keeps_plain_edges_and_pdl_stays_on():
+    # node 4 a library's kernel (cuBLAS in a GEMM-path step): it does not wait, so no edge of
+    # its graph turns programmatic; the driver is never asked (it refuses such edits)
+    cuda = FakeGraphCuda(NODES, EDGES, fail={"remove_edges"}, foreign={4})
+    cuda.end_capture(7)
+    assert make_programmatic(cuda, 55, PORT_PROGRAMMATIC) == []
+    assert cuda.edges == cuda.captured and "remove_edges" not in cuda.log
+    graphs = DecodeGraphs("cuda", cuda=cuda, pdl_port=PORT_PROGRAMMATIC)
+    _step(graphs)
+    assert cuda.instantiated == [cuda.captured] and graphs.stats["pdl_failures"] == 0
+    assert graphs.pdl_port == PORT_PROGRAMMATIC  # later graphs of our kernels only: converted
+    cuda.foreign.clear()
+    cuda.fail.clear()
+    _step(graphs, (1, 2))
+    assert {e for e, d in cuda.instantiated[-1].items() if d == PROG} == set(KERNEL_EDGES)
 
 
 @pytest.mark.parametrize("call", ["graph_nodes", "add_edges"])

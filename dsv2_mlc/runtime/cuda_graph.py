@@ -53,10 +53,11 @@ the new key (its old key is captured or moved again when it comes back). A greed
 ahead knows the next step's key: the engine moves its graph then (:meth:`DecodeGraphs.prepare`),
 while the device runs, even the graph of the running step (a launch in flight keeps the
 arguments it was launched with), so the next step only replays. Each graph keeps its captured
-template, whose nodes name the executable's. A kind of graph that does not move so (the
-``batch_decode_gemm`` step's cuBLAS nodes, whose arguments a kernel node does not expose) is
-captured per bucket (``last_error`` says why; ``stats["relocation_failures"]``), and only by
-the second step in a row of the same key: a step whose key differs from its group's last one
+template, whose nodes name the executable's. The ``batch_decode_gemm`` step's cuBLAS kernels,
+whose nodes do not expose their arguments, keep the arguments they were captured with
+(:mod:`~.graph_relocation`). A kind of graph that does not move (``last_error`` says why;
+``stats["relocation_failures"]``) is captured per bucket, and only by the second step in a row
+of the same key: a step whose key differs from its group's last one
 runs eagerly (``stats["eager_unseen"]``), since with keys that change every step a capture would
 cost each step several ms and never be replayed.
 

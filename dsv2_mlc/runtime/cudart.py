@@ -36,6 +36,11 @@ class KernelNodeParams(ctypes.Structure):
     ]
 
 
+def _foreign(params: KernelNodeParams) -> bool:
+    """A kernel node's parameters without a function and an argument array to read."""
+    return not params.func or not params.kernel_params or bool(params.extra)
+
+
 class MemsetParams(ctypes.Structure):
     """``cudaMemsetParams``."""
 
@@ -259,14 +264,26 @@ class CudaRuntime:
         if err != 0:
             raise RuntimeError(f"{what} failed (CUresult {err})")
 
-    def _kernel_params(self, node: int) -> KernelNodeParams:
+    def _node_params(self, node: int) -> KernelNodeParams:
         params = KernelNodeParams()
         fn = self._cu("cuGraphKernelNodeGetParams")
         err = fn(ctypes.c_void_p(node), ctypes.byref(params))
         self._cu_check(err, "cuGraphKernelNodeGetParams")
-        if not params.func or not params.kernel_params or params.extra:
+        return params
+
+    def _kernel_params(self, node: int) -> KernelNodeParams:
+        params = self._node_params(node)
+        if _foreign(params):
             raise RuntimeError("a kernel node without a function or an argument array")
         return params
+
+    def foreign_kernel(self, node: int) -> bool:
+        """Whether kernel ``node`` was launched by a library through its own launch path: its
+        parameters name no function with an argument array (cuBLAS's kernels in a graph of
+        ``batch_decode_gemm``; the TVM runtime launches every kernel of a build with
+        ``cuLaunchKernel`` and an argument array). Such a kernel's arguments cannot be read or
+        set, and it does not wait for its predecessors as a ``--pdl`` build's kernels do."""
+        return _foreign(self._node_params(node))
 
     def _sizes(self, func: int) -> tuple[int, ...]:
         """The byte size of each argument of ``func`` (``cuFuncGetParamInfo``, CUDA 12.4+)."""
@@ -289,10 +306,14 @@ class CudaRuntime:
 
     def graph_node(self, node: int) -> Node:
         """``node`` as :func:`~dsv2_mlc.runtime.graph_relocation.derive` compares it: a kernel's
-        function, launch shape and argument bytes, a copy's or memset's pointers and sizes."""
+        function, launch shape and argument bytes (a foreign kernel's, :meth:`foreign_kernel`,
+        without its arguments), a copy's or memset's pointers and sizes."""
         kind = self.node_type(node)
         if kind == _NODE_KERNEL:
-            p = self._kernel_params(node)
+            p = self._node_params(node)
+            if _foreign(p):  # compared by its function and launch shape only
+                shape = (p.func or p.kern or 0, *p.grid, *p.block, p.shared_mem)
+                return Node(kind, shape, (), foreign=True)
             return Node(kind, (p.func, *p.grid, *p.block, p.shared_mem), tuple(self._args(p)))
         if kind == _NODE_MEMCPY:
             words = (ctypes.c_uint64 * _MEMCPY_WORDS)()

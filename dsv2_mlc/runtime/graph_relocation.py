@@ -10,6 +10,14 @@ sequence, a step several times as long as the others. Rewriting the arguments th
 executable graph of another bucket, costs a fraction of that (docs/benchmarks.md, "Decode over
 new KV page buckets").
 
+A kernel launched by a library through its own launch path (cuBLAS's GEMMs in a graph of
+``batch_decode_gemm``) shows its function and launch shape but not its arguments
+(:meth:`~dsv2_mlc.runtime.cudart.CudaRuntime.foreign_kernel`): it is compared by those and
+keeps the arguments it was captured with. That is sound because the step hands such a library
+activations and weights only, never the cache's arrays; and it is checked, as every move is
+before the keys are trusted: the moved graph's replay against an eager step
+(:mod:`~dsv2_mlc.runtime.cuda_graph`).
+
 What else differs between two captures of a step stays as each capture has it: the buffers the
 graph owns (its ids input, its outputs, the pinned host buffers of a greedy graph: pointers at
 the same place of each capture's own buffers), and the blocks of the VM's memory pool that the
@@ -38,11 +46,14 @@ class Node:
     """One node of a captured graph, as :func:`derive` compares it: its ``kind``
     (``cudaGraphNodeType``), ``fixed`` (what must be equal in every capture: for a kernel its
     function, grid, block and shared memory; for a copy or memset its sizes and kind) and
-    ``args`` (the bytes of each kernel argument; a copy's or memset's pointers as 8 bytes)."""
+    ``args`` (the bytes of each kernel argument; a copy's or memset's pointers as 8 bytes).
+    A ``foreign`` kernel (a library's launch, its arguments unreadable) has no ``args``: it is
+    compared by ``fixed`` and keeps its arguments."""
 
     kind: int
     fixed: tuple[int, ...]
     args: tuple[bytes, ...]
+    foreign: bool = False
 
 
 class NotRelocatable(Dsv2Error):
@@ -122,8 +133,8 @@ def derive(captures: list[Capture]) -> Relocation:
     steps: dict[tuple[int, int], int] = {}
     for i, nodes in enumerate(zip(*(c.nodes for c in captures), strict=True)):
         first = nodes[0]
-        if any((n.kind, n.fixed, len(n.args)) != (first.kind, first.fixed, len(first.args))
-               for n in nodes):  # fmt: skip
+        shape = (first.kind, first.fixed, len(first.args), first.foreign)
+        if any((n.kind, n.fixed, len(n.args), n.foreign) != shape for n in nodes):
             raise NotRelocatable(f"node {i} (type {first.kind}) differs beyond its arguments")
         for j, raw in enumerate(zip(*(n.args for n in nodes), strict=True)):
             size = len(raw[0])

@@ -16,6 +16,11 @@ fires from is its upstream port:
 * ``PORT_LAUNCH_COMPLETION`` (``cudaGraphKernelNodePortLaunchCompletion``): when every block of
   N has started. N+1's blocks may then occupy SM slots while they wait, and so on down the chain.
 
+A graph holding a *foreign* kernel (one a library launched through its own launch path, whose
+node shows no argument array: cuBLAS's GEMMs in ``batch_decode_gemm``'s steps) keeps all its
+edges plain: such a kernel does not wait for its predecessors, and the driver refuses to edit
+edges around it (``cudaGraphRemoveDependencies``: operation not supported, seen on the H200).
+
 Only edges between two kernel nodes are converted; edges to or from copies and memsets stay full
 dependencies (those nodes have no wait), e.g. the pinned-memory copies that open and close a
 greedy decode graph (``runtime/cuda_graph.py``). The wait blocks until the upstream grid has
@@ -57,6 +62,8 @@ class GraphTopology(Protocol):
 
     def node_type(self, node: int) -> int: ...
 
+    def foreign_kernel(self, node: int) -> bool: ...
+
     def graph_edges(self, graph: int) -> list[Edge]: ...
 
     def remove_edges(self, graph: int, edges: list[tuple[int, int]], data: tuple) -> None: ...
@@ -90,12 +97,15 @@ class BrokenGraphError(Dsv2Error, RuntimeError):
 
 def make_programmatic(cuda: GraphTopology, graph: int, port: int) -> list[tuple[int, int]]:
     """Convert every kernel->kernel edge of the (not yet instantiated) ``graph`` into a
-    programmatic edge from ``port``; the converted edges.
+    programmatic edge from ``port``; the converted edges (none where ``graph`` holds a foreign
+    kernel: module docstring).
 
     On an error the converted edges are put back as plain ones (checked against the graph) and
     the error is raised; :class:`BrokenGraphError` if they could not be."""
     data = _programmatic_data(port)
     kinds = {node: cuda.node_type(node) for node in cuda.graph_nodes(graph)}
+    if any(kind == NODE_KERNEL and cuda.foreign_kernel(n) for n, kind in kinds.items()):
+        return []
     edges = programmatic_edges(kinds, cuda.graph_edges(graph))
     if not edges:
         return []
