@@ -94,7 +94,8 @@ def test_find_cublas_looks_in_the_nvidia_packages_and_explains_a_miss(tmp_path, 
 def test_cublas_build_registers_the_shim(model_builds):
     """A ``--gemm cublas`` build (the CUDA default) records the choice, and loading its library
     (thin runtime, driver stub) registers ``dsv2.cublas.*``, whose errors name the problem:
-    a library path that does not open, a GEMM before cuBLAS is opened, a host tensor."""
+    a library path that does not open, a GEMM before cuBLAS is opened, a host tensor, a
+    workspace that is not a device byte array."""
     from dsv2_mlc.compiler.cuda import build_driver_stub
 
     out = model_builds.get(CONFIG_A, "q0f16", "cuda").out_dir  # the session's shared build
@@ -109,13 +110,18 @@ def test_cublas_build_registers_the_shim(model_builds):
         from dsv2_mlc.runtime.tvm_runtime import load_runtime
         load_runtime("cuda")
         tvm_ffi.load_module({str(out / LIBRARY)!r})
-        for name in ("init", "gemm_nt", "version"):
+        for name in ("init", "gemm_nt", "version", "set_workspace"):
             print("REGISTERED", name, tvm_ffi.get_global_func("dsv2.cublas." + name) is not None)
         x = tvm_ffi.from_dlpack(np.zeros((4, 8), np.float16))
         try:
             tvm_ffi.get_global_func("dsv2.cublas.gemm_nt")(x, x, x)
         except Exception as err:
             print("GEMM", err)
+        try:
+            ws = tvm_ffi.from_dlpack(np.zeros(64, np.uint8))
+            tvm_ffi.get_global_func("dsv2.cublas.set_workspace")(ws)
+        except Exception as err:
+            print("WORKSPACE", err)
         try:
             tvm_ffi.get_global_func("dsv2.cublas.init")("/nonexistent/libcublas.so.13")
         except Exception as err:
@@ -124,7 +130,8 @@ def test_cublas_build_registers_the_shim(model_builds):
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    for name in ("init", "gemm_nt", "version"):
+    for name in ("init", "gemm_nt", "version", "set_workspace"):
         assert f"REGISTERED {name} True" in proc.stdout
+    assert "WORKSPACE set_workspace: a contiguous 1-D uint8 CUDA tensor" in proc.stdout
     assert "x: not on CUDA device 0" in proc.stdout
     assert "cannot open cuBLAS /nonexistent/libcublas.so.13" in proc.stdout

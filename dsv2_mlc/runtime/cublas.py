@@ -21,9 +21,15 @@ import importlib.util
 import os
 from pathlib import Path
 
+import tvm_ffi
+
+from .device import device_of
 from .tvm_runtime import RuntimeLibraryError, global_func
 
 CUBLAS_ENV = "DSV2_MLC_CUBLAS"
+# The workspace given to cuBLAS (``dsv2.cublas.set_workspace``): the size cuBLAS' documentation
+# recommends for Hopper (``cublasSetWorkspace``).
+WORKSPACE_BYTES = 32 << 20
 SONAMES = ("libcublas.so.13", "libcublas.so.12")
 _FIX = (
     "install cuBLAS (`pip install nvidia-cublas` or the CUDA toolkit), set "
@@ -77,3 +83,18 @@ def init_cublas() -> str:
         ) from None
     except Exception as err:  # the shim raises plain RuntimeErrors (dlopen, missing symbols)
         raise RuntimeLibraryError(f"{err}; {_FIX}") from err
+
+
+def set_cublas_workspace(device_index: int = 0, nbytes: int = WORKSPACE_BYTES) -> int | None:
+    """Give cuBLAS on CUDA device ``device_index`` a workspace of ``nbytes`` that the shim holds
+    for the process (the first one a device gets stays; its size is returned), so that a
+    captured decode graph holds no cuBLAS memory-allocation nodes: such graphs can move between
+    page buckets (``runtime/graph_relocation.py``) and allocate nothing per capture. None where
+    the loaded library's shim predates the function (its GEMMs allocate their own workspace)."""
+    func = tvm_ffi.get_global_func("dsv2.cublas.set_workspace", allow_missing=True)
+    if func is None:
+        return None
+    workspace = global_func("runtime.TVMTensorAllocWithScope")(
+        tvm_ffi.Shape((nbytes,)), tvm_ffi.dtype("uint8"), device_of("cuda", device_index), None
+    )
+    return int(func(workspace))

@@ -10,6 +10,15 @@
 //   dsv2.cublas.init(path: str) -> str   dlopen libcublas (the runtime finds it, see
 //       runtime/cublas.py) and return the path opened; idempotent.
 //   dsv2.cublas.version(device: int) -> int   cublasGetVersion (scripts/gpu_cublas_check.py).
+//   dsv2.cublas.set_workspace(ws: uint8 tensor) -> int   the workspace every GEMM on ws's device
+//       runs with from then on (cublasSetWorkspace, again after each cublasSetStream, which
+//       resets it); the first one a device gets stays, held for the process, and its size is
+//       returned. Without it cuBLAS allocates its workspace itself: inside a CUDA graph capture
+//       as memory-allocation nodes (cuMemAllocAsync), one allocation per captured graph, and
+//       nodes whose parameters a graph move (runtime/graph_relocation.py) cannot compare. The
+//       runtime runs every GEMM of a device on one stream or on graph streams that
+//       synchronize with it (runtime/cuda_graph.py), so one workspace a device is never used
+//       by two GEMMs at once.
 //
 // libcublas is opened at run time, not linked: the build box needs no cuBLAS, and a library
 // that never runs a prefill GEMM (or one compiled without --gemm cublas) loads without it. The
@@ -43,6 +52,7 @@ constexpr int kMaxDevices = 64;
 using CreateFn = Status (*)(Handle*);
 using SetStreamFn = Status (*)(Handle, void*);
 using GetVersionFn = Status (*)(Handle, int*);
+using SetWorkspaceFn = Status (*)(Handle, void*, size_t);
 using StatusStringFn = const char* (*)(Status);
 using GemmExFn = Status (*)(Handle, int, int, int, int, int, const void*, const void*, int, int,
                             const void*, int, int, const void*, void*, int, int, int, int);
@@ -56,12 +66,16 @@ struct Cublas {
   GetVersionFn get_version = nullptr;
   StatusStringFn status_string = nullptr;
   GemmExFn gemm_ex = nullptr;
+  SetWorkspaceFn set_workspace = nullptr;
   Handle handles[kMaxDevices] = {};
+  tvm::ffi::Tensor workspaces[kMaxDevices];
 };
 
+// Never destroyed: the workspaces stay valid for every graph captured with them, and no device
+// memory is freed while the CUDA runtime shuts down at exit.
 Cublas& State() {
-  static Cublas state;
-  return state;
+  static Cublas* state = new Cublas();
+  return *state;
 }
 
 void* Symbol(Cublas& c, const char* name) {
@@ -96,6 +110,7 @@ std::string Init(const std::string& path) {
     c.get_version = reinterpret_cast<GetVersionFn>(Symbol(c, "cublasGetVersion_v2"));
     c.status_string = reinterpret_cast<StatusStringFn>(Symbol(c, "cublasGetStatusString"));
     c.gemm_ex = reinterpret_cast<GemmExFn>(Symbol(c, "cublasGemmEx"));
+    c.set_workspace = reinterpret_cast<SetWorkspaceFn>(Symbol(c, "cublasSetWorkspace_v2"));
   }
   return c.path;
 }
@@ -167,11 +182,31 @@ void GemmNT(tvm::ffi::TensorView x, tvm::ffi::TensorView w, tvm::ffi::TensorView
   Cublas& c = State();
   Handle handle = DeviceHandle(c, device);
   Check(c, c.set_stream(handle, TVMFFIEnvGetStream(kDLCUDA, device)), "cublasSetStream");
+  const tvm::ffi::Tensor& ws = c.workspaces[device];
+  if (ws.defined()) {
+    void* data = static_cast<char*>(ws.data_ptr()) + ws.byte_offset();
+    Check(c, c.set_workspace(handle, data, static_cast<size_t>(ws.size(0))),
+          "cublasSetWorkspace");
+  }
   const float alpha = 1.0f, beta = 0.0f;
   Check(c,
         c.gemm_ex(handle, kOpT, kOpN, o, n, k, &alpha, Data(w), in_type, k, Data(x), in_type, k,
                   &beta, Data(out), out_type, o, kCompute32F, kGemmDefault),
         "cublasGemmEx");
+}
+
+// Give `ws`'s device its workspace (the first one stays); the workspace's size in bytes.
+int64_t SetWorkspace(tvm::ffi::Tensor ws) {
+  const int device = ws.device().device_id;
+  if (ws.ndim() != 1 || ws.dtype().code != kDLUInt || ws.dtype().bits != 8 ||
+      !ws.IsContiguous() || ws.device().device_type != kDLCUDA) {
+    TVM_FFI_THROW(ValueError) << "set_workspace: a contiguous 1-D uint8 CUDA tensor is required";
+  }
+  Cublas& c = State();
+  DeviceHandle(c, device);  // cuBLAS loaded, the device in range
+  std::lock_guard<std::mutex> lock(c.mutex);
+  if (!c.workspaces[device].defined()) c.workspaces[device] = ws;
+  return c.workspaces[device].size(0);
 }
 
 int Version(int device) {
@@ -203,4 +238,5 @@ TVM_FFI_STATIC_INIT_BLOCK() {
   Register("dsv2.cublas.version",
            tvm::ffi::Function::FromTyped([](int device) { return Version(device); }));
   Register("dsv2.cublas.gemm_nt", tvm::ffi::Function::FromTyped(GemmNT));
+  Register("dsv2.cublas.set_workspace", tvm::ffi::Function::FromTyped(SetWorkspace));
 }

@@ -17,7 +17,7 @@ import tvm_ffi
 
 from ..layout import LIBRARY, PARAMS_DIR, BuildConfig, BuildError, ModelInfo, has_spec, read_spec
 from . import api_checks as check
-from .cublas import init_cublas
+from .cublas import init_cublas, set_cublas_workspace
 from .cuda_graph import DecodeGraphs, decode_graph_key, same_greedy, same_logits
 from .device import copy_into, to_device, to_numpy
 from .generation import GenerationResult, GenerationStream, StreamDelta
@@ -214,6 +214,8 @@ class Engine(TextMixin):
             init_cublas()  # the library's prefill GEMMs call cuBLAS (runtime/cublas.py)
         dev = _DEVICE_TYPE[self.device]
         vm["vm_initialization"](dev, 0, _POOLED_ALLOCATOR, 1, 0, _POOLED_ALLOCATOR)
+        if self.build.gemm == "cublas":
+            set_cublas_workspace(0)  # graphs of its GEMMs then hold no allocation nodes
         self._vm = vm
         self._host = HostWeights(self.device) if self.experts == "host" else None
         if random_weights is None:
