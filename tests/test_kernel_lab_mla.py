@@ -43,12 +43,18 @@ def test_attention_variants_compile(tmp_path: Path, variant: str) -> None:
     _compiles(build_mla_attention(16, 512, 64, "float16", tiles), tmp_path)
 
 
-@pytest.mark.parametrize("variant", sorted(load_script("kernel_lab_mla").FP8_VARIANTS))
-def test_attention_fp8_variants_compile(tmp_path: Path, variant: str) -> None:
-    lab = load_script("kernel_lab_mla")
-    base = tuned("mla_attention", shape=(16, 512, 64, "e4m3"))
-    tiles = replace(base, **lab.FP8_VARIANTS[variant])
-    func = build_mla_attention(16, 512, 64, "float16", tiles, kv_scale=lab.fp8.FP8_KV_SCALE)
+_LAB = load_script("kernel_lab_mla")
+
+
+@pytest.mark.parametrize("variant", sorted([*_LAB.FP8_VARIANTS, *_LAB.F16_VARIANTS]))
+def test_attention_fp8_lab_variants_compile(tmp_path: Path, variant: str) -> None:
+    """The FP8 lab's variants (and its float16 ones), the lab's streams block included."""
+    lab = _LAB
+    fp8 = variant in lab.FP8_VARIANTS
+    base = tuned("mla_attention", shape=(16, 512, 64, "e4m3" if fp8 else "float16"))
+    fields = (lab.FP8_VARIANTS if fp8 else lab.F16_VARIANTS)[variant]
+    tiles, stream_warps = lab.variant(base, fields)
+    func = lab.build_variant(tiles, stream_warps, lab.fp8.FP8_KV_SCALE if fp8 else None)
     _compiles(func, tmp_path)
     resources = lab.fp8.kernel_resources(tmp_path / "m.so")
     assert 0 < resources["m_kernel"]["regs"] <= 255, resources  # the split kernel's cubin read

@@ -91,6 +91,14 @@ FP8_VARIANTS: dict[str, dict] = {
     "f8_g1_s3_b3": dict(pages_per_step=1, stages=3, min_blocks=3, max_split=396,
                         target_blocks=396),
     "f8_t256_mc128": dict(target_blocks=256, merge_cols=128),
+    # the lab's streams block (schedules/lab/mla_streams_cuda.py): independent page streams of
+    # 2 or 4 warps, one split a block for one wave of 1 or 2 blocks an SM
+    "f8_w2_s2_t132": dict(pages_per_step=1, stages=2, stream_warps=2, target_blocks=132,
+                          max_split=132),
+    "f8_w4_s2_t264": dict(pages_per_step=1, stages=2, stream_warps=4, target_blocks=264,
+                          max_split=264),
+    "f8_w4_s3_t132": dict(pages_per_step=1, stages=3, stream_warps=4, target_blocks=132,
+                          max_split=132),
 }  # fmt: skip
 F16_KERNEL = "ours16"
 # the float16 cache's kernel with its registers capped likewise (its name -> fields changed)
@@ -100,6 +108,11 @@ F16_VARIANTS: dict[str, dict] = {
     "f16_t256": dict(target_blocks=256),
     "f16_mc128": dict(merge_cols=128),
     "f16_t256_mc128": dict(target_blocks=256, merge_cols=128),
+    "f16_w2_s2_t132": dict(stages=2, stream_warps=2, target_blocks=132, max_split=132),
+    "f16_w4_s2_t264": dict(
+        stages=2, stream_warps=4, target_blocks=264, max_split=264, min_blocks=2
+    ),
+    "f16_w4_s3_t132": dict(stages=3, stream_warps=4, target_blocks=132, max_split=132),
 }
 FP8_CASES: list[tuple[str, list[int]]] = [
     ("b1 4K", [4096]),
@@ -111,6 +124,25 @@ FP8_CASES: list[tuple[str, list[int]]] = [
 
 
 # -- here: builds ----------------------------------------------------------------------------------
+def variant(base, kw: dict) -> tuple:
+    """``(tiles, stream_warps)`` of a variant's fields over ``base`` (``stream_warps``: the lab's
+    streams block, schedules/lab/mla_streams_cuda.py; 0: the shipped pipelined block)."""
+    kw = dict(kw)
+    sw = kw.pop("stream_warps", 0)
+    return replace(base, **kw), sw
+
+
+def build_variant(tiles, stream_warps: int, kv_scale: float | None):
+    """The split-KV PrimFunc of a variant at V2-Lite's shapes (float16 q; ``kv_scale``: FP8)."""
+    from dsv2_mlc.schedules.mla_attention_cuda import build_mla_attention
+
+    if stream_warps:
+        from mla_streams_cuda import build_streams_variant
+
+        return build_streams_variant(HEADS, LATENT, ROPE, "float16", tiles, stream_warps, kv_scale)
+    return build_mla_attention(HEADS, LATENT, ROPE, "float16", tiles, kv_scale)
+
+
 def prepare(args: argparse.Namespace) -> int:
     """Compile TVM's kernel and every variant for CUDA into build/lab (no GPU needed); with
     ``--kv fp8`` the FP8 lab (:func:`prepare_fp8`)."""
@@ -401,35 +433,43 @@ def prepare_fp8(args: argparse.Namespace) -> int:
             return 1
     if args.check_only:
         return 0
+    from mla_streams_cuda import streams_shared_halves
+
     from dsv2_mlc.compiler.cuda import make_cuda_target
     from dsv2_mlc.errors import Dsv2Error
-    from dsv2_mlc.schedules.mla_attention_cuda import build_mla_attention
     from dsv2_mlc.schedules.mla_cuda_helpers import pipe_shared_halves
     from dsv2_mlc.schedules.tiles import tuned
 
     target = make_cuda_target(args.arch)
     lab_dir = Path(args.lab_dir) if args.lab_dir else FP8_LAB_DIR
     lab_common.fresh_lab_dir(lab_dir, "mla_*.so")
-    base = tuned("mla_attention", shape=(HEADS, LATENT, ROPE, "e4m3"))
-    wanted = [(k, replace(base, **kw), args.kv_scale) for k, kw in FP8_VARIANTS.items()]
-    wanted.append((F16_KERNEL, tuned("mla_attention"), None))
-    wanted += [(k, replace(tuned("mla_attention"), **kw), None) for k, kw in F16_VARIANTS.items()]
+    base8, base16 = (
+        tuned("mla_attention", shape=(HEADS, LATENT, ROPE, "e4m3")),
+        tuned("mla_attention"),
+    )
+
+    wanted = [(k, *variant(base8, kw), args.kv_scale) for k, kw in FP8_VARIANTS.items()]
+    wanted.append((F16_KERNEL, base16, 0, None))
+    wanted += [(k, *variant(base16, kw), None) for k, kw in F16_VARIANTS.items()]
     funcs, info, skipped = {}, {}, {}
-    for name, tiles, scale in wanted:
+    for name, tiles, sw, scale in wanted:
         try:
-            funcs[name] = build_mla_attention(HEADS, LATENT, ROPE, "float16", tiles, scale)
+            funcs[name] = build_variant(tiles, sw, scale)
         except (Dsv2Error, ValueError) as err:  # the builder's smem / multiple rules
             skipped[name] = str(err)
             change = {**FP8_VARIANTS, **F16_VARIANTS}.get(name, {})
             print(f"{name}: SKIPPED, the builder refuses {change}: {err}", flush=True)
             continue
         g = tiles.pages_per_step
-        smem = 2 * pipe_shared_halves(LATENT + ROPE, tiles.stages, LATENT if scale else 0, g)
+        if sw:
+            smem = 2 * streams_shared_halves(LATENT + ROPE, LATENT, tiles.stages, sw, bool(scale))
+        else:
+            smem = 2 * pipe_shared_halves(LATENT + ROPE, tiles.stages, LATENT if scale else 0, g)
         info[name] = {
             "kv": "float16" if scale is None else "e4m3",
             "kv_scale": scale,
             "row_bytes": fp8.F16_ROW_BYTES if scale is None else fp8.FP8_ROW_BYTES,
-            "tiles": asdict(tiles),
+            "tiles": {**asdict(tiles), "stream_warps": sw},
             "smem_bytes": smem,
             "grid": {c: fp8.grid(tiles, lens) for c, lens in FP8_CASES},
         }
