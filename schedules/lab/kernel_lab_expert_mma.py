@@ -378,16 +378,14 @@ def run(args: argparse.Namespace) -> int:
     if out_file:
         out_file.write_text(json.dumps(result, indent=1))
     bad = sorted({r["kernel"] for r in rows if not r["ok"]})
-    print("all correct" if not bad else f"WRONG or failed: {bad}")
-    return 1 if bad else 0
+    return lab_common.verdict(bad)
 
 
 def main() -> int:
     parser, p, r = lab_common.lab_parser(
-        __doc__, "compile the kernels here", "check and time them on the GPU"
+        __doc__, "compile the kernels here", "check and time them on the GPU", LAB_DIR
     )
     for sub in (p, r):
-        sub.add_argument("--lab-dir", default=str(LAB_DIR))
         sub.add_argument("--only", default=None, help="comma-separated kernel keys")
     r.add_argument("--tokens", default=TOKENS, help="comma-separated batch sizes n")
     r.add_argument("--budget-per-case-s", type=float, default=0.3)

@@ -295,19 +295,16 @@ def run(args: argparse.Namespace) -> int:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "moe_decode_lab.json").write_text(json.dumps(result, indent=1))
     bad = [r["kernel"] for r in rows if not r["ok"]]
-    print("all correct" if not bad else f"WRONG: {sorted(set(bad))}")
-    return 1 if bad else 0
+    return lab_common.verdict(bad)
 
 
 def main() -> int:
     parser, p, r = lab_common.lab_parser(
-        __doc__, "compile the kernels here", "check and time them on the GPU"
+        __doc__, "compile the kernels here", "check and time them on the GPU", LAB_DIR
     )
     for sub in (p, r):
-        sub.add_argument("--lab-dir", default=str(LAB_DIR))
-    p.add_argument("--only", default=None, help="comma-separated kernel keys")
+        sub.add_argument("--only", default=None, help="comma-separated kernel keys")
     r.add_argument("--budget-per-case-s", type=float, default=0.3)
-    r.add_argument("--only", default=None, help="comma-separated kernel keys")
     args = parser.parse_args()
     return prepare(args) if args.cmd == "prepare" else run(args)
 

@@ -268,16 +268,13 @@ def run(args: argparse.Namespace) -> int:
     if out_file:
         out_file.parent.mkdir(parents=True, exist_ok=True)
         out_file.write_text(json.dumps(result, indent=1))
-    print("all correct" if not bad else f"WRONG or failed: {sorted(set(bad))}")
-    return 1 if bad else 0
+    return lab_common.verdict(bad)
 
 
 def main() -> int:
     parser, p, r = lab_common.lab_parser(
-        __doc__, "compile the kernels here", "check and time them on the GPU"
+        __doc__, "compile the kernels here", "check and time them on the GPU", LAB_DIR
     )
-    for sub in (p, r):
-        sub.add_argument("--lab-dir", default=str(LAB_DIR))
     r.add_argument("--only", default=None, help="comma-separated kernel keys")
     r.add_argument("--tokens", default=TOKENS, help="comma-separated batch sizes n")
     r.add_argument("--budget-per-case-s", type=float, default=0.2)

@@ -282,13 +282,14 @@ def cupti_seconds(torch: Any, calls: list[Callable[[], object]]) -> float | None
 
 # -- command line ----------------------------------------------------------------------------------
 def lab_parser(
-    doc: str, prepare_help: str, run_help: str
+    doc: str, prepare_help: str, run_help: str, lab_dir: Path | None = None
 ) -> tuple[argparse.ArgumentParser, argparse.ArgumentParser, argparse.ArgumentParser]:
     """A lab's command line: (parser, ``prepare`` subparser, ``run`` subparser); the description
     is the first line of ``doc``. ``prepare`` has ``--arch`` (default sm_90); ``run`` has
     ``--lib-dir`` (TVM's runtime libraries; default ``$DSV2_MLC_TVM_LIB_DIR``, else where the
-    runtime finds them) and ``--out`` (results folder; default ``$OUT``). The lab adds its own
-    options to the subparsers; ``args.cmd`` is the subcommand."""
+    runtime finds them) and ``--out`` (results folder; default ``$OUT``); with ``lab_dir`` both
+    have ``--lab-dir`` (the libraries and manifest; that default). The lab adds its own options
+    to the subparsers; ``args.cmd`` is the subcommand."""
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("prepare", help=prepare_help)
@@ -296,7 +297,17 @@ def lab_parser(
     r = sub.add_parser("run", help=run_help)
     r.add_argument("--lib-dir", default=os.environ.get("DSV2_MLC_TVM_LIB_DIR"))
     r.add_argument("--out", default=os.environ.get("OUT"))
+    if lab_dir is not None:
+        for one in (p, r):
+            one.add_argument("--lab-dir", default=str(lab_dir))
     return parser, p, r
+
+
+def verdict(bad: list[str]) -> int:
+    """Print whether every checked kernel was right (else the wrong or failed ones, each once)
+    and return the lab's exit status."""
+    print("all correct" if not bad else f"WRONG or failed: {sorted(set(bad))}")
+    return 1 if bad else 0
 
 
 def add_case_options(run: argparse.ArgumentParser, budget_per_case_s: float) -> None:
