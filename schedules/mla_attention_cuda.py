@@ -110,6 +110,7 @@ from .mla_cuda_helpers import (
     wait_release_source,
 )
 from .mla_paging import find_sequence, kv_length, visible_length
+from .mla_wgmma_cuda import split_block
 from .tiles import MLAAttentionTiles, tuned
 
 __all__ = [
@@ -165,13 +166,15 @@ def mla_attention_cuda(
     rope_dim: int,
     dtype: str = "float16",
     kv_scale: float | None = None,
+    arch: str | None = None,
 ) -> tirx.PrimFunc:
     """The split-KV MLA attention PrimFunc (module docstring) for ``num_heads`` query heads of
-    ``latent_dim + rope_dim`` values, with the tiles of :data:`~.tiles.TABLE`. Raises
-    ``ValueError`` for shapes it does not handle (the cache then keeps TVM's kernel).
-    ``kv_scale``: the FP8 (e4m3) cache of :mod:`~.kv_fp8` with that scale (module docstring)."""
+    ``latent_dim + rope_dim`` values, with the tiles of :data:`~.tiles.TABLE` for ``arch`` (e.g.
+    ``"sm_90"``; None: the entries for every architecture). Raises ``ValueError`` for shapes it
+    does not handle (the cache then keeps TVM's kernel). ``kv_scale``: the FP8 (e4m3) cache of
+    :mod:`~.kv_fp8` with that scale (module docstring)."""
     cache = dtype if kv_scale is None else "e4m3"  # the FP8 cache has entries of its own
-    tiles = tuned("mla_attention", shape=(num_heads, latent_dim, rope_dim, cache))
+    tiles = tuned("mla_attention", arch, shape=(num_heads, latent_dim, rope_dim, cache))
     return build_mla_attention(num_heads, latent_dim, rope_dim, dtype, tiles, kv_scale)
 
 
@@ -260,15 +263,23 @@ def build_mla_attention(
     Q_ITERS = (HG * DV + NT - 1) // NT
     tag = f"{H}_{DL}_{D}"
     ptag = f"{tag}_s{stages}_e" + ("_fp8" if KV8 else "") + (f"_g{G}" if G > 1 else "")
+    wg = tiles.block == "wgmma"  # the FP8 cache's wgmma block (mla_wgmma_cuda)
+    if wg and not (pipe and KV8 and G == 4):
+        raise UsageError(
+            "mla_attention tiles: block='wgmma' is the FP8 cache's block for 16 float16 heads "
+            "with pages_per_step=4: fix the entry in schedules/tiles.py"
+        )
     pipe_src = (
         pipe_source(ptag, D, DL, stages, kscale=kscale if KV8 else None, pages_per_step=G)
-        if pipe
+        if pipe and not wg
         else ""
     )
     pf_tag, pf_bytes = (tag + "_fp8" if KV8 else tag), P * PD * _ELEM_BYTES[dtype]
     pf_name, pf_src = prefetch_source(pf_tag, pf_bytes, NT) if pipe else ("", "")
     wr_src = wait_release_source()
     SMEM_N = pipe_shared_halves(D, stages, DL if KV8 else 0, G) if pipe else 1  # one buffer
+    if wg:
+        pipe_src, SMEM_N = split_block(ptag, D, DL, kscale)
     SMEM_SCOPE = "shared.dyn" if SMEM_N * 2 > _MAX_SHARED_BYTES else "shared"
     if pipe:
         smem, smem_max = SMEM_N * 2, _MAX_DYN_SHARED_BYTES

@@ -80,6 +80,32 @@ _EARLY_COPY = (
     "    mlap_page_${tag}(kv0 + s0 * ${buf_bytes}, pages + (size_t)ids[s0] * ${page_elems},"
     " valid0 - s0 * 16, tx);"
 )
+
+# The end of a split block (the pipelined blocks and mla_wgmma_cuda's): the normalised output
+# (mma C layout: heads g, g + 8; columns 2t, 2t + 1 of each of the warp's ${ntw} n-tiles from
+# column w * ${wcols}) to out or the workspace, and the lse.
+SPLIT_STORE = r"""  const float d0 = d_s[g], d1 = d_s[g + 8];
+  const float i0 = d0 > 0.f ? ${one} / d0 : 0.f, i1 = d1 > 0.f ? ${one} / d1 : 0.f;
+#pragma unroll
+  for (int j = 0; j < ${ntw}; ++j) {
+    const int col = w * ${wcols} + j * 8 + t * 2;
+    const float* o = acc + 4 * j;
+    if (final_) {
+      *reinterpret_cast<__half2*>(out + g * ${dl} + col) = __floats2half2_rn(o[0] * i0, o[1] * i0);
+      *reinterpret_cast<__half2*>(out + (g + 8) * ${dl} + col) =
+          __floats2half2_rn(o[2] * i1, o[3] * i1);
+    } else {
+      *reinterpret_cast<float2*>(ws_o + g * ${dl} + col) = make_float2(o[0] * i0, o[1] * i0);
+      *reinterpret_cast<float2*>(ws_o + (g + 8) * ${dl} + col) =
+          make_float2(o[2] * i1, o[3] * i1);
+    }
+  }
+  if (tx < 16) {
+    const float v = d_s[tx] > 0.f ? m_s[tx] + log2f(d_s[tx]) : -INFINITY;
+    if (final_) ${lse_final} else ws_lse[tx] = v;
+  }
+}
+"""
 _PIPE_BODY = r"""
 // One page (16 rows of ${prow} halves at src) -> the shared buffer at dst (rows of ${rrow}
 // halves), 16-byte cp.async copies; rows >= valid are zero-filled (no global read).
@@ -245,28 +271,8 @@ ${rope_scale}      const int ks = w + 8 * k;
     d_s[sh] = d_run;
   }
   __syncthreads();
-  const float d0 = d_s[g], d1 = d_s[g + 8];
-  const float i0 = d0 > 0.f ? ${one} / d0 : 0.f, i1 = d1 > 0.f ? ${one} / d1 : 0.f;
-#pragma unroll
-  for (int j = 0; j < ${ntw}; ++j) {
-    const int col = w * ${wcols} + j * 8 + t * 2;
-    const float* o = acc + 4 * j;
-    if (final_) {
-      *reinterpret_cast<__half2*>(out + g * ${dl} + col) = __floats2half2_rn(o[0] * i0, o[1] * i0);
-      *reinterpret_cast<__half2*>(out + (g + 8) * ${dl} + col) =
-          __floats2half2_rn(o[2] * i1, o[3] * i1);
-    } else {
-      *reinterpret_cast<float2*>(ws_o + g * ${dl} + col) = make_float2(o[0] * i0, o[1] * i0);
-      *reinterpret_cast<float2*>(ws_o + (g + 8) * ${dl} + col) =
-          make_float2(o[2] * i1, o[3] * i1);
-    }
-  }
-  if (tx < 16) {
-    const float v = d_s[tx] > 0.f ? m_s[tx] + log2f(d_s[tx]) : -INFINITY;
-    if (final_) ${lse_final} else ws_lse[tx] = v;
-  }
-}
 """
+_PIPE_BODY += SPLIT_STORE
 
 
 def pipe_source(
@@ -601,28 +607,8 @@ ${rope_scale}      const int ks = w + 8 * k;
     d_s[sh] = d_run;
   }
   __syncthreads();
-  const float d0 = d_s[g], d1 = d_s[g + 8];
-  const float i0 = d0 > 0.f ? ${one} / d0 : 0.f, i1 = d1 > 0.f ? ${one} / d1 : 0.f;
-#pragma unroll
-  for (int j = 0; j < ${ntw}; ++j) {
-    const int col = w * ${wcols} + j * 8 + t * 2;
-    const float* o = acc + 4 * j;
-    if (final_) {
-      *reinterpret_cast<__half2*>(out + g * ${dl} + col) = __floats2half2_rn(o[0] * i0, o[1] * i0);
-      *reinterpret_cast<__half2*>(out + (g + 8) * ${dl} + col) =
-          __floats2half2_rn(o[2] * i1, o[3] * i1);
-    } else {
-      *reinterpret_cast<float2*>(ws_o + g * ${dl} + col) = make_float2(o[0] * i0, o[1] * i0);
-      *reinterpret_cast<float2*>(ws_o + (g + 8) * ${dl} + col) =
-          make_float2(o[2] * i1, o[3] * i1);
-    }
-  }
-  if (tx < 16) {
-    const float v = d_s[tx] > 0.f ? m_s[tx] + log2f(d_s[tx]) : -INFINITY;
-    if (final_) ${lse_final} else ws_lse[tx] = v;
-  }
-}
 """
+_GROUP_BODY += SPLIT_STORE
 
 
 def _group_source(

@@ -57,7 +57,12 @@ class MLAAttentionTiles:
     the split's old pages among its first ``stages - G``. ``G = 1``: the one-page block.
 
     ``min_blocks`` (0: none): the split kernel's ``__launch_bounds__`` minimum of blocks an SM,
-    which caps its registers (65,536 / (256 x min_blocks) a thread) so that more blocks fit."""
+    which caps its registers (65,536 / (256 x min_blocks) a thread) so that more blocks fit.
+
+    ``block``: ``"pipe"``, the pipelined block; ``"wgmma"``, the FP8 cache's block of
+    :mod:`~.mla_wgmma_cuda` (sm_90a; 16 heads, ``pages_per_step`` 4: 64 tokens a step, scores
+    on ``wgmma``, rows staged in registers; ``stages`` only sets the pages the prefetch to L2
+    leaves to the block, ``stages - 4``)."""
 
     stages: int
     min_pages_per_split: int
@@ -68,6 +73,7 @@ class MLAAttentionTiles:
     merge_cols: int
     pages_per_step: int = 1
     min_blocks: int = 0
+    block: str = "pipe"
 
 
 @dataclass(frozen=True)
@@ -342,6 +348,17 @@ TABLE: dict[str, dict[TileKey, Any]] = {
         # 1.456 / 3.354 ms at 4K / 128K against 1.616 / 3.499 with 1 page and 3 stages;
         # schedules/results/mla_attention.md, "Pages a step")
         TileKey(ANY, (16, 512, 64, "e4m3")): replace(_MLA_ATTENTION, stages=4, pages_per_step=2),
+        # ... on sm_90: the wgmma block, one block an SM, one wave of splits (split kernel at
+        # batch 1, 128K: 54.6 against 70.5 us; faster at 4K-128K and 256 x 1K too;
+        # schedules/results/mla_attention.md, "The wgmma block")
+        TileKey("sm_90", (16, 512, 64, "e4m3")): replace(
+            _MLA_ATTENTION,
+            block="wgmma",
+            pages_per_step=4,
+            stages=8,
+            target_blocks=132,
+            max_split=132,
+        ),  # fmt: skip
         # V2 (236B): 128 heads, 8 split blocks of 16 heads for each (row, split), and
         # target_blocks counts one head group's: 66 keeps 528 split blocks a grid (V2-Lite's
         # target before it went to 256), what V2's figures were measured with

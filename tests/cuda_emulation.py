@@ -91,6 +91,9 @@ struct alignas(16) uint4 { unsigned x, y, z, w; };
 static inline float2 make_float2(float a, float b) { return {a, b}; }
 static inline float4 make_float4(float a, float b, float c, float d) { return {a, b, c, d}; }
 static inline uint2 make_uint2(unsigned a, unsigned b) { return {a, b}; }
+static inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) {
+  return {a, b, c, d};
+}
 static inline half __float2half(float f) { return (half)f; }
 static inline half __float2half_rn(float f) { return (half)f; }
 static inline float __half2float(half h) { return (float)h; }

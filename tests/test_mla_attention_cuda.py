@@ -248,6 +248,27 @@ def test_pipelined_path_source_pages_per_step(kv_scale: float | None) -> None:
         assert needle in src, needle
 
 
+@needs_nvcc
+def test_fp8_split_kernel_on_sm90_carries_the_wgmma_block() -> None:
+    """sm_90's FP8 entry (schedules/tiles.py) builds the split kernel with the wgmma block
+    (mla_wgmma_cuda), compiled by nvcc for sm_90a; other architectures keep the pipelined
+    block."""
+    from dsv2_mlc.compiler.cuda import cuda_codegen, make_cuda_target
+
+    assert tuned("mla_attention", "sm_90", (16, 512, 64, "e4m3")).block == "wgmma"
+    assert tuned("mla_attention", "sm_89", (16, 512, 64, "e4m3")).block == "pipe"
+    assert tuned("mla_attention", "sm_90", (16, 512, 64, "float16")).block == "pipe"
+    target = make_cuda_target("sm_90")
+    func = mla_attention_cuda(16, 512, 64, "float16", kv_scale=0.5, arch="sm_90")
+    with cuda_codegen(), target:
+        exe = tvm.compile(tvm.IRModule({"m": func.with_attr("global_symbol", "m")}), target)
+    src = exe.mod.imports_[0].inspect_source("cuda")
+    for needle in ("wgmma.mma_async.sync.aligned.m64n16k16", "cvt.rn.f16x2.e4m3x2",
+                   "mla_split_pipe_16_512_576_s8_e_fp8_g4(", "extern __shared__"):  # fmt: skip
+        assert needle in src, needle
+    assert "mlaw_wgmma" not in mla_attention_cuda(16, 512, 64, "float16", 0.5).script()
+
+
 def test_build_rejects_bad_tiles() -> None:
     tiles = tuned("mla_attention")
     with pytest.raises(ValueError, match=">= 1"):
@@ -263,6 +284,13 @@ def test_build_rejects_bad_tiles() -> None:
     with pytest.raises(UsageError, match="shared memory a block, more than 232448"):
         build_mla_attention(16, 512, 64, "float16", big)
     build_mla_attention(16, 512, 64, "float16", replace(big, stages=8))  # 180 KB
+    # the wgmma block: the FP8 cache's, 4 pages a step
+    wg = replace(tiles, block="wgmma", stages=8, pages_per_step=4)
+    with pytest.raises(UsageError, match="block='wgmma' is the FP8 cache's block"):
+        build_mla_attention(16, 512, 64, "float16", wg)  # a float16 cache
+    with pytest.raises(UsageError, match="block='wgmma' is the FP8 cache's block"):
+        build_mla_attention(16, 512, 64, "float16", replace(wg, stages=4, pages_per_step=2), 0.5)
+    build_mla_attention(16, 512, 64, "float16", wg, kv_scale=0.5)
 
 
 def test_kernel_raises_for_a_bad_table_entry(monkeypatch: pytest.MonkeyPatch) -> None:

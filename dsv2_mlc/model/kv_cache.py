@@ -287,7 +287,10 @@ class MLAPagedKVCache(PagedKVCache):  # pylint: disable=too-few-public-methods
                 slots[_TVM_RAGGED_SLOT_FUNC] = rx.Tuple([tvm.ir.StringImm("tirx"), gv])
             mla_kv = {"kv_scale": kv_scale} if fp8 else {}
             if mla_attention_cuda_supports(heads, kv_lora_rank, qk_rope_head_dim, dtype, **mla_kv):
-                func = mla_attention_cuda(heads, kv_lora_rank, qk_rope_head_dim, dtype, **mla_kv)
+                arch = str(target.attrs.get("arch", "")) or None  # the tiles by architecture
+                func = mla_attention_cuda(
+                    heads, kv_lora_rank, qk_rope_head_dim, dtype, **mla_kv, arch=arch
+                )
                 if target.kind.name == "cuda":  # long extends: the row-tiled kernel
                     func = with_extend_path(
                         func, heads, kv_lora_rank, qk_rope_head_dim, dtype, **mla_kv

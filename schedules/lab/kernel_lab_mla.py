@@ -99,6 +99,36 @@ FP8_VARIANTS: dict[str, dict] = {
                           max_split=264),
     "f8_w4_s3_t132": dict(pages_per_step=1, stages=3, stream_warps=4, target_blocks=132,
                           max_split=132),
+    # the lab's wgmma block (schedules/lab/mla_wgmma_cuda.py): 64 tokens a step, scores on
+    # wgmma.m64n16k16; one block an SM (its shared memory), one wave of splits
+    "f8_wg_s8_t132": dict(pages_per_step=4, stages=8, block="wgmma", target_blocks=132,
+                          max_split=132),
+    "f8_wg_s12_t132": dict(pages_per_step=4, stages=12, block="wgmma", target_blocks=132,
+                           max_split=132),
+    "f8_wg_s8": dict(pages_per_step=4, stages=8, block="wgmma"),
+    "f8_wg_no_decode": dict(pages_per_step=4, stages=8, block="wgmma", target_blocks=132,
+                            max_split=132, ablate="decode"),
+    # register-staged (no raw ring): two blocks an SM
+    "f8_wgs_t264": dict(pages_per_step=4, stages=8, block="wgmmas", target_blocks=264,
+                        max_split=264),
+    "f8_wgs_t132": dict(pages_per_step=4, stages=8, block="wgmmas", target_blocks=132,
+                        max_split=132),
+    "f8_wgs_t528": dict(pages_per_step=4, stages=8, block="wgmmas", target_blocks=528,
+                        max_split=528),
+    "f8_wgc_t132": dict(pages_per_step=4, stages=8, block="wgmmac", target_blocks=132,
+                        max_split=132),
+    "f8_wgd_t132": dict(pages_per_step=4, stages=8, block="wgmmad", target_blocks=132,
+                        max_split=132),
+    "f8_wgc_t264": dict(pages_per_step=4, stages=8, block="wgmmac", target_blocks=264,
+                        max_split=264),
+    "f8_wgc_t264_b2": dict(pages_per_step=4, stages=8, block="wgmmac", target_blocks=264,
+                           max_split=264, min_blocks=2),
+    "f8_wgs_t264_b2": dict(pages_per_step=4, stages=8, block="wgmmas", target_blocks=264,
+                           max_split=264, min_blocks=2),
+    "f8_wgs_no_decode": dict(pages_per_step=4, stages=8, block="wgmmas", target_blocks=264,
+                             max_split=264, ablate="decode"),
+    "f8_wgs_no_compute": dict(pages_per_step=4, stages=8, block="wgmmas", target_blocks=264,
+                              max_split=264, ablate="scores+softmax+pv"),
 }  # fmt: skip
 F16_KERNEL = "ours16"
 # the float16 cache's kernel with its registers capped likewise (its name -> fields changed)
@@ -113,6 +143,17 @@ F16_VARIANTS: dict[str, dict] = {
         stages=2, stream_warps=4, target_blocks=264, max_split=264, min_blocks=2
     ),
     "f16_w4_s3_t132": dict(stages=3, stream_warps=4, target_blocks=132, max_split=132),
+    "f16_wg_s8_t132": dict(
+        pages_per_step=4, stages=8, block="wgmma", target_blocks=132, max_split=132
+    ),
+    # timing studies: the wgmma block with sections cut out (wrong results, flagged)
+    **{
+        f"f16_wg_no_{part.replace('+', '_')}": dict(
+            pages_per_step=4, stages=8, block="wgmma", target_blocks=132, max_split=132,
+            ablate=part,
+        )
+        for part in ("copy", "scores", "softmax", "pv", "scores+softmax+pv")
+    },
 }
 FP8_CASES: list[tuple[str, list[int]]] = [
     ("b1 4K", [4096]),
@@ -125,10 +166,15 @@ FP8_CASES: list[tuple[str, list[int]]] = [
 
 # -- here: builds ----------------------------------------------------------------------------------
 def variant(base, kw: dict) -> tuple:
-    """``(tiles, stream_warps)`` of a variant's fields over ``base`` (``stream_warps``: the lab's
-    streams block, schedules/lab/mla_streams_cuda.py; 0: the shipped pipelined block)."""
+    """``(tiles, block)`` of a variant's fields over ``base``: ``block`` the lab's streams block
+    of that many warps a stream (schedules/lab/mla_streams_cuda.py), ``"wgmma"`` the lab's
+    wgmma block (schedules/lab/mla_wgmma_cuda.py), 0 the shipped pipelined block."""
     kw = dict(kw)
     sw = kw.pop("stream_warps", 0)
+    block = kw.pop("block", None)  # "wgmma[s]" or "wgmma[s]:parts" (sections cut out)
+    if block in ("wgmma", "wgmmas", "wgmmac", "wgmmad"):  # s: FP8 register-staged; c: cvt;
+        # d: cvt and two key tiles
+        sw = block + (f":{kw.pop('ablate')}" if "ablate" in kw else "")
     return replace(base, **kw), sw
 
 
@@ -136,6 +182,14 @@ def build_variant(tiles, stream_warps: int, kv_scale: float | None):
     """The split-KV PrimFunc of a variant at V2-Lite's shapes (float16 q; ``kv_scale``: FP8)."""
     from dsv2_mlc.schedules.mla_attention_cuda import build_mla_attention
 
+    if str(stream_warps).startswith("wgmma"):
+        from mla_wgmma_cuda import build_wgmma_variant
+
+        block, _, parts = stream_warps.partition(":")
+        ring, cvt, dbuf = block == "wgmma", block in ("wgmmac", "wgmmad"), block == "wgmmad"
+        return build_wgmma_variant(
+            HEADS, LATENT, ROPE, "float16", tiles, kv_scale, parts or None, ring, cvt, dbuf
+        )
     if stream_warps:
         from mla_streams_cuda import build_streams_variant
 
@@ -434,6 +488,7 @@ def prepare_fp8(args: argparse.Namespace) -> int:
     if args.check_only:
         return 0
     from mla_streams_cuda import streams_shared_halves
+    from mla_wgmma_cuda import wgmma_shared_halves
 
     from dsv2_mlc.compiler.cuda import make_cuda_target
     from dsv2_mlc.errors import Dsv2Error
@@ -451,6 +506,9 @@ def prepare_fp8(args: argparse.Namespace) -> int:
     wanted = [(k, *variant(base8, kw), args.kv_scale) for k, kw in FP8_VARIANTS.items()]
     wanted.append((F16_KERNEL, base16, 0, None))
     wanted += [(k, *variant(base16, kw), None) for k, kw in F16_VARIANTS.items()]
+    if args.only:  # the shipped kernels and the variants named
+        keep = {"ours8", F16_KERNEL, *args.only.split(",")}
+        wanted = [w for w in wanted if w[0] in keep]
     funcs, info, skipped = {}, {}, {}
     for name, tiles, sw, scale in wanted:
         try:
@@ -461,7 +519,13 @@ def prepare_fp8(args: argparse.Namespace) -> int:
             print(f"{name}: SKIPPED, the builder refuses {change}: {err}", flush=True)
             continue
         g = tiles.pages_per_step
-        if sw:
+        if str(sw).startswith("wgmma"):
+            ring = not str(sw).startswith(("wgmmas", "wgmmac", "wgmmad"))
+            dbuf = str(sw).startswith("wgmmad")
+            smem = 2 * wgmma_shared_halves(
+                LATENT + ROPE, LATENT, tiles.stages, bool(scale), ring, dbuf
+            )
+        elif sw:
             smem = 2 * streams_shared_halves(LATENT + ROPE, LATENT, tiles.stages, sw, bool(scale))
         else:
             smem = 2 * pipe_shared_halves(LATENT + ROPE, tiles.stages, LATENT if scale else 0, g)
@@ -737,6 +801,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     p.add_argument("--kv-scale", type=float, default=fp8.FP8_KV_SCALE, help="FP8 cache scale")
     p.add_argument("--check-only", action="store_true", help="FP8: the self-check alone")
+    p.add_argument("--only", default=None, help="FP8: build the shipped kernels and these")
     args = parser.parse_args(argv)
     return prepare(args) if args.cmd == "prepare" else run(args)
 
