@@ -86,6 +86,10 @@ static inline void mlaw_bar0_$tag() {
   if (t_tx >= 128) fail("warpgroup 1 at warpgroup 0's barrier");
   t_b->pbar[0]->arrive_and_wait();
 }
+static inline void mlaw_barw_$tag(int id) {  // (the lab's) named barrier of warpgroup id - 1
+  if (t_tx / 128 != id - 1) fail("a warpgroup at the other's barrier");
+  t_b->pbar[id - 1]->arrive_and_wait();
+}
 """
 
 
@@ -105,7 +109,7 @@ def _build(
     prow = dl // 2 + d - dl if kscale else d
     prelude = Template(_PRELUDE).substitute(prow=prow)
     prelude = prelude.replace(
-        "std::barrier<>* wbar[8];", "std::barrier<>* wbar[8];\n  std::barrier<>* pbar[1];"
+        "std::barrier<>* wbar[8];", "std::barrier<>* wbar[8];\n  std::barrier<>* pbar[2];"
     )
     main = Template(_MAIN).substitute(
         tag=tag,
@@ -126,8 +130,9 @@ def _build(
     old = "for (int w = 0; w < 8; ++w) blk.wbar[w] = new std::barrier<>(32);"
     done = "for (int w = 0; w < 8; ++w) delete blk.wbar[w];"
     assert old in main and done in main
-    main = main.replace(old, old + "\n    blk.pbar[0] = new std::barrier<>(128);")
-    main = main.replace(done, done + "\n    delete blk.pbar[0];")
+    make = "".join(f"\n    blk.pbar[{i}] = new std::barrier<>(128);" for i in range(2))
+    main = main.replace(old, old + make)
+    main = main.replace(done, done + "\n    delete blk.pbar[0];\n    delete blk.pbar[1];")
     src = (
         TYPES
         + prelude
@@ -202,6 +207,8 @@ def test_wgmma_split_block_broken_variants_fail(tmp_path: Path, control, extra) 
         (12, 13, 2.0**-6, {"ring": True}),
         (8, 5, FP8, {"ring": False, "cvt": False}),  # register-staged, shifts and masks
         (8, 13, FP8, {"ring": False, "cvt": True, "dbuf": True}),  # two key tiles
+        (8, 5, FP8, {"ring": False, "cvt": True, "chains": 2}),  # two accumulator chains
+        (8, 13, FP8, {"ring": False, "cvt": True, "hsplit": True}),  # softmax by head blocks
     ],
 )
 def test_lab_wgmma_variants(tmp_path: Path, stages: int, pps: int, kv_scale, variant) -> None:
@@ -209,6 +216,17 @@ def test_lab_wgmma_variants(tmp_path: Path, stages: int, pps: int, kv_scale, var
     exe = _build(tmp_path, 192, 128, stages, kv_scale, variant=variant)
     for late in (0, 1) if variant["ring"] else (0,):
         _run(tmp_path, exe, 192, 128, ROWS, pps, late, new=NEW, kv_scale=kv_scale)
+
+
+@pytest.mark.lab
+@pytest.mark.parametrize("pps", [5, 13])
+def test_lab_wgmma_wide_pieces(tmp_path: Path, pps: int) -> None:
+    """16-byte latent pieces (rows of 320 = 256 latent + 64 rope, V2-Lite's)."""
+    wide = {"ring": False, "cvt": True, "wide": True}
+    for d, dl, rows, new in ((320, 256, ROWS, NEW), (576, 512, [0, 33, 200, 75], [0, 1, 1, 20])):
+        (tmp := tmp_path / str(d)).mkdir()
+        exe = _build(tmp, d, dl, 8, FP8, variant=wide)
+        _run(tmp, exe, d, dl, rows, pps, 0, new=new, kv_scale=FP8)
 
 
 @pytest.mark.lab

@@ -99,36 +99,23 @@ FP8_VARIANTS: dict[str, dict] = {
                           max_split=264),
     "f8_w4_s3_t132": dict(pages_per_step=1, stages=3, stream_warps=4, target_blocks=132,
                           max_split=132),
-    # the lab's wgmma block (schedules/lab/mla_wgmma_cuda.py): 64 tokens a step, scores on
-    # wgmma.m64n16k16; one block an SM (its shared memory), one wave of splits
-    "f8_wg_s8_t132": dict(pages_per_step=4, stages=8, block="wgmma", target_blocks=132,
-                          max_split=132),
-    "f8_wg_s12_t132": dict(pages_per_step=4, stages=12, block="wgmma", target_blocks=132,
-                           max_split=132),
-    "f8_wg_s8": dict(pages_per_step=4, stages=8, block="wgmma"),
-    "f8_wg_no_decode": dict(pages_per_step=4, stages=8, block="wgmma", target_blocks=132,
-                            max_split=132, ablate="decode"),
-    # register-staged (no raw ring): two blocks an SM
-    "f8_wgs_t264": dict(pages_per_step=4, stages=8, block="wgmmas", target_blocks=264,
-                        max_split=264),
-    "f8_wgs_t132": dict(pages_per_step=4, stages=8, block="wgmmas", target_blocks=132,
-                        max_split=132),
-    "f8_wgs_t528": dict(pages_per_step=4, stages=8, block="wgmmas", target_blocks=528,
-                        max_split=528),
-    "f8_wgc_t132": dict(pages_per_step=4, stages=8, block="wgmmac", target_blocks=132,
-                        max_split=132),
-    "f8_wgd_t132": dict(pages_per_step=4, stages=8, block="wgmmad", target_blocks=132,
-                        max_split=132),
+    # the wgmma block (schedules/mla_wgmma_cuda.py, shipped as f8_wgc_t132 for sm_90; its lab
+    # variants in schedules/lab/mla_wgmma_cuda.py): 64 tokens a step, scores on wgmma.m64n16k16,
+    # one block an SM, one wave of splits. wgmma: a cp.async ring of raw slots and a decode pass;
+    # wgmmas: rows staged in registers, shifts and masks; wgmmac: the same with cvt (shipped);
+    # wgmmad: + two key tiles; wgmma2: + two accumulator chains a warpgroup; wgmmaw: + 16-byte
+    # latent pieces; wgmmah: + the softmax split by head blocks
+    **{
+        f"f8_{name}_t132": dict(pages_per_step=4, stages=8, block=block, target_blocks=132,
+                                max_split=132)
+        for name, block in (("wg_s8", "wgmma"), ("wgs", "wgmmas"), ("wgc", "wgmmac"),
+                            ("wgd", "wgmmad"), ("wg2", "wgmma2"), ("wgw", "wgmmaw"),
+                            ("wgh", "wgmmah"))
+    },
     "f8_wgc_t264": dict(pages_per_step=4, stages=8, block="wgmmac", target_blocks=264,
                         max_split=264),
     "f8_wgc_t264_b2": dict(pages_per_step=4, stages=8, block="wgmmac", target_blocks=264,
                            max_split=264, min_blocks=2),
-    "f8_wgs_t264_b2": dict(pages_per_step=4, stages=8, block="wgmmas", target_blocks=264,
-                           max_split=264, min_blocks=2),
-    "f8_wgs_no_decode": dict(pages_per_step=4, stages=8, block="wgmmas", target_blocks=264,
-                             max_split=264, ablate="decode"),
-    "f8_wgs_no_compute": dict(pages_per_step=4, stages=8, block="wgmmas", target_blocks=264,
-                              max_split=264, ablate="scores+softmax+pv"),
 }  # fmt: skip
 F16_KERNEL = "ours16"
 # the float16 cache's kernel with its registers capped likewise (its name -> fields changed)
@@ -146,14 +133,6 @@ F16_VARIANTS: dict[str, dict] = {
     "f16_wg_s8_t132": dict(
         pages_per_step=4, stages=8, block="wgmma", target_blocks=132, max_split=132
     ),
-    # timing studies: the wgmma block with sections cut out (wrong results, flagged)
-    **{
-        f"f16_wg_no_{part.replace('+', '_')}": dict(
-            pages_per_step=4, stages=8, block="wgmma", target_blocks=132, max_split=132,
-            ablate=part,
-        )
-        for part in ("copy", "scores", "softmax", "pv", "scores+softmax+pv")
-    },
 }
 FP8_CASES: list[tuple[str, list[int]]] = [
     ("b1 4K", [4096]),
@@ -172,8 +151,10 @@ def variant(base, kw: dict) -> tuple:
     kw = dict(kw)
     sw = kw.pop("stream_warps", 0)
     block = kw.pop("block", None)  # "wgmma[s]" or "wgmma[s]:parts" (sections cut out)
-    if block in ("wgmma", "wgmmas", "wgmmac", "wgmmad"):  # s: FP8 register-staged; c: cvt;
-        # d: cvt and two key tiles
+    if block in ("wgmma", "wgmmas", "wgmmac", "wgmmad", "wgmma2", "wgmmaw", "wgmmah", "wgmmahw"):
+        # s: FP8 register-staged; c: cvt; d: cvt and two key tiles; 2: cvt and two accumulator
+        # chains a warpgroup; w: cvt and 16-byte latent pieces; h: cvt, the softmax split by
+        # head blocks; hw: both
         sw = block + (f":{kw.pop('ablate')}" if "ablate" in kw else "")
     return replace(base, **kw), sw
 
@@ -186,10 +167,13 @@ def build_variant(tiles, stream_warps: int, kv_scale: float | None):
         from mla_wgmma_cuda import build_wgmma_variant
 
         block, _, parts = stream_warps.partition(":")
-        ring, cvt, dbuf = block == "wgmma", block in ("wgmmac", "wgmmad"), block == "wgmmad"
+        ring, dbuf = block == "wgmma", block == "wgmmad"
+        cvt = block in ("wgmmac", "wgmmad", "wgmma2", "wgmmaw", "wgmmah", "wgmmahw")
+        chains, wide = 2 if block == "wgmma2" else 1, block in ("wgmmaw", "wgmmahw")
         return build_wgmma_variant(
-            HEADS, LATENT, ROPE, "float16", tiles, kv_scale, parts or None, ring, cvt, dbuf
-        )
+            HEADS, LATENT, ROPE, "float16", tiles, kv_scale, parts or None, ring, cvt, dbuf, chains,
+            wide, block in ("wgmmah", "wgmmahw"),
+        )  # fmt: skip
     if stream_warps:
         from mla_streams_cuda import build_streams_variant
 
@@ -506,21 +490,28 @@ def prepare_fp8(args: argparse.Namespace) -> int:
     wanted = [(k, *variant(base8, kw), args.kv_scale) for k, kw in FP8_VARIANTS.items()]
     wanted.append((F16_KERNEL, base16, 0, None))
     wanted += [(k, *variant(base16, kw), None) for k, kw in F16_VARIANTS.items()]
-    if args.only:  # the shipped kernels and the variants named
+    from mla_wgmma_cuda import CUT_OUT
+
+    if args.only:  # the shipped kernels and the variants (or timing studies) named
         keep = {"ours8", F16_KERNEL, *args.only.split(",")}
         wanted = [w for w in wanted if w[0] in keep]
+        wanted += [
+            (k, *variant(base8 if fp8_ else base16, kw), args.kv_scale if fp8_ else None)
+            for k, (fp8_, kw) in CUT_OUT.items()
+            if k in keep
+        ]
     funcs, info, skipped = {}, {}, {}
     for name, tiles, sw, scale in wanted:
         try:
             funcs[name] = build_variant(tiles, sw, scale)
         except (Dsv2Error, ValueError) as err:  # the builder's smem / multiple rules
             skipped[name] = str(err)
-            change = {**FP8_VARIANTS, **F16_VARIANTS}.get(name, {})
+            change = {**FP8_VARIANTS, **F16_VARIANTS}.get(name, CUT_OUT.get(name, (0, {}))[1])
             print(f"{name}: SKIPPED, the builder refuses {change}: {err}", flush=True)
             continue
         g = tiles.pages_per_step
         if str(sw).startswith("wgmma"):
-            ring = not str(sw).startswith(("wgmmas", "wgmmac", "wgmmad"))
+            ring = str(sw).partition(":")[0] == "wgmma"
             dbuf = str(sw).startswith("wgmmad")
             smem = 2 * wgmma_shared_halves(
                 LATENT + ROPE, LATENT, tiles.stages, bool(scale), ring, dbuf
@@ -538,6 +529,7 @@ def prepare_fp8(args: argparse.Namespace) -> int:
             "grid": {c: fp8.grid(tiles, lens) for c, lens in FP8_CASES},
         }
     kwargs = {**FP8_VARIANTS, F16_KERNEL: "the shipped float16 tiles", **F16_VARIANTS}
+    kwargs.update({k: kw for k, (_, kw) in CUT_OUT.items()})
     built = lab_common.build_libraries(funcs, lab_dir, "mla", args.arch, target, kwargs, "")
     for key, entry in built.items():
         entry.update(info[key])

@@ -23,8 +23,24 @@ from dsv2_mlc.schedules.cuda_call import WAIT_THEN_RELEASE, grid_wait_source
 from dsv2_mlc.schedules.mla_cuda_helpers import _PIPE_PRIMS, P
 from dsv2_mlc.schedules.mla_wgmma_cuda import ATOM, BODY, PRIMS, TOKENS, G, layout
 
-__all__ = ["ablate", "build_wgmma_variant", "wgmma_shared_halves", "wgmma_source"]
+__all__ = ["CUT_OUT", "ablate", "build_wgmma_variant", "wgmma_shared_halves", "wgmma_source"]
 
+
+# Timing studies for the kernel lab (kernel_lab_mla.py prepare --kv fp8 --only NAMES; not compiled
+# by the tests): the block with sections of its source cut out (:func:`ablate`; the results are
+# wrong and flagged), name -> (FP8 or float16 cache, the split kernel's fields)
+_WG = dict(pages_per_step=4, stages=8, target_blocks=132, max_split=132)
+CUT_OUT: dict[str, tuple[bool, dict]] = {
+    **{
+        f"f8_wgc_no_{part.replace('+', '_')}": (True, dict(_WG, block="wgmmac", ablate=part))
+        for part in ("copy", "decode", "scores", "softmax", "pv", "scores+softmax+pv")
+    },
+    **{
+        f"f16_wg_no_{part.replace('+', '_')}": (False, dict(_WG, block="wgmma", ablate=part))
+        for part in ("copy", "scores", "softmax", "pv", "scores+softmax+pv")
+    },
+    "f8_wg_no_decode": (True, dict(_WG, block="wgmma", ablate="decode")),
+}
 
 def _check(D: int, DL: int, stages: int) -> None:
     if stages % G or stages < 2 * G:
@@ -136,6 +152,151 @@ ${key_tile}
 """
 
 
+# 16-byte latent pieces (``wide=True``): thread tx loads piece tx % (L / 16) of rows
+# tx / (L / 16) + (4096 / L) k, converts it into two 16-byte chunks of the key tile
+_WIDE_FNS = r"""struct mlaw_raw_${tag} { uint4 l[${lk16}]; uint4 r[2]; };
+__device__ __forceinline__ void mlaw_load_${tag}(mlaw_raw_${tag}& x,
+    const half* __restrict__ pages, const int* __restrict__ ids, int j, int npg, int valid,
+    int tx) {
+  const char* pb = reinterpret_cast<const char*>(pages);
+  int pid[4];
+#pragma unroll
+  for (int u = 0; u < 4; ++u) pid[u] = j + u < npg ? ids[j + u] : 0;
+  const int lp = tx % ${lp16}, r0 = tx / ${lp16};
+#pragma unroll
+  for (int k = 0; k < ${lk16}; ++k) {
+    const int r = r0 + ${rp16} * k;  // page ${rp16} k / 16
+    const char* src = pb + ((size_t)pid[${rp16} * k / 16] * 16 + (r & 15)) * ${rowb} + lp * 16;
+    x.l[k] = r + j * 16 < valid ? *reinterpret_cast<const uint4*>(src)
+                                : make_uint4(0u, 0u, 0u, 0u);
+  }
+#pragma unroll
+  for (int k = 0; k < 2; ++k) {
+    const int qi = tx + 256 * k, r = qi >> 3, c = qi & 7;
+    const int id = (tx >> 7) ? pid[2 * k + 1] : pid[2 * k];  // page r / 16
+    const char* src = pb + ((size_t)id * 16 + (r & 15)) * ${rowb} + ${dl} + c * 16;
+    x.r[k] = r + j * 16 < valid ? *reinterpret_cast<const uint4*>(src)
+                                : make_uint4(0u, 0u, 0u, 0u);
+  }
+}
+__device__ __forceinline__ void mlaw_store_${tag}(const mlaw_raw_${tag}& x, char* tile, int tx) {
+  const int lp = tx % ${lp16}, r0 = tx / ${lp16};
+#pragma unroll
+  for (int k = 0; k < ${lk16}; ++k) {
+    const uint4 v = x.l[k];
+    uint4 h0, h1;
+    h0.x = mlaw_cvt_${tag}(v.x);
+    h0.y = mlaw_cvt_${tag}(v.x >> 16);
+    h0.z = mlaw_cvt_${tag}(v.y);
+    h0.w = mlaw_cvt_${tag}(v.y >> 16);
+    h1.x = mlaw_cvt_${tag}(v.z);
+    h1.y = mlaw_cvt_${tag}(v.z >> 16);
+    h1.z = mlaw_cvt_${tag}(v.w);
+    h1.w = mlaw_cvt_${tag}(v.w >> 16);
+    const int r = r0 + ${rp16} * k;
+    *reinterpret_cast<uint4*>(tile + mlaw_at_${tag}(r, 2 * lp, ${tokens})) = h0;
+    *reinterpret_cast<uint4*>(tile + mlaw_at_${tag}(r, 2 * lp + 1, ${tokens})) = h1;
+  }
+#pragma unroll
+  for (int k = 0; k < 2; ++k) {
+    const int qi = tx + 256 * k;
+    *reinterpret_cast<uint4*>(tile + mlaw_at_${tag}(qi >> 3, ${dl} / 8 + (qi & 7), ${tokens})) =
+        x.r[k];
+  }
+}
+"""
+
+
+# The softmax split by head blocks (``hsplit=True``): warpgroup wg takes heads 8 wg .. 8 wg + 7
+# (its threads' accumulator values 4 wg .. 4 wg + 3), the two exchanging the partial scores of
+# each other's heads, each with its own named barrier (id 1 + wg)
+_HSPLIT_PRIM = r"""
+__device__ __forceinline__ void mlaw_barw_${tag}(int id) {
+  asm volatile("bar.sync %0, 128;\n" :: "r"(id) : "memory");
+}
+"""
+_HSPLIT_SOFTMAX = r"""    {
+      const int ob = 1 - wg;  // the other warpgroup's head block
+#pragma unroll
+      for (int v = 0; v < 4; ++v)
+        xs[(w4 * 32 + lane) * 8 + 4 * ob + v] = sa[4 * ob + v] * ${kscale} + sr[4 * ob + v];
+    }
+    __syncthreads();
+    {  // <softmax>
+      float sv[4];
+#pragma unroll
+      for (int v = 0; v < 4; ++v) {
+        const int tk = 16 * w4 + g + 8 * (v >> 1);
+        const float own = sa[4 * wg + v] * ${kscale} + sr[4 * wg + v];
+        const float s = own + xs[(w4 * 32 + lane) * 8 + 4 * wg + v];
+        sv[v] = i * ${tokens} + tk < nval ? s * scale : -INFINITY;
+      }
+      float mx[2];
+#pragma unroll
+      for (int b = 0; b < 2; ++b) {
+        mx[b] = fmaxf(sv[b], sv[b + 2]);
+#pragma unroll
+        for (int o = 4; o < 32; o <<= 1)
+          mx[b] = fmaxf(mx[b], __shfl_xor_sync(0xffffffffu, mx[b], o));
+      }
+      if (g == 0) {
+#pragma unroll
+        for (int b = 0; b < 2; ++b) red[w4 * 16 + 8 * wg + 2 * t + b] = mx[b];
+      }
+      mlaw_barw_${tag}(1 + wg);
+#pragma unroll
+      for (int b = 0; b < 2; ++b) {
+        const int h = 8 * wg + 2 * t + b;
+        const float bm = fmaxf(fmaxf(red[h], red[16 + h]), fmaxf(red[32 + h], red[48 + h]));
+        const float m_new = fmaxf(m_run[b], bm);
+        const float rs = m_run[b] == -INFINITY ? 0.f : exp2f(m_run[b] - m_new);
+        const float p0 = m_new == -INFINITY ? 0.f : exp2f(sv[b] - m_new);
+        const float p1 = m_new == -INFINITY ? 0.f : exp2f(sv[b + 2] - m_new);
+        l_run[b] = l_run[b] * rs + p0 + p1;
+        m_run[b] = m_new;
+        p_s[h * ${ps} + 16 * w4 + g] = __float2half_rn(p0);
+        p_s[h * ${ps} + 16 * w4 + g + 8] = __float2half_rn(p1);
+        if (w4 == 0 && g == 0) r_s[h] = rs;
+      }
+      // </softmax>
+    }
+"""
+_HSPLIT_EPILOGUE = r"""  // Epilogue: each warpgroup's per-thread sums of its heads -> per head
+  {
+#pragma unroll
+    for (int b = 0; b < 2; ++b) {
+      float l = l_run[b];
+#pragma unroll
+      for (int o = 4; o < 32; o <<= 1) l += __shfl_xor_sync(0xffffffffu, l, o);
+      l_run[b] = l;
+    }
+    mlaw_barw_${tag}(1 + wg);  // every warp of it is past its last read of red (the maxima)
+    if (g == 0) {
+#pragma unroll
+      for (int b = 0; b < 2; ++b) red[w4 * 16 + 8 * wg + 2 * t + b] = l_run[b];
+    }
+    mlaw_barw_${tag}(1 + wg);
+    if (w4 == 0 && g == 0) {
+#pragma unroll
+      for (int b = 0; b < 2; ++b) {
+        const int h = 8 * wg + 2 * t + b;
+        m_s[h] = m_run[b];
+        d_s[h] = red[h] + red[16 + h] + red[32 + h] + red[48 + h];
+      }
+    }
+  }
+"""
+
+
+def _hsplit(body: str) -> str:
+    """The shipped body with the softmax split by head blocks (``_HSPLIT_SOFTMAX``)."""
+    start = "    if (wg == 1) {\n#pragma unroll\n      for (int e = 0; e < 8; ++e) xs["
+    i, j = _between(body, start, "      // </softmax>\n    }\n")
+    body = body[:i] + _HSPLIT_SOFTMAX + body[j + len("      // </softmax>\n    }\n") :]
+    i, j = _between(body, "  // Epilogue: warpgroup 0's", "  __syncthreads();\n")
+    return body[:i] + _HSPLIT_EPILOGUE + body[j:]
+
+
 def _decode_fn(tag: str, D: int, DL: int, prow: int) -> str:
     """``mlaw_decode_<tag>(tile, raw, tx)``: a raw slot (64 rows of ``prow`` halves: ``DL``
     e4m3 bytes, then the rope halves) -> the swizzled float16 tile."""
@@ -190,6 +351,9 @@ def wgmma_source(
     ring: bool = True,
     cvt: bool = False,
     dbuf: bool = False,
+    chains: int = 1,
+    wide: bool = False,
+    hsplit: bool = False,
 ) -> str:
     """CUDA of ``mla_split_wg_<tag>``, a variant of the shipped block (module docstring) for rows
     of ``D`` halves (``DL`` latent) and a ring of ``stages / 4`` slots; ``kscale`` (``256
@@ -223,6 +387,23 @@ def wgmma_source(
         body = _ring_body(fp8, decode.replace("${tag}", tag)).replace("${key_tile}", key_tile)
     else:
         body = BODY if cvt else _E4M3X2 + BODY.replace("mlaw_cvt_${tag}(", "mlaw_e4m3x2_${tag}(")
+        if hsplit:
+            body = _hsplit(body)
+        if wide:  # 16-byte latent pieces
+            struct = "struct mlaw_raw_${tag}"
+            i, j = _between(body, struct, "__device__ __forceinline__ void mla_split")
+            body = body[:i] + _WIDE_FNS + body[j:]
+        if chains == 2:  # alternate k-steps on two accumulators, summed after the wait
+            for old, new in (
+                ("mlaw_wgmma_${tag}(sa,", "mlaw_wgmma_${tag}((k & 1) ? sb : sa,"),
+                ("    float sa[8], sr[8];", "    float sa[8], sb[8], sr[8];"),
+                ("{ sa[e] = 0.f; sr[e] = 0.f; }", "{ sa[e] = 0.f; sb[e] = 0.f; sr[e] = 0.f; }"),
+                ("    mlaw_wait0_${tag}();\n    // </scores>",
+                 "    mlaw_wait0_${tag}();\n#pragma unroll\n    for (int e = 0; e < 8; ++e) "
+                 "sa[e] += sb[e];\n    // </scores>"),
+            ):  # fmt: skip
+                assert old in body, old
+                body = body.replace(old, new)
         if dbuf:
             for old, new in (
                 ("    __syncthreads();  // every warp is past the last step's reads of the tile "
@@ -236,7 +417,7 @@ def wgmma_source(
                 body = body.replace(old, new)
     scale = kscale / 256.0 if cvt else kscale
     if prims:
-        body = _PIPE_PRIMS + PRIMS + body
+        body = _PIPE_PRIMS + PRIMS + (_HSPLIT_PRIM if hsplit else "") + body
         body = f"\n#ifndef MLA_SPLIT_WG_{tag}\n#define MLA_SPLIT_WG_{tag}{body}#endif\n"
     prefix = grid_wait_source() if prims else ""
     return prefix + Template(body).substitute(
@@ -276,6 +457,9 @@ def wgmma_source(
         lp=DL // 8,
         lk=DL // 32,
         rp=2048 // DL,
+        lp16=DL // 16,
+        lk16=DL // 64,
+        rp16=4096 // DL,
     )
 
 
@@ -291,8 +475,9 @@ def ablate(src: str, parts: str | None) -> str:
 
 
 def build_wgmma_variant(
-    heads, latent, rope, dtype, tiles, kv_scale=None, parts=None, ring=True, cvt=False, dbuf=False
-):
+    heads, latent, rope, dtype, tiles, kv_scale=None, parts=None, ring=True, cvt=False, dbuf=False,
+    chains=1, wide=False, hsplit=False,
+):  # fmt: skip
     """:func:`~dsv2_mlc.schedules.mla_attention_cuda.build_mla_attention` with a variant of the
     block in place of the pipelined one (``tiles.pages_per_step`` must be 4): the builder's
     block source and shared-memory size are swapped for the build, under the pipelined block's
@@ -303,7 +488,10 @@ def build_wgmma_variant(
         raise ValueError(f"the wgmma block takes {G} pages a step: pages_per_step must be {G}")
 
     def source(tag, D, DL, stages, kscale=None, pages_per_step=G):
-        src = wgmma_source(tag, D, DL, stages, kscale=kscale, ring=ring, cvt=cvt, dbuf=dbuf)
+        src = wgmma_source(
+            tag, D, DL, stages, kscale=kscale, ring=ring, cvt=cvt, dbuf=dbuf, chains=chains,
+            wide=wide, hsplit=hsplit,
+        )  # fmt: skip
         return ablate(src, parts).replace(f"mla_split_wg_{tag}(", f"mla_split_pipe_{tag}(")
 
     def halves(D, stages, fp8_latent=0, pages_per_step=G):
