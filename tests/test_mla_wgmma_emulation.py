@@ -1,5 +1,5 @@
 """The FP8 cache's wgmma split block (``dsv2_mlc.schedules.mla_wgmma_cuda``) and the lab's variants
-of it (``schedules/lab/mla_wgmma_cuda.py``, ``-m lab``) on the CPU, no GPU.
+of it (``schedules/lab/mla_wgmma_variants.py``, ``-m lab``) on the CPU, no GPU.
 
 The harness of tests/test_mla_pipe_emulation.py (g++ under AddressSanitizer, one thread per
 CUDA thread, the ``mma.sync`` / ``ldmatrix`` / ``cp.async`` stand-ins, copies landing at issue
@@ -28,7 +28,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "schedules" / "lab"))
-import mla_wgmma_cuda as lab  # noqa: E402
+import mla_wgmma_variants as lab  # noqa: E402
 from cuda_emulation import TYPES, compile_cpp  # noqa: E402
 from test_mla_pipe_emulation import _MAIN, _PRELUDE, _PRIMS, SCALE, _run  # noqa: E402
 

@@ -100,7 +100,7 @@ FP8_VARIANTS: dict[str, dict] = {
     "f8_w4_s3_t132": dict(pages_per_step=1, stages=3, stream_warps=4, target_blocks=132,
                           max_split=132),
     # the wgmma block (schedules/mla_wgmma_cuda.py, shipped as f8_wgc_t132 for sm_90; its lab
-    # variants in schedules/lab/mla_wgmma_cuda.py): 64 tokens a step, scores on wgmma.m64n16k16,
+    # variants in schedules/lab/mla_wgmma_variants.py): 64 tokens a step, scores on wgmma.m64n16k16,
     # one block an SM, one wave of splits. wgmma: a cp.async ring of raw slots and a decode pass;
     # wgmmas: rows staged in registers, shifts and masks; wgmmac: the same with cvt (shipped);
     # wgmmad: + two key tiles; wgmma2: + two accumulator chains a warpgroup; wgmmaw: + 16-byte
@@ -147,7 +147,7 @@ FP8_CASES: list[tuple[str, list[int]]] = [
 def variant(base, kw: dict) -> tuple:
     """``(tiles, block)`` of a variant's fields over ``base``: ``block`` the lab's streams block
     of that many warps a stream (schedules/lab/mla_streams_cuda.py), ``"wgmma"`` the lab's
-    wgmma block (schedules/lab/mla_wgmma_cuda.py), 0 the shipped pipelined block."""
+    wgmma block (schedules/lab/mla_wgmma_variants.py), 0 the shipped pipelined block."""
     kw = dict(kw)
     sw = kw.pop("stream_warps", 0)
     block = kw.pop("block", None)  # "wgmma[s]" or "wgmma[s]:parts" (sections cut out)
@@ -164,7 +164,7 @@ def build_variant(tiles, stream_warps: int, kv_scale: float | None):
     from dsv2_mlc.schedules.mla_attention_cuda import build_mla_attention
 
     if str(stream_warps).startswith("wgmma"):
-        from mla_wgmma_cuda import build_wgmma_variant
+        from mla_wgmma_variants import build_wgmma_variant
 
         block, _, parts = stream_warps.partition(":")
         ring, dbuf = block == "wgmma", block == "wgmmad"
@@ -472,7 +472,7 @@ def prepare_fp8(args: argparse.Namespace) -> int:
     if args.check_only:
         return 0
     from mla_streams_cuda import streams_shared_halves
-    from mla_wgmma_cuda import wgmma_shared_halves
+    from mla_wgmma_variants import wgmma_shared_halves
 
     from dsv2_mlc.compiler.cuda import make_cuda_target
     from dsv2_mlc.errors import Dsv2Error
@@ -490,7 +490,7 @@ def prepare_fp8(args: argparse.Namespace) -> int:
     wanted = [(k, *variant(base8, kw), args.kv_scale) for k, kw in FP8_VARIANTS.items()]
     wanted.append((F16_KERNEL, base16, 0, None))
     wanted += [(k, *variant(base16, kw), None) for k, kw in F16_VARIANTS.items()]
-    from mla_wgmma_cuda import CUT_OUT
+    from mla_wgmma_variants import CUT_OUT
 
     if args.only:  # the shipped kernels and the variants (or timing studies) named
         keep = {"ours8", F16_KERNEL, *args.only.split(",")}
