@@ -52,10 +52,12 @@ Design (one PrimFunc, two kernels):
      ``kH`` pseudo-heads, pages of ``L / k + R`` slots, the first ``L / k`` holding ``k`` e4m3
      latent bytes each, then the rope values): float16 slots, 16 heads a block, ``L % 128 ==
      0`` and ``R % 16 == 0`` (V2-Lite, V2): the pipelined tensor-core block over raw rows,
-     each page decoded in shared memory to the float16 page it reads (``pipe_source(kscale=)``);
-     otherwise the SIMT block, whose page load reads 16-byte slot vectors and writes the latent
-     bytes decoded (shifts and masks, ``value / 256`` as float16) and the rope values as they
-     are into the same shared rows. Both keep the score sums of the latent part and the rope
+     each page decoded in shared memory to the float16 page it reads (``pipe_source(kscale=)``),
+     or where the tile says ``block="wgmma"`` (V2-Lite on sm_90) the block of
+     :mod:`~.mla_wgmma_cuda` (64 tokens a step, scores on ``wgmma``); otherwise the SIMT block,
+     whose page load reads 16-byte slot vectors and writes the latent bytes decoded (shifts
+     and masks, ``value / 256`` as float16) and the rope values as they are into the same
+     shared rows. Both keep the score sums of the latent part and the rope
      part apart, ``256 * kv_scale`` multiplying the former, and the output (or the partial
      outputs). The float16 kernel's TIR is unchanged (the FP8 code is chosen in Python while
      the script is built).
