@@ -13,6 +13,7 @@ scales the rope part's scores too.
 from __future__ import annotations
 
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -223,15 +224,48 @@ def _rope_scaled_too(src: str) -> str:
     return src.replace(old, "      if (k == 5) {")
 
 
-def _split_kv_fp8(tmp_path: Path, kv_scale_built: float, kv_scale: float = 0.5, controls=()):
+# The wgmma block's PTX (schedules/mla_wgmma_cuda.py, sm_90's FP8 entry) as the emulator's
+# stand-ins: wgmma on shared addresses (computed at the wait that completes it), cvt of two
+# e4m3 bytes to their float16 values, warpgroup 0's named barrier (one block at a time)
+_WG_PRIM = re.compile(
+    r"__device__ __forceinline__ (\w+) mlaw_(wgmma|fence|commit|wait0|proxy|cvt|bar0)_(\w+)"
+    r"\(([^)]*)\) \{\n.*?\n\}\n",
+    re.S,
+)
+_WG_CALLS = {
+    "wgmma": "dsv2_emu_wgmma(d, a, b, 16);",
+    "fence": "",
+    "commit": "dsv2_emu_wg_commit();",
+    "wait0": "dsv2_emu_wg_wait(0);",
+    "proxy": "",
+    "bar0": "g_emu_wg0_bar.arrive_and_wait();",
+    "cvt": "unsigned r = 0; for (int i = 0; i < 2; ++i) { const unsigned b = (w >> (8 * i)) & "
+    "0xffu; const unsigned short u = (unsigned short)(((b & 0x80u) << 8) | ((b & 0x7fu) << 7)); "
+    "half h; memcpy(&h, &u, 2); const half v = (half)((float)h * 256.f); unsigned short o; "
+    "memcpy(&o, &v, 2); r |= (unsigned)o << (16 * i); } return r;",
+}
+
+
+def _wg_prim(m) -> str:
+    ret, kind, tag, params = m.groups()
+    pre = "static std::barrier<> g_emu_wg0_bar(128);\n" if kind == "bar0" else ""
+    return f"{pre}static inline {ret} mlaw_{kind}_{tag}({params}) {{ {_WG_CALLS[kind]} }}\n"
+
+
+def _split_kv_fp8(
+    tmp_path: Path, kv_scale_built: float, kv_scale: float = 0.5, controls=(), arch=None
+):
     from test_mla_attention_emulation import _PRIM, _launch
 
     H, L, R = 16, 512, 64  # V2-Lite
-    func = mla_attention_cuda(H, L, R, "float16", kv_scale=kv_scale_built)
+    func = mla_attention_cuda(H, L, R, "float16", kv_scale=kv_scale_built, arch=arch)
 
     def patch(src: str) -> str:
         src, n = _PRIM.subn(_emulated_prim, src)  # the tensor-core block's PTX (7 primitives)
         assert n == 7, n
+        if arch is not None:
+            src, n = _WG_PRIM.subn(_wg_prim, src)
+            assert n == 7, n
         for control in controls:
             src = control(src)
         return "#define CUDART_INF_F INFINITY  // (math_constants.h, in TVM's header)\n" + src
@@ -262,6 +296,24 @@ def _split_kv_fp8(tmp_path: Path, kv_scale_built: float, kv_scale: float = 0.5, 
 def test_cuda_split_kv_over_fp8_pages(tmp_path: Path) -> None:
     arrays, ref_out, ref_lse, H, L = _split_kv_fp8(tmp_path, 0.5)
     _check(arrays, ref_out, ref_lse, H, L, 4 * U16, 1e-4)
+
+
+@needs_toolchain
+def test_cuda_split_kv_over_fp8_pages_wgmma_block(tmp_path: Path) -> None:
+    """sm_90's split kernel (the wgmma block of mla_wgmma_cuda in the shipped planning and
+    merge) over the same pages, and a control: its warpgroup 1 leaving out the rope scores."""
+    arrays, ref_out, ref_lse, H, L = _split_kv_fp8(tmp_path, 0.5, arch="sm_90")
+    _check(arrays, ref_out, ref_lse, H, L, 4 * U16, 1e-4)
+
+    def no_rope(src: str) -> str:
+        old = " + sr[e];"
+        assert src.count(old) == 1, "the block's exchange of the rope scores"
+        return src.replace(old, ";")
+
+    (tmp := tmp_path / "control").mkdir()
+    arrays, ref_out, ref_lse, H, L = _split_kv_fp8(tmp, 0.5, controls=(no_rope,), arch="sm_90")
+    with pytest.raises(AssertionError):
+        _check(arrays, ref_out, ref_lse, H, L, 4 * U16, 1e-4)
 
 
 @needs_toolchain
