@@ -271,17 +271,17 @@ def build_mla_attention(
             "mla_attention tiles: block='wgmma' is the FP8 cache's block for 16 float16 heads "
             "with pages_per_step=4: fix the entry in schedules/tiles.py"
         )
-    pipe_src = (
-        pipe_source(ptag, D, DL, stages, kscale=kscale if KV8 else None, pages_per_step=G)
-        if pipe and not wg
-        else ""
-    )
+    if wg:
+        pipe_src, SMEM_N = split_block(ptag, D, DL, kscale)
+    elif pipe:
+        kscale_pipe = kscale if KV8 else None
+        pipe_src = pipe_source(ptag, D, DL, stages, kscale=kscale_pipe, pages_per_step=G)
+        SMEM_N = pipe_shared_halves(D, stages, DL if KV8 else 0, G)
+    else:
+        pipe_src, SMEM_N = "", 1  # (one buffer)
     pf_tag, pf_bytes = (tag + "_fp8" if KV8 else tag), P * PD * _ELEM_BYTES[dtype]
     pf_name, pf_src = prefetch_source(pf_tag, pf_bytes, NT) if pipe else ("", "")
     wr_src = wait_release_source()
-    SMEM_N = pipe_shared_halves(D, stages, DL if KV8 else 0, G) if pipe else 1  # one buffer
-    if wg:
-        pipe_src, SMEM_N = split_block(ptag, D, DL, kscale)
     SMEM_SCOPE = "shared.dyn" if SMEM_N * 2 > _MAX_SHARED_BYTES else "shared"
     if pipe:
         smem, smem_max = SMEM_N * 2, _MAX_DYN_SHARED_BYTES

@@ -37,6 +37,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from string import Template
 
 import ml_dtypes
 import numpy as np
@@ -258,8 +259,6 @@ def _build(
 ) -> Path:
     """The emulated block of ``pages_per_step = g`` (an FP8 cache of that scale if given), its
     source through ``patch`` (a control)."""
-    from string import Template
-
     tag = "emu"
     kscale = None if kv_scale is None else 256 * kv_scale
     prow = dl // 2 + d - dl if kscale else d  # halves a page row (FP8: raw latent bytes)
@@ -279,6 +278,39 @@ def _build(
         )
     )
     return compile_cpp(src, tmp / "emu", sanitize=True)
+
+
+def harness(
+    d: int, dl: int, kscale: float | None, smem_halves: int, block: str, named: tuple[int, int]
+) -> tuple[str, str]:
+    """(prelude, main) of this harness for another split block: the device function
+    ``<block>_emu`` in place of the pipelined one, and ``named = (count, threads)`` named
+    barriers (``t_b->pbar[i]``, each of ``threads`` threads) for its stand-ins."""
+    prow = dl // 2 + d - dl if kscale else d
+    count, threads = named
+    prelude = Template(_PRELUDE).substitute(prow=prow)
+    old = "std::barrier<>* wbar[8];"
+    assert old in prelude
+    prelude = prelude.replace(old, old + f"\n  std::barrier<>* pbar[{count}];")
+    main = Template(_MAIN).substitute(
+        tag="emu",
+        prow=prow,
+        qrow=16 * (2 * prow if kscale else d),
+        nlse=32 if kscale else 16,
+        dl=dl,
+        smem_halves=smem_halves,
+        scale=f"{SCALE}f",
+    )
+    main = main.replace("mla_split_pipe_", f"{block}_")
+    make = "for (int w = 0; w < 8; ++w) blk.wbar[w] = new std::barrier<>(32);"
+    done = "for (int w = 0; w < 8; ++w) delete blk.wbar[w];"
+    assert make in main and done in main
+    main = main.replace(
+        make, make + f"\n    for (int p = 0; p < {count}; ++p) blk.pbar[p] = "
+        f"new std::barrier<>({threads});"
+    )
+    return prelude, main.replace(done, done + f"\n    for (int p = 0; p < {count}; ++p) "
+                                 "delete blk.pbar[p];")  # fmt: skip
 
 
 def _blocks(n_vis: list[int], pps: int, new: list[int], extra_early: int = 0) -> list[list[int]]:

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "schedules" / "lab"))
 from cuda_emulation import TYPES, compile_cpp  # noqa: E402
 from mla_streams_cuda import streams_shared_halves, streams_source  # noqa: E402
-from test_mla_pipe_emulation import _MAIN, _PRELUDE, _PRIMS, SCALE, _run  # noqa: E402
+from test_mla_pipe_emulation import _PRIMS, _run, harness  # noqa: E402
 
 pytestmark = [
     pytest.mark.lab,  # a lab block: pytest -m lab
@@ -57,30 +57,8 @@ def _build(
 ) -> Path:
     tag = "emu"
     kscale = None if kv_scale is None else 256 * kv_scale
-    prow = dl // 2 + d - dl if kscale else d
-    prelude = Template(_PRELUDE).substitute(prow=prow)
-    prelude = prelude.replace(
-        "std::barrier<>* wbar[8];", "std::barrier<>* wbar[8];\n  std::barrier<>* pbar[8];"
-    )
-    main = Template(_MAIN).substitute(
-        tag=tag,
-        prow=prow,
-        qrow=16 * (2 * prow if kscale else d),
-        nlse=32 if kscale else 16,
-        dl=dl,
-        smem_halves=streams_shared_halves(d, dl, stages, warps, kscale is not None),
-        scale=f"{SCALE}f",
-    )
-    main = main.replace("mla_split_pipe_", "mla_split_streams_")
-    old = "for (int w = 0; w < 8; ++w) blk.wbar[w] = new std::barrier<>(32);"
-    assert old in main
-    done = "for (int w = 0; w < 8; ++w) delete blk.wbar[w];"
-    assert done in main
-    main = main.replace(done, done + "\n    for (int p = 0; p < 8; ++p) delete blk.pbar[p];")
-    main = main.replace(
-        old,
-        old + f"\n    for (int p = 0; p < 8; ++p) blk.pbar[p] = new std::barrier<>({32 * warps});",
-    )
+    smem = streams_shared_halves(d, dl, stages, warps, kscale is not None)
+    prelude, main = harness(d, dl, kscale, smem, "mla_split_streams", (8, 32 * warps))
     src = (
         TYPES
         + prelude

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "schedules" / "lab"))
 import mla_wgmma_variants as lab  # noqa: E402
 from cuda_emulation import TYPES, compile_cpp  # noqa: E402
-from test_mla_pipe_emulation import _MAIN, _PRELUDE, _PRIMS, SCALE, _run  # noqa: E402
+from test_mla_pipe_emulation import _PRIMS, _run, harness  # noqa: E402
 
 from dsv2_mlc.schedules import mla_wgmma_cuda as shipped  # noqa: E402
 
@@ -106,33 +106,14 @@ def _build(
     (:func:`lab.wgmma_source`'s ``ring`` / ``cvt``), its source through ``patch``."""
     tag = "emu"
     kscale = None if kv_scale is None else 256 * kv_scale
-    prow = dl // 2 + d - dl if kscale else d
-    prelude = Template(_PRELUDE).substitute(prow=prow)
-    prelude = prelude.replace(
-        "std::barrier<>* wbar[8];", "std::barrier<>* wbar[8];\n  std::barrier<>* pbar[2];"
+    smem = (
+        shipped.wgmma_shared_halves(d, dl)
+        if variant is None
+        else lab.wgmma_shared_halves(
+            d, dl, stages, kscale is not None, variant["ring"], variant.get("dbuf", False)
+        )
     )
-    main = Template(_MAIN).substitute(
-        tag=tag,
-        prow=prow,
-        qrow=16 * (2 * prow if kscale else d),
-        nlse=32 if kscale else 16,
-        dl=dl,
-        smem_halves=(
-            shipped.wgmma_shared_halves(d, dl)
-            if variant is None
-            else lab.wgmma_shared_halves(
-                d, dl, stages, kscale is not None, variant["ring"], variant.get("dbuf", False)
-            )
-        ),
-        scale=f"{SCALE}f",
-    )
-    main = main.replace("mla_split_pipe_", "mla_split_wg_")
-    old = "for (int w = 0; w < 8; ++w) blk.wbar[w] = new std::barrier<>(32);"
-    done = "for (int w = 0; w < 8; ++w) delete blk.wbar[w];"
-    assert old in main and done in main
-    make = "".join(f"\n    blk.pbar[{i}] = new std::barrier<>(128);" for i in range(2))
-    main = main.replace(old, old + make)
-    main = main.replace(done, done + "\n    delete blk.pbar[0];\n    delete blk.pbar[1];")
+    prelude, main = harness(d, dl, kscale, smem, "mla_split_wg", (2, 128))
     src = (
         TYPES
         + prelude

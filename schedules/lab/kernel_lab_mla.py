@@ -99,12 +99,9 @@ FP8_VARIANTS: dict[str, dict] = {
                           max_split=264),
     "f8_w4_s3_t132": dict(pages_per_step=1, stages=3, stream_warps=4, target_blocks=132,
                           max_split=132),
-    # the wgmma block (schedules/mla_wgmma_cuda.py, shipped as f8_wgc_t132 for sm_90; its lab
-    # variants in schedules/lab/mla_wgmma_variants.py): 64 tokens a step, scores on wgmma.m64n16k16,
-    # one block an SM, one wave of splits. wgmma: a cp.async ring of raw slots and a decode pass;
-    # wgmmas: rows staged in registers, shifts and masks; wgmmac: the same with cvt (shipped);
-    # wgmmad: + two key tiles; wgmma2: + two accumulator chains a warpgroup; wgmmaw: + 16-byte
-    # latent pieces; wgmmah: + the softmax split by head blocks
+    # the wgmma block (schedules/mla_wgmma_cuda.py, shipped as f8_wgc_t132 for sm_90) and its
+    # lab variants (schedules/lab/mla_wgmma_variants.py, BLOCKS): 64 tokens a step, one block an
+    # SM, one wave of splits
     **{
         f"f8_{name}_t132": dict(pages_per_step=4, stages=8, block=block, target_blocks=132,
                                 max_split=132)
@@ -150,11 +147,8 @@ def variant(base, kw: dict) -> tuple:
     wgmma block (schedules/lab/mla_wgmma_variants.py), 0 the shipped pipelined block."""
     kw = dict(kw)
     sw = kw.pop("stream_warps", 0)
-    block = kw.pop("block", None)  # "wgmma[s]" or "wgmma[s]:parts" (sections cut out)
-    if block in ("wgmma", "wgmmas", "wgmmac", "wgmmad", "wgmma2", "wgmmaw", "wgmmah", "wgmmahw"):
-        # s: FP8 register-staged; c: cvt; d: cvt and two key tiles; 2: cvt and two accumulator
-        # chains a warpgroup; w: cvt and 16-byte latent pieces; h: cvt, the softmax split by
-        # head blocks; hw: both
+    block = kw.pop("block", None)  # a name of mla_wgmma_variants.BLOCKS, + ":parts" cut out
+    if block is not None:
         sw = block + (f":{kw.pop('ablate')}" if "ablate" in kw else "")
     return replace(base, **kw), sw
 
@@ -167,13 +161,9 @@ def build_variant(tiles, stream_warps: int, kv_scale: float | None):
         from mla_wgmma_variants import build_wgmma_variant
 
         block, _, parts = stream_warps.partition(":")
-        ring, dbuf = block == "wgmma", block == "wgmmad"
-        cvt = block in ("wgmmac", "wgmmad", "wgmma2", "wgmmaw", "wgmmah", "wgmmahw")
-        chains, wide = 2 if block == "wgmma2" else 1, block in ("wgmmaw", "wgmmahw")
         return build_wgmma_variant(
-            HEADS, LATENT, ROPE, "float16", tiles, kv_scale, parts or None, ring, cvt, dbuf, chains,
-            wide, block in ("wgmmah", "wgmmahw"),
-        )  # fmt: skip
+            HEADS, LATENT, ROPE, "float16", tiles, block, kv_scale, parts or None
+        )
     if stream_warps:
         from mla_streams_cuda import build_streams_variant
 
@@ -472,7 +462,7 @@ def prepare_fp8(args: argparse.Namespace) -> int:
     if args.check_only:
         return 0
     from mla_streams_cuda import streams_shared_halves
-    from mla_wgmma_variants import wgmma_shared_halves
+    from mla_wgmma_variants import block_shared_halves
 
     from dsv2_mlc.compiler.cuda import make_cuda_target
     from dsv2_mlc.errors import Dsv2Error
@@ -511,11 +501,8 @@ def prepare_fp8(args: argparse.Namespace) -> int:
             continue
         g = tiles.pages_per_step
         if str(sw).startswith("wgmma"):
-            ring = str(sw).partition(":")[0] == "wgmma"
-            dbuf = str(sw).startswith("wgmmad")
-            smem = 2 * wgmma_shared_halves(
-                LATENT + ROPE, LATENT, tiles.stages, bool(scale), ring, dbuf
-            )
+            block = sw.partition(":")[0]
+            smem = 2 * block_shared_halves(block, LATENT + ROPE, LATENT, tiles.stages, bool(scale))
         elif sw:
             smem = 2 * streams_shared_halves(LATENT + ROPE, LATENT, tiles.stages, sw, bool(scale))
         else:

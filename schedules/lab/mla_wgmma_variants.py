@@ -23,7 +23,15 @@ from dsv2_mlc.schedules.cuda_call import WAIT_THEN_RELEASE, grid_wait_source
 from dsv2_mlc.schedules.mla_cuda_helpers import _PIPE_PRIMS, P
 from dsv2_mlc.schedules.mla_wgmma_cuda import ATOM, BODY, PRIMS, TOKENS, G, layout
 
-__all__ = ["CUT_OUT", "ablate", "build_wgmma_variant", "wgmma_shared_halves", "wgmma_source"]
+__all__ = [
+    "BLOCKS",
+    "CUT_OUT",
+    "ablate",
+    "block_shared_halves",
+    "build_wgmma_variant",
+    "wgmma_shared_halves",
+    "wgmma_source",
+]
 
 
 # Timing studies for the kernel lab (kernel_lab_mla.py prepare --kv fp8 --only NAMES; not compiled
@@ -41,6 +49,22 @@ CUT_OUT: dict[str, tuple[bool, dict]] = {
     },
     "f8_wg_no_decode": (True, dict(_WG, block="wgmma", ablate="decode")),
 }
+
+# The kernel lab's names of the variants (kernel_lab_mla.py's ``block=``), as the options of
+# :func:`wgmma_source`: the ring design, rows staged in registers (shifts and masks), the same
+# with cvt (the shipped block), + two key tiles, + two accumulator chains a warpgroup, + 16-byte
+# latent pieces, + the softmax split by head blocks, + both
+BLOCKS: dict[str, dict] = {
+    "wgmma": dict(ring=True),
+    "wgmmas": dict(ring=False),
+    "wgmmac": dict(ring=False, cvt=True),
+    "wgmmad": dict(ring=False, cvt=True, dbuf=True),
+    "wgmma2": dict(ring=False, cvt=True, chains=2),
+    "wgmmaw": dict(ring=False, cvt=True, wide=True),
+    "wgmmah": dict(ring=False, cvt=True, hsplit=True),
+    "wgmmahw": dict(ring=False, cvt=True, wide=True, hsplit=True),
+}
+
 
 def _check(D: int, DL: int, stages: int) -> None:
     if stages % G or stages < 2 * G:
@@ -80,6 +104,12 @@ def wgmma_shared_halves(
     _check(D, DL, stages)
     lay = _ring_layout(D, DL, stages, fp8) if ring else layout(D, DL)
     return (lay["bytes"] + (D // ATOM * TOKENS * 128 if dbuf else 0)) // 2
+
+
+def block_shared_halves(block: str, D: int, DL: int, stages: int, fp8: bool) -> int:
+    """:func:`wgmma_shared_halves` of the variant ``block`` (:data:`BLOCKS`)."""
+    opts = BLOCKS[block]
+    return wgmma_shared_halves(D, DL, stages, fp8, opts["ring"], opts.get("dbuf", False))
 
 
 _E4M3X2 = r"""
@@ -474,28 +504,23 @@ def ablate(src: str, parts: str | None) -> str:
     return src
 
 
-def build_wgmma_variant(
-    heads, latent, rope, dtype, tiles, kv_scale=None, parts=None, ring=True, cvt=False, dbuf=False,
-    chains=1, wide=False, hsplit=False,
-):  # fmt: skip
-    """:func:`~dsv2_mlc.schedules.mla_attention_cuda.build_mla_attention` with a variant of the
-    block in place of the pipelined one (``tiles.pages_per_step`` must be 4): the builder's
-    block source and shared-memory size are swapped for the build, under the pipelined block's
-    name."""
+def build_wgmma_variant(heads, latent, rope, dtype, tiles, block, kv_scale=None, parts=None):
+    """:func:`~dsv2_mlc.schedules.mla_attention_cuda.build_mla_attention` with the variant
+    ``block`` (:data:`BLOCKS`) in place of the pipelined block (``tiles.pages_per_step`` must be
+    4), ``parts`` cut out (:func:`ablate`): the builder's block source and shared-memory size are
+    swapped for the build, under the pipelined block's name."""
+    opts = BLOCKS[block]
     from dsv2_mlc.schedules import mla_attention_cuda as mla
 
     if tiles.pages_per_step != G:
         raise ValueError(f"the wgmma block takes {G} pages a step: pages_per_step must be {G}")
 
     def source(tag, D, DL, stages, kscale=None, pages_per_step=G):
-        src = wgmma_source(
-            tag, D, DL, stages, kscale=kscale, ring=ring, cvt=cvt, dbuf=dbuf, chains=chains,
-            wide=wide, hsplit=hsplit,
-        )  # fmt: skip
+        src = wgmma_source(tag, D, DL, stages, kscale=kscale, **opts)
         return ablate(src, parts).replace(f"mla_split_wg_{tag}(", f"mla_split_pipe_{tag}(")
 
     def halves(D, stages, fp8_latent=0, pages_per_step=G):
-        return wgmma_shared_halves(D, D - rope, stages, bool(fp8_latent), ring, dbuf)
+        return block_shared_halves(block, D, D - rope, stages, bool(fp8_latent))
 
     with contextlib.ExitStack() as stack:
         for name, value in (("pipe_source", source), ("pipe_shared_halves", halves)):
