@@ -18,10 +18,11 @@ come from :data:`~.tiles.TABLE` (``"mla_attention"``, :class:`~.tiles.MLAAttenti
 
 Design (one PrimFunc, two kernels):
 
-1. **Split kernel**, grid ``(total * smax, H / HG)``, 256 threads. A block owns one query row,
-   a group of ``HG = min(H, 16)`` heads and a contiguous range of the row's pages (split ``s`` of
-   ``nsplit``). All heads of a row attend to the *same* latent rows, so the block loads each page
-   (16 tokens x 576 fp16 = 18 KB) into shared memory **once** and uses it for all its heads.
+1. **Split kernel**, grid ``(total * smax, H / HG)``, 256 threads (512 for the wgmma block). A
+   block owns one query row, a group of ``HG = min(H, 16)`` heads and a contiguous range of the
+   row's pages (split ``s`` of ``nsplit``). All heads of a row attend to the *same* latent rows,
+   so the block loads each page (16 tokens x 576 fp16 = 18 KB) into shared memory **once** and
+   uses it for all its heads.
    Two block codes:
 
    * **Pipelined tensor-core block** (float16, 16 heads a block, ``(L + R) % 16 == 0``,
@@ -54,7 +55,8 @@ Design (one PrimFunc, two kernels):
      0`` and ``R % 16 == 0`` (V2-Lite, V2): the pipelined tensor-core block over raw rows,
      each page decoded in shared memory to the float16 page it reads (``pipe_source(kscale=)``),
      or where the tile says ``block="wgmma"`` (V2-Lite on sm_90) the block of
-     :mod:`~.mla_wgmma_cuda` (64 tokens a step, scores on ``wgmma``); otherwise the SIMT block,
+     :mod:`~.mla_wgmma_cuda` (64 tokens a step, producer warpgroups converting the rows into
+     two key tiles, scores on ``wgmma``); otherwise the SIMT block,
      whose page load reads 16-byte slot vectors and writes the latent bytes decoded (shifts
      and masks, ``value / 256`` as float16) and the rope values as they are into the same
      shared rows. Both keep the score sums of the latent part and the rope
@@ -112,6 +114,7 @@ from .mla_cuda_helpers import (
     wait_release_source,
 )
 from .mla_paging import find_sequence, kv_length, visible_length
+from .mla_wgmma_cuda import THREADS as WGMMA_THREADS
 from .mla_wgmma_cuda import split_block
 from .tiles import MLAAttentionTiles, tuned
 
@@ -224,7 +227,7 @@ def build_mla_attention(
         )
     if D % _VEC:
         raise ValueError(f"mla_attention_cuda needs (latent + rope) % {_VEC} == 0, got {D}")
-    NT = _THREADS
+    NT = WGMMA_THREADS if tiles.block == "wgmma" else _THREADS
     MIN_BLOCKS = tiles.min_blocks
     # FP8 cache (kv_fp8's storage): K e4m3 bytes a dtype slot; the C++ cache passes q, out and
     # lse as KH pseudo-heads of QD, ODL values, the pages as rows of PD slots

@@ -60,9 +60,9 @@ class MLAAttentionTiles:
     which caps its registers (65,536 / (256 x min_blocks) a thread) so that more blocks fit.
 
     ``block``: ``"pipe"``, the pipelined block; ``"wgmma"``, the FP8 cache's block of
-    :mod:`~.mla_wgmma_cuda` (sm_90a; 16 heads, ``pages_per_step`` 4: 64 tokens a step, scores
-    on ``wgmma``, rows staged in registers; ``stages`` only sets the pages the prefetch to L2
-    leaves to the block, ``stages - 4``)."""
+    :mod:`~.mla_wgmma_cuda` (sm_90a; 16 heads, ``pages_per_step`` 4: 64 tokens a step, 512
+    threads, two producer warpgroups converting the rows into two key tiles, scores on ``wgmma``;
+    ``stages`` only sets the pages the prefetch to L2 leaves to the block, ``stages - 4``)."""
 
     stages: int
     min_pages_per_split: int
@@ -349,8 +349,8 @@ TABLE: dict[str, dict[TileKey, Any]] = {
         # schedules/results/mla_attention.md, "Pages a step")
         TileKey(ANY, (16, 512, 64, "e4m3")): replace(_MLA_ATTENTION, stages=4, pages_per_step=2),
         # ... on sm_90: the wgmma block, one block an SM, one wave of splits (split kernel at
-        # batch 1, 128K: 54.6 against 70.5 us; faster at 4K-128K and 256 x 1K too;
-        # schedules/results/mla_attention.md, "The wgmma block")
+        # batch 1, 128K: 48.3 against 70.5 us for the pipelined block, 54.7 for the wgmma block
+        # without producer warpgroups; schedules/results/mla_wgmma.md)
         TileKey("sm_90", (16, 512, 64, "e4m3")): replace(
             _MLA_ATTENTION,
             block="wgmma",

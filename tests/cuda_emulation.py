@@ -696,12 +696,16 @@ class Emulated:
         return {k: int(v) for k, v in stats}
 
 
-def block_dims(func: tvm.tirx.PrimFunc) -> tuple[int, int, int]:
+def block_dims(func: tvm.tirx.PrimFunc, threads: int | None = None) -> tuple[int, int, int]:
     """The (x, y, z) thread extents of ``func``'s kernels (its ``threadIdx`` bindings; every
-    kernel of ``func`` must bind each one to the same constant)."""
+    kernel of ``func`` must bind each one to the same constant, but for kernels of one-dimensional
+    blocks of different sizes: then the block of ``threads``, the chosen kernel's)."""
     binding = r"T\.(?:thread_binding|launch_thread)\((?:T\.int\d+\()?(\d+)\)?, "
     binding += r'(?:thread=)?"threadIdx\.(\w)"'
     found = re.findall(binding, func.script())
+    axes = {axis for _, axis in found}
+    if axes == {"x"} and threads is not None and int(threads) in {int(e) for e, _ in found}:
+        return int(threads), 1, 1
     dims = {}
     for extent, axis in found:
         assert dims.setdefault(axis, int(extent)) == int(extent), f"threadIdx.{axis}: two extents"
@@ -765,7 +769,7 @@ def emulate(
             args.append(f"({p.rsplit(maxsplit=1)[0]})s[{len(scalars)}]")
             scalars.append(pname)
     threads = int(head.group(1))
-    block = block_dims(func)
+    block = block_dims(func, threads)
     assert block[0] * block[1] * block[2] == threads, f"threads {block} vs launch bounds {threads}"
     main = Template(_MAIN).substitute(
         n_scalars=len(scalars),

@@ -226,9 +226,11 @@ def _rope_scaled_too(src: str) -> str:
 
 # The wgmma block's PTX (schedules/mla_wgmma_cuda.py, sm_90's FP8 entry) as the emulator's
 # stand-ins: wgmma on shared addresses (computed at the wait that completes it), cvt of two
-# e4m3 bytes to their float16 values, warpgroup 0's named barrier (one block at a time)
+# e4m3 bytes to their float16 values, the named barriers (bar.sync waits, bar.arrive arrives;
+# one block at a time, so one barrier an id, of the thread count its first use names)
 _WG_PRIM = re.compile(
-    r"__device__ __forceinline__ (\w+) mlaw_(wgmma|fence|commit|wait0|proxy|cvt|bar0)_(\w+)"
+    r"__device__ __forceinline__ (\w+) mlaw_(wgmma|fence|commit|wait0|proxy|cvt|bar0|sync|arrive)"
+    r"_(\w+)"
     r"\(([^)]*)\) \{\n.*?\n\}\n",
     re.S,
 )
@@ -238,7 +240,9 @@ _WG_CALLS = {
     "commit": "dsv2_emu_wg_commit();",
     "wait0": "dsv2_emu_wg_wait(0);",
     "proxy": "",
-    "bar0": "g_emu_wg0_bar.arrive_and_wait();",
+    "bar0": "emu_named(1, 128)->arrive_and_wait();",
+    "sync": "emu_named(id, n)->arrive_and_wait();",
+    "arrive": "auto token = emu_named(id, n)->arrive(); (void)token;",
     "cvt": "unsigned r = 0; for (int i = 0; i < 2; ++i) { const unsigned b = (w >> (8 * i)) & "
     "0xffu; const unsigned short u = (unsigned short)(((b & 0x80u) << 8) | ((b & 0x7fu) << 7)); "
     "half h; memcpy(&h, &u, 2); const half v = (half)((float)h * 256.f); unsigned short o; "
@@ -246,9 +250,21 @@ _WG_CALLS = {
 }
 
 
+_NAMED = r"""static std::barrier<>* emu_named(int id, int n) {
+  static std::barrier<>* bars[16] = {};
+  static int counts[16] = {};
+  static std::mutex mu;
+  std::lock_guard<std::mutex> lock(mu);
+  if (!bars[id]) { bars[id] = new std::barrier<>(n); counts[id] = n; }
+  if (counts[id] != n) emu_fail("a named barrier used with two thread counts");
+  return bars[id];
+}
+"""
+
+
 def _wg_prim(m) -> str:
     ret, kind, tag, params = m.groups()
-    pre = "static std::barrier<> g_emu_wg0_bar(128);\n" if kind == "bar0" else ""
+    pre = _NAMED if kind == "bar0" else ""
     return f"{pre}static inline {ret} mlaw_{kind}_{tag}({params}) {{ {_WG_CALLS[kind]} }}\n"
 
 
@@ -265,7 +281,7 @@ def _split_kv_fp8(
         assert n == 7, n
         if arch is not None:
             src, n = _WG_PRIM.subn(_wg_prim, src)
-            assert n == 7, n
+            assert n == 9, n
         for control in controls:
             src = control(src)
         return "#define CUDART_INF_F INFINITY  // (math_constants.h, in TVM's header)\n" + src

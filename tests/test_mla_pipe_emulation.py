@@ -281,17 +281,31 @@ def _build(
 
 
 def harness(
-    d: int, dl: int, kscale: float | None, smem_halves: int, block: str, named: tuple[int, int]
+    d: int,
+    dl: int,
+    kscale: float | None,
+    smem_halves: int,
+    block: str,
+    named: tuple[int, int] | list[int],
+    threads: int = 256,
 ) -> tuple[str, str]:
-    """(prelude, main) of this harness for another split block: the device function
-    ``<block>_emu`` in place of the pipelined one, and ``named = (count, threads)`` named
-    barriers (``t_b->pbar[i]``, each of ``threads`` threads) for its stand-ins."""
+    """(prelude, main) of this harness for another split block of ``threads`` threads: the
+    device function ``<block>_emu`` in place of the pipelined one, and named barriers for its
+    stand-ins (``t_b->pbar[i]``): ``named = (count, n)``, ``count`` barriers of ``n`` threads
+    each, or a list of each barrier's threads."""
     prow = dl // 2 + d - dl if kscale else d
-    count, threads = named
+    sizes = [named[1]] * named[0] if isinstance(named, tuple) else list(named)
+    count = len(sizes)
     prelude = Template(_PRELUDE).substitute(prow=prow)
     old = "std::barrier<>* wbar[8];"
     assert old in prelude
     prelude = prelude.replace(old, old + f"\n  std::barrier<>* pbar[{count}];")
+    if threads != 256:
+        nw = threads // 32
+        for a in ("wbar[8]", "fst[8]", "ust[8]"):
+            b = a.replace("[8]", f"[{nw}]")
+            assert a in prelude
+            prelude = prelude.replace(a, b)
     main = Template(_MAIN).substitute(
         tag="emu",
         prow=prow,
@@ -305,12 +319,23 @@ def harness(
     make = "for (int w = 0; w < 8; ++w) blk.wbar[w] = new std::barrier<>(32);"
     done = "for (int w = 0; w < 8; ++w) delete blk.wbar[w];"
     assert make in main and done in main
+    sizes_c = "{" + ", ".join(map(str, sizes)) + "}"
     main = main.replace(
-        make, make + f"\n    for (int p = 0; p < {count}; ++p) blk.pbar[p] = "
-        f"new std::barrier<>({threads});"
+        make,
+        make + f"\n    {{ const int n_[] = {sizes_c}; for (int p = 0; p < {count}; ++p) "
+        "blk.pbar[p] = new std::barrier<>(n_[p]); }",
     )
-    return prelude, main.replace(done, done + f"\n    for (int p = 0; p < {count}; ++p) "
-                                 "delete blk.pbar[p];")  # fmt: skip
+    main = main.replace(done, done + f"\n    for (int p = 0; p < {count}; ++p) "
+                        "delete blk.pbar[p];")  # fmt: skip
+    if threads != 256:
+        for a, b in (
+            ("std::barrier<> bar(256);", f"std::barrier<> bar({threads});"),
+            ("for (int tx = 0; tx < 256; ++tx)", f"for (int tx = 0; tx < {threads}; ++tx)"),
+            ("for (int w = 0; w < 8; ++w)", f"for (int w = 0; w < {threads // 32}; ++w)"),
+        ):
+            assert a in main
+            main = main.replace(a, b)
+    return prelude, main
 
 
 def _blocks(n_vis: list[int], pps: int, new: list[int], extra_early: int = 0) -> list[list[int]]:

@@ -1,5 +1,5 @@
 """The FP8 cache's wgmma split block (``dsv2_mlc.schedules.mla_wgmma_cuda``) and the lab's variants
-of it (``schedules/lab/mla_wgmma_variants.py``, ``-m lab``) on the CPU, no GPU.
+(``schedules/lab/mla_wgmma_rs.py``, ``mla_wgmma_variants.py``, ``-m lab``) on the CPU, no GPU.
 
 The harness of tests/test_mla_pipe_emulation.py (g++ under AddressSanitizer, one thread per
 CUDA thread, the ``mma.sync`` / ``ldmatrix`` / ``cp.async`` stand-ins, copies landing at issue
@@ -8,12 +8,15 @@ new rows NaN until the block's PDL wait), plus stand-ins for this block's primit
 ``wgmma.m64n16k16`` with both operands K-major in shared memory under the 128-byte swizzle (the
 16-byte chunk bits 4-6 of an address XORed with its bits 7-9; a descriptor start off a 1024-byte
 atom aborts), computed at the ``wait_group`` that completes it (the latest moment the hardware
-may read its operands), ``cvt.rn.f16x2.e4m3x2`` (exact: the e4m3 values), and warpgroup 0's
-named barrier as a barrier of its 128 threads. Every
-block of rows of several lengths, split in ``pps`` pages, is checked against a float64 softmax
-over its keys: part-filled last groups and pages, one-split rows, V2-Lite's rows. Controls: the
-swizzle left out of the key tile's stores, a warpgroup's partial scores dropped, a step's rows
-loaded before the wait though a page of it is the step's new one.
+may read its operands), ``cvt.rn.f16x2.e4m3x2`` (exact: the e4m3 values), and the named
+barriers: ``bar.sync`` a barrier of its thread count (checked against the barrier's role),
+``bar.arrive`` an arrival that does not wait. The shipped block runs its 512 threads (two
+producer warpgroups, two consumers), the lab's register-staged blocks 256. Every block of rows of
+several lengths, split in ``pps`` pages, is checked against a float64 softmax over its keys:
+part-filled last groups and pages, one-split rows, splits of up to 6 steps, V2-Lite's rows.
+Controls: the swizzle left out of the key tile's stores, a warpgroup's partial scores dropped, a
+step's rows loaded before the wait though a page of it is the step's new one, one key tile for
+every step, the producer storing a tile before the consumers have freed it.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "schedules" / "lab"))
+import mla_wgmma_rs as lab_rs  # noqa: E402
 import mla_wgmma_variants as lab  # noqa: E402
 from cuda_emulation import TYPES, compile_cpp  # noqa: E402
 from test_mla_pipe_emulation import _PRIMS, _run, harness  # noqa: E402
@@ -93,6 +97,68 @@ static inline void mlaw_barw_$tag(int id) {  // (the lab's) named barrier of war
 """
 
 
+# the warp-specialized block's named barriers: 1 warpgroup 0's, 2-3 a key tile stored (the
+# producer arrives, the consumers wait), 4-5 a key tile free (the consumers arrive, the producer
+# waits), 6 the consumers'
+_WS_BARS = [0, 128, 384, 384, 384, 384, 256]
+_WS = r"""
+static const int ws_count[] = {0, 128, 384, 384, 384, 384, 256};
+static inline void ws_check(int id, int n) {
+  if (id < 1 || id > 6 || ws_count[id] != n) fail("named barrier id or thread count");
+  if (id == 1 && t_tx >= 128) fail("another warpgroup at warpgroup 0's barrier");
+  if (id == 6 && t_tx >= 256) fail("the producer at the consumers' barrier");
+}
+static inline void mlaw_sync_$tag(int id, int n) {
+  ws_check(id, n);
+  t_b->pbar[id]->arrive_and_wait();
+}
+static inline void mlaw_arrive_$tag(int id, int n) {
+  ws_check(id, n);
+  if (id == 6) fail("bar.arrive at the consumers' barrier");
+  auto token = t_b->pbar[id]->arrive();
+  (void)token;
+}
+"""
+
+
+def _build_ws(
+    tmp: Path,
+    d: int,
+    dl: int,
+    kv_scale: float,
+    patch=lambda src: src,
+    overlap: bool = False,
+    producers: int = shipped.PRODUCERS,
+) -> Path:
+    """The emulated shipped block, or the lab's variants of it: the steps overlapped
+    (``overlap``), one producer warpgroup (``producers``); its source through ``patch``."""
+    tag = "emu"
+    kscale = 256 * kv_scale
+    smem = shipped.shared_halves(d, dl)
+    threads = 256 + 128 * producers
+    prelude, main = harness(d, dl, kscale, smem, "mla_split_wg", _WS_BARS, threads=threads)
+    wg = (
+        Template(_WG)
+        .substitute(tag=tag)
+        .replace("t_b->pbar[0]->arrive_and_wait();", "t_b->pbar[1]->arrive_and_wait();")
+    )
+    block = (
+        lab_rs.ws_variant_source(tag, d, dl, kscale, prims=False, producers=producers)
+        if overlap
+        else shipped.wgmma_source(tag, d, dl, kscale, prims=False, producers=producers)
+    )
+    src = (
+        TYPES
+        + prelude
+        + Template(_PRIMS).substitute(tag=tag, wait=0)
+        + wg
+        + Template(_WS).substitute(tag=tag)
+        + patch(block)
+        + main
+    )
+    return compile_cpp(src, tmp / "emu", sanitize=True)
+
+
 def _build(
     tmp: Path,
     d: int,
@@ -102,16 +168,14 @@ def _build(
     patch: Callable[[str], str] = lambda src: src,
     variant: dict | None = None,
 ) -> Path:
-    """The emulated block: the shipped one (FP8, ``kv_scale``), or the lab's ``variant``
-    (:func:`lab.wgmma_source`'s ``ring`` / ``cvt``), its source through ``patch``."""
+    """The emulated lab block of 256 threads: ``variant`` (:func:`lab.wgmma_source`'s ``ring`` /
+    ``cvt`` ...; None: the register-staged block that was shipped, ``cvt``), its source through
+    ``patch``."""
     tag = "emu"
     kscale = None if kv_scale is None else 256 * kv_scale
-    smem = (
-        shipped.wgmma_shared_halves(d, dl)
-        if variant is None
-        else lab.wgmma_shared_halves(
-            d, dl, stages, kscale is not None, variant["ring"], variant.get("dbuf", False)
-        )
+    variant = variant or {"ring": False, "cvt": True}
+    smem = lab.wgmma_shared_halves(
+        d, dl, stages, kscale is not None, variant["ring"], variant.get("dbuf", False)
     )
     prelude, main = harness(d, dl, kscale, smem, "mla_split_wg", (2, 128))
     src = (
@@ -119,11 +183,7 @@ def _build(
         + prelude
         + Template(_PRIMS).substitute(tag=tag, wait=stages // 4 - 2)
         + Template(_WG).substitute(tag=tag)
-        + patch(
-            shipped.wgmma_source(tag, d, dl, kscale, prims=False)
-            if variant is None
-            else lab.wgmma_source(tag, d, dl, stages, kscale, prims=False, **variant)
-        )
+        + patch(lab.wgmma_source(tag, d, dl, stages, kscale, prims=False, **variant))
         + main
     )
     return compile_cpp(src, tmp / "emu", sanitize=True)
@@ -134,19 +194,21 @@ NEW = [0, 1, 1, 1, 1, 1, 1, 1, 40]
 FP8 = 2.0**-7
 
 
-@pytest.mark.parametrize("pps", [4, 5, 13])
+@pytest.mark.parametrize("pps", [4, 5, 13, 24])
 def test_wgmma_split_block(tmp_path: Path, pps: int) -> None:
     """The shipped block (rows of 192 = 128 latent + 64 rope): every block's state against the
-    reference, a split's last group part-filled (pps 5, 13), the old rows loaded before the
-    block's wait."""
-    exe = _build(tmp_path, 192, 128, 8, FP8)
-    _run(tmp_path, exe, 192, 128, ROWS, pps, 0, new=NEW, kv_scale=FP8)
+    reference, splits of 1 to 6 steps (the producer two tiles ahead at most), a split's last
+    group part-filled (pps 5, 13), the old rows loaded before the block's wait."""
+    exe = _build_ws(tmp_path, 192, 128, FP8)
+    _run(tmp_path, exe, 192, 128, ROWS + [390], pps, 0, new=NEW + [1], kv_scale=FP8)
 
 
 def test_wgmma_split_block_v2_lite(tmp_path: Path) -> None:
-    """V2-Lite rows (576 = 512 + 64): 36 k-steps, 18 a warpgroup."""
-    exe = _build(tmp_path, 576, 512, 8, FP8)
-    _run(tmp_path, exe, 576, 512, [0, 33, 200, 75], 6, 0, new=[0, 1, 1, 20], kv_scale=FP8)
+    """V2-Lite rows (576 = 512 + 64): 36 k-steps, 18 a consumer warpgroup, the producer's 32
+    latent pieces a step."""
+    exe = _build_ws(tmp_path, 576, 512, FP8)
+    _run(tmp_path, exe, 576, 512, [0, 33, 200, 75, 330], 8, 0, new=[0, 1, 1, 20, 1],
+         kv_scale=FP8)  # fmt: skip
 
 
 def _unswizzled(src: str) -> str:
@@ -163,18 +225,63 @@ def _wg1_dropped(src: str) -> str:
     return src.replace(old, "+ 0.f;")
 
 
+def _one_tile(src: str) -> str:
+    """The producer stores every step into tile 0 (the consumers read tile i % 2)."""
+    old = "mlaw_store_emu(x, gbase + (i & 1) * "
+    assert old in src
+    return src.replace(old, "mlaw_store_emu(x, gbase + 0 * ")
+
+
+def _store_before_wait(src: str) -> str:
+    """The producer stores a step's rows before it waits for the consumers to free the tile."""
+    wait = "if (i >= 2) mlaw_sync_emu(4 + (i & 1), 384);\n"
+    store = "mlaw_store_emu(x, gbase + (i & 1) * 24576, p);\n"
+    assert src.count(wait) == 1 and src.count(store) == 1
+    return src.replace(wait, "").replace(store, store + "      " + wait)
+
+
 @pytest.mark.parametrize(
     ("control", "extra"),
-    [(_unswizzled, 0), (_wg1_dropped, 0), (None, 1)],
-    ids=["unswizzled_tile", "warpgroup_1_dropped", "rows_loaded_before_wait"],
-)
+    [(_unswizzled, 0), (_wg1_dropped, 0), (None, 1), (_one_tile, 0), (_store_before_wait, 0)],
+    ids=["unswizzled_tile", "warpgroup_1_dropped", "rows_loaded_before_wait", "one_tile",
+         "store_before_wait"],
+)  # fmt: skip
 def test_wgmma_split_block_broken_variants_fail(tmp_path: Path, control, extra) -> None:
-    """Controls: tiles stored without the swizzle, warpgroup 1's scores left out, a step's rows
-    loaded before the wait though one of its pages holds the step's new token (NaN then)."""
-    exe = _build(tmp_path, 192, 128, 8, FP8, patch=control or (lambda src: src))
+    """Controls: tiles stored without the swizzle, consumer 1's scores left out, a step's rows
+    loaded before the wait though one of its pages holds the step's new token (NaN then), one
+    key tile for every step, the producer overwriting a tile before the consumers are done
+    with it."""
+    exe = _build_ws(tmp_path, 192, 128, FP8, patch=control or (lambda src: src))
     with pytest.raises(AssertionError, match="rel L2"):
-        _run(tmp_path, exe, 192, 128, [100, 300], 4, 0, new=[1, 1], extra_early=extra,
+        _run(tmp_path, exe, 192, 128, [100, 300, 390], 24, 0, new=[1, 1, 1], extra_early=extra,
              kv_scale=FP8)  # fmt: skip
+
+
+@pytest.mark.lab
+@pytest.mark.parametrize("pps", [4, 13])
+def test_lab_register_staged_block(tmp_path: Path, pps: int) -> None:
+    """The register-staged block (256 threads; shipped before the producer warpgroup)."""
+    exe = _build(tmp_path, 192, 128, 8, FP8)
+    _run(tmp_path, exe, 192, 128, ROWS, pps, 0, new=NEW, kv_scale=FP8)
+
+
+@pytest.mark.lab
+def test_lab_one_producer(tmp_path: Path) -> None:
+    """The shipped block with one producer warpgroup for every step (384 threads)."""
+    exe = _build_ws(tmp_path, 192, 128, FP8, producers=1)
+    for pps in (4, 13, 24):
+        _run(tmp_path, exe, 192, 128, ROWS + [390], pps, 0, new=NEW + [1], kv_scale=FP8)
+
+
+@pytest.mark.lab
+def test_lab_overlapped_steps(tmp_path: Path) -> None:
+    """The lab's variant of the shipped block: step i's P V overlapping step i + 1's scores."""
+    exe = _build_ws(tmp_path, 192, 128, FP8, overlap=True)
+    for pps in (4, 13, 24):
+        _run(tmp_path, exe, 192, 128, ROWS + [390], pps, 0, new=NEW + [1], kv_scale=FP8)
+    (tmp := tmp_path / "v2lite").mkdir()
+    exe = _build_ws(tmp, 576, 512, FP8, overlap=True)
+    _run(tmp, exe, 576, 512, [0, 33, 200, 75, 330], 8, 0, new=[0, 1, 1, 20, 1], kv_scale=FP8)
 
 
 @pytest.mark.lab

@@ -99,9 +99,9 @@ FP8_VARIANTS: dict[str, dict] = {
                           max_split=264),
     "f8_w4_s3_t132": dict(pages_per_step=1, stages=3, stream_warps=4, target_blocks=132,
                           max_split=132),
-    # the wgmma block (schedules/mla_wgmma_cuda.py, shipped as f8_wgc_t132 for sm_90) and its
-    # lab variants (schedules/lab/mla_wgmma_variants.py, BLOCKS): 64 tokens a step, one block an
-    # SM, one wave of splits
+    # the register-staged wgmma block (schedules/lab/mla_wgmma_rs.py, shipped for sm_90 as
+    # f8_wgc_t132 before the warp-specialized block) and its lab variants
+    # (schedules/lab/mla_wgmma_variants.py, BLOCKS): 64 tokens a step, one block an SM, one wave
     **{
         f"f8_{name}_t132": dict(pages_per_step=4, stages=8, block=block, target_blocks=132,
                                 max_split=132)
@@ -109,6 +109,17 @@ FP8_VARIANTS: dict[str, dict] = {
                             ("wgd", "wgmmad"), ("wg2", "wgmma2"), ("wgw", "wgmmaw"),
                             ("wgh", "wgmmah"))
     },
+    # the shipped block (schedules/mla_wgmma_cuda.py: a producer warpgroup loads and converts
+    # the rows into two key tiles, two consume them), its merge over 32 columns, and its lab
+    # variant with a step's P V overlapping the next step's scores (schedules/lab/mla_wgmma_rs.py)
+    "f8_ws_t132": dict(pages_per_step=4, stages=8, block="shipped", target_blocks=132,
+                       max_split=132),
+    "f8_ws_t132_mc32": dict(pages_per_step=4, stages=8, block="shipped", target_blocks=132,
+                            max_split=132, merge_cols=32),
+    "f8_wso_t132": dict(pages_per_step=4, stages=8, block="ws_overlap", target_blocks=132,
+                        max_split=132),
+    "f8_ws1_t132": dict(pages_per_step=4, stages=8, block="ws_one", target_blocks=132,
+                        max_split=132),
     "f8_wgc_t264": dict(pages_per_step=4, stages=8, block="wgmmac", target_blocks=264,
                         max_split=264),
     "f8_wgc_t264_b2": dict(pages_per_step=4, stages=8, block="wgmmac", target_blocks=264,
@@ -148,7 +159,9 @@ def variant(base, kw: dict) -> tuple:
     kw = dict(kw)
     sw = kw.pop("stream_warps", 0)
     block = kw.pop("block", None)  # a name of mla_wgmma_variants.BLOCKS, + ":parts" cut out
-    if block is not None:
+    if block == "shipped":  # the product's wgmma block: its tile field
+        kw["block"] = "wgmma"
+    elif block is not None:
         sw = block + (f":{kw.pop('ablate')}" if "ablate" in kw else "")
     return replace(base, **kw), sw
 
@@ -157,6 +170,15 @@ def build_variant(tiles, stream_warps: int, kv_scale: float | None):
     """The split-KV PrimFunc of a variant at V2-Lite's shapes (float16 q; ``kv_scale``: FP8)."""
     from dsv2_mlc.schedules.mla_attention_cuda import build_mla_attention
 
+    if str(stream_warps).startswith("ws_"):  # the shipped block's lab variants
+        from mla_wgmma_rs import build_ws_variant
+
+        name, _, parts = stream_warps.partition(":")
+        return build_ws_variant(
+            HEADS, LATENT, ROPE, "float16", replace(tiles, block="wgmma"), kv_scale,
+            overlap=name == "ws_overlap", parts=parts or None,
+            producers=1 if name == "ws_one" else 2,
+        )  # fmt: skip
     if str(stream_warps).startswith("wgmma"):
         from mla_wgmma_variants import build_wgmma_variant
 
@@ -467,6 +489,7 @@ def prepare_fp8(args: argparse.Namespace) -> int:
     from dsv2_mlc.compiler.cuda import make_cuda_target
     from dsv2_mlc.errors import Dsv2Error
     from dsv2_mlc.schedules.mla_cuda_helpers import pipe_shared_halves
+    from dsv2_mlc.schedules.mla_wgmma_cuda import layout as ws_layout
     from dsv2_mlc.schedules.tiles import tuned
 
     target = make_cuda_target(args.arch)
@@ -500,7 +523,9 @@ def prepare_fp8(args: argparse.Namespace) -> int:
             print(f"{name}: SKIPPED, the builder refuses {change}: {err}", flush=True)
             continue
         g = tiles.pages_per_step
-        if str(sw).startswith("wgmma"):
+        if (tiles.block == "wgmma" and not sw) or str(sw).startswith("ws_"):
+            smem = ws_layout(LATENT + ROPE, LATENT)["bytes"]
+        elif str(sw).startswith("wgmma"):
             block = sw.partition(":")[0]
             smem = 2 * block_shared_halves(block, LATENT + ROPE, LATENT, tiles.stages, bool(scale))
         elif sw:

@@ -1,6 +1,7 @@
-"""Lab: variants of the shipped wgmma split block (:mod:`dsv2_mlc.schedules.mla_wgmma_cuda`), for
-the kernel lab (``kernel_lab_mla.py --kv fp8``, variants ``*_wg*``). Measured in
-schedules/results/mla_attention.md ("The wgmma block"); the product never imports this module.
+"""Lab: variants of the register-staged wgmma split block (``mla_wgmma_rs.py``; shipped before the
+warp-specialized block of :mod:`dsv2_mlc.schedules.mla_wgmma_cuda`), for the kernel lab
+(``kernel_lab_mla.py --kv fp8``, variants ``*_wg*``). Measured in
+schedules/results/mla_wgmma.md; the product never imports this module.
 
 * ``ring=True``: the block's first design. The step's pages go by ``cp.async`` into a shared
   ring of ``stages / 4`` slots: swizzled key tiles for a float16 cache, raw slots (4 pages of
@@ -19,9 +20,11 @@ import re
 from dataclasses import replace
 from string import Template
 
+from mla_wgmma_rs import BODY, layout
+
 from dsv2_mlc.schedules.cuda_call import WAIT_THEN_RELEASE, grid_wait_source
 from dsv2_mlc.schedules.mla_cuda_helpers import _PIPE_PRIMS, P
-from dsv2_mlc.schedules.mla_wgmma_cuda import ATOM, BODY, PRIMS, TOKENS, G, layout
+from dsv2_mlc.schedules.mla_wgmma_cuda import ATOM, PRIMS, TOKENS, G
 
 __all__ = [
     "BLOCKS",
@@ -48,7 +51,14 @@ CUT_OUT: dict[str, tuple[bool, dict]] = {
         for part in ("copy", "scores", "softmax", "pv", "scores+softmax+pv")
     },
     "f8_wg_no_decode": (True, dict(_WG, block="wgmma", ablate="decode")),
-}
+    # the shipped block (schedules/lab/mla_wgmma_rs.py's build_ws_variant): its producer's loads
+    # and conversions, its consumers' parts
+    **{
+        f"f8_ws_no_{part.replace('+', '_')}": (True, dict(_WG, block="ws_plain", ablate=part))
+        for part in ("copy", "decode", "copy+decode", "scores", "softmax", "pv",
+                     "scores+softmax+pv")
+    },
+}  # fmt: skip
 
 # The kernel lab's names of the variants (kernel_lab_mla.py's ``block=``), as the options of
 # :func:`wgmma_source`: the ring design, rows staged in registers (shifts and masks), the same
