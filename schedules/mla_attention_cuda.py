@@ -89,14 +89,9 @@ row uses ``pps`` pages per split (:func:`split_pages`) and ``nsplit = ceil(visib
 pps)`` splits, read from its page table on the device (``ws_n`` tells the merge), and the blocks
 past it do nothing. So the launch configuration depends on the number of rows only, not on the
 context length: a captured CUDA graph of a decode step stays valid while the sequence grows
-(:mod:`dsv2_mlc.runtime.cuda_graph`). Multi-row queries (chunked prefill / extend) run one block
-per row, each reading the row's whole prefix (from L2 after the first): correct, but a
-prefill-style kernel that tiles rows would read less.
-
-Bytes and FLOPs, V2-Lite (H=16, L=512, R=64), batch 1, 4K context, one layer: the pages are
-``4096 * 576 * 2 B = 4.7 MB`` (at 3-4 TB/s about 1.5 us), the workspace ``64 * 16 * 512 * 4 B =
-2 MB`` written and read once (L2), FLOPs ``2 * 16 * 4096 * (576 + 512) = 143 MFLOP``: the kernel
-is bound by its launch, the page reads and the split/merge round trip, not by arithmetic.
+(:mod:`dsv2_mlc.runtime.cuda_graph`). Multi-row queries run one block per row, each reading the
+row's whole prefix; on CUDA long extends go to the row-tiled kernel instead
+(:mod:`~.mla_extend_cuda`).
 """
 
 import math
@@ -154,10 +149,12 @@ def mla_attention_cuda_supports(
     rope_dim: int,
     dtype: str = "float16",
     kv_scale: float | None = None,
+    arch: str | None = None,
 ) -> bool:
-    """Whether :func:`mla_attention_cuda` handles these shapes (else it raises ``ValueError``)."""
+    """Whether :func:`mla_attention_cuda` handles these shapes with the tiles for ``arch`` (else
+    it raises ``ValueError``)."""
     try:
-        mla_attention_cuda(num_heads, latent_dim, rope_dim, dtype, kv_scale)
+        mla_attention_cuda(num_heads, latent_dim, rope_dim, dtype, kv_scale, arch)
     except Dsv2Error:  # (a tile table entry that no shape can use: not a shape to skip)
         raise
     except ValueError:

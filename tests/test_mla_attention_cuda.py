@@ -313,6 +313,9 @@ def test_kernel_rejects_unsupported_shapes() -> None:
         mla_attention_cuda(16, 512, 64, "float32")  # TVM's kernel fails there too (ptxas)
     assert not mla_attention_cuda_supports(16, 512, 64, "float32")
     assert mla_attention_cuda_supports(16, 512, 64, "float16")
+    # sm_90's FP8 entry (the wgmma block) at V2-Lite's shapes; 3 heads with sm_90's tiles: no
+    assert mla_attention_cuda_supports(16, 512, 64, "float16", kv_scale=2.0**-7, arch="sm_90")
+    assert not mla_attention_cuda_supports(3, 32, 8, "float16", arch="sm_90")
 
 
 @pytest.mark.parametrize(("heads", "ours"), [(16, True), (3, False)])

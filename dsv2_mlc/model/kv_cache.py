@@ -286,8 +286,10 @@ class MLAPagedKVCache(PagedKVCache):  # pylint: disable=too-few-public-methods
                 gv = bb.add_func(func, "tir_attention_prefill_ragged_fp8_cache")
                 slots[_TVM_RAGGED_SLOT_FUNC] = rx.Tuple([tvm.ir.StringImm("tirx"), gv])
             mla_kv = {"kv_scale": kv_scale} if fp8 else {}
-            if mla_attention_cuda_supports(heads, kv_lora_rank, qk_rope_head_dim, dtype, **mla_kv):
-                arch = str(target.attrs.get("arch", "")) or None  # the tiles by architecture
+            arch = str(target.attrs.get("arch", "")) or None  # the tiles by architecture
+            if mla_attention_cuda_supports(
+                heads, kv_lora_rank, qk_rope_head_dim, dtype, **mla_kv, arch=arch
+            ):
                 func = mla_attention_cuda(
                     heads, kv_lora_rank, qk_rope_head_dim, dtype, **mla_kv, arch=arch
                 )
