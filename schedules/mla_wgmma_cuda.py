@@ -131,7 +131,7 @@ __device__ __forceinline__ void mlaw_bar0_${tag}() {
 
 # producer warpgroups, 2 and 3 taking the even and the odd steps: the lab's variant of one
 # producer is no slower alone (47.1 against 48.3 us at batch 1, 128K) but makes the model's 4K
-# decode step ~40 us slower (schedules/results/mla_attention.md, "A producer warpgroup")
+# decode step ~40 us slower (schedules/results/mla_wgmma.md, "A producer warpgroup")
 PRODUCERS = 2
 PRODUCER = 128  # threads of a producer warpgroup
 THREADS = 256 + PRODUCERS * PRODUCER  # warpgroups 0, 1: the consumers
