@@ -66,7 +66,8 @@ from .tiles import PrefillAttentionTiles, tuned
 __all__ = ["build_prefill_attention", "prefill_attention_cuda", "prefill_attention_cuda_supports"]
 
 _LOG2E = math.log2(math.e)
-_MAX_SHARED_BYTES = 49152  # static shared memory of one block (no opt-in)
+_STATIC_SHARED_BYTES = 49152  # static shared memory of one block (no opt-in)
+_MAX_SHARED_BYTES = _STATIC_SHARED_BYTES  # this kernel's limit (the lab's variants go beyond)
 _PAD = 8  # halves of padding per shared row (16 bytes): ldmatrix rows hit distinct banks
 
 
@@ -79,6 +80,11 @@ def prefill_attention_cuda_supports(
     except ValueError:
         return False
     return True
+
+
+def _shared_bytes(d_qk: int, d_v: int, block_n: int) -> int:
+    """Shared memory of one block: a K and a V tile of ``block_n`` padded rows."""
+    return block_n * (d_qk + _PAD + d_v + _PAD) * 2
 
 
 def _cuda_source(tag: str, *, H: int, DQK: int, DV: int, BM: int, BN: int) -> str:
@@ -403,9 +409,10 @@ def build_prefill_attention(
         raise ValueError(
             f"block_m in (32, 64, 128), block_n in (16, 32, 64, 128): got {block_m}, {block_n}"
         )
-    smem = block_n * (d_qk + _PAD + d_v + _PAD) * 2
+    smem = _shared_bytes(d_qk, d_v, block_n)
     if smem > _MAX_SHARED_BYTES:
         raise ValueError(f"prefill_attention_cuda needs {smem} bytes of shared memory")
+    smem_scope = "shared.dyn" if smem > _STATIC_SHARED_BYTES else "shared"
     H, BM, BN = h_q, block_m, block_n
     NT = BM // 16 * 32
     tag = f"{H}_{d_qk}_{d_v}_{BM}_{BN}"
@@ -464,7 +471,7 @@ def build_prefill_attention(
                 with T.sblock("attn"):
                     T.reads()
                     T.writes()
-                    smem = T.sblock_alloc_buffer((SMEM_N,), dtype, scope="shared")
+                    smem = T.sblock_alloc_buffer((SMEM_N,), dtype, scope=smem_scope)
                     T.cuda.func_call(
                         f"prefill_attn_{tag}",
                         T.address_of(q[0, 0, 0]),

@@ -76,5 +76,10 @@ def test_prologue_variants_compile(tmp_path: Path, variant: str) -> None:
 
 @pytest.mark.parametrize("variant", sorted(_variants("kernel_lab_prefill_attn")))
 def test_prefill_attention_variants_compile(tmp_path: Path, variant: str) -> None:
-    tiles = replace(tuned("prefill_attention"), **_variants("kernel_lab_prefill_attn")[variant])
-    _compiles(build_prefill_attention(16, 16, 192, 128, "float16", tiles), tmp_path)
+    """The flash kernel's tiles, and the lab's wgmma variant (``wgmma=True``)."""
+    fields = dict(_variants("kernel_lab_prefill_attn")[variant])
+    build = build_prefill_attention
+    if fields.pop("wgmma", False):
+        build = load_script("prefill_wgmma_cuda").build_prefill_wgmma
+    tiles = replace(tuned("prefill_attention"), **fields)
+    _compiles(build(16, 16, 192, 128, "float16", tiles), tmp_path)

@@ -45,6 +45,8 @@ U16, U32 = 2.0**-11, 2.0**-24
 
 # (replaced text, broken text): each must make the check fail
 BROKEN = {
+    # (the lab's wgmma variant) the Q and K tiles stored without the swizzle its MMAs read
+    "unswizzled": ("(((c & 7) ^ (r & 7)) << 4)", "((c & 7) << 4)"),
     # query r sees one key past its causal limit
     "causal-limit": ("off + row_base + g + 8 * r + 1", "off + row_base + g + 8 * r + 2"),
     # the PV product reads the V tile before its cp.async group has landed
@@ -100,10 +102,12 @@ def run_kernel(
     causal: bool,
     seed: int,
     broken: str | None = None,
+    lab_wgmma: bool = False,
     **tiles: int,
 ) -> tuple[bool, str]:
-    """Emulate the kernel (``broken``: with that :data:`BROKEN` edit) on random fp16 inputs;
-    (whether every element is within its bound, a summary of the worst ones)."""
+    """Emulate the kernel (``broken``: with that :data:`BROKEN` edit; ``lab_wgmma``: the lab's
+    variant with the scores on wgmma, schedules/lab/prefill_wgmma_cuda.py) on random fp16
+    inputs; (whether every element is within its bound, a summary of the worst ones)."""
     rng = np.random.default_rng(seed)
     q_ptr, kv_ptr = [0, *np.cumsum(q_lens).tolist()], [0, *np.cumsum(kv_lens).tolist()]
     n, m = q_ptr[-1], kv_ptr[-1]
@@ -111,7 +115,8 @@ def run_kernel(
     k = rng.standard_normal((m, heads, dqk)).astype(np.float16)
     v = rng.standard_normal((m, heads, dv)).astype(np.float16)
     sm = float(np.float32(1 / math.sqrt(dqk)))
-    source = original = pfa._cuda_source
+    owner, name = (_lab_wgmma(), "wgmma_prefill_source") if lab_wgmma else (pfa, "_cuda_source")
+    source = original = getattr(owner, name)
     if broken is not None:
         old, new = BROKEN[broken]
 
@@ -122,8 +127,11 @@ def run_kernel(
             return text.replace(old_text, new)
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(pfa, "_cuda_source", source)
-        if tiles:  # the builder with other tiles (as the lab sweeps them)
+        patch.setattr(owner, name, source)
+        if lab_wgmma:
+            shape = PrefillAttentionTiles(**tiles)
+            func = owner.build_prefill_wgmma(heads, heads, dqk, dv, "float16", shape)
+        elif tiles:  # the builder with other tiles (as the lab sweeps them)
             shape = PrefillAttentionTiles(**tiles)
             func = pfa.build_prefill_attention(heads, heads, dqk, dv, "float16", shape)
         else:  # the shipped kernel, tiles from schedules/tiles.py
@@ -149,6 +157,14 @@ def run_kernel(
     pairs = ((err, tol), (err_lse, tol_lse))
     worst = [float(np.nan_to_num(e / t, nan=np.inf).max()) for e, t in pairs]
     return ok, f"worst error / bound: out {worst[0]:.3g}, lse {worst[1]:.3g}"
+
+
+def _lab_wgmma():
+    """The lab's module of the wgmma variant (schedules/lab/prefill_wgmma_cuda.py)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "schedules" / "lab"))
+    import prefill_wgmma_cuda
+
+    return prefill_wgmma_cuda
 
 
 # (heads, dqk, dv, q_lens, kv_lens, causal, tiles, broken variant for the negative control)
@@ -177,4 +193,29 @@ def test_prefill_attention_matches_float64(case: str, tmp_path: Path) -> None:
     assert ok, summary
     # the negative control: the same check on a broken variant fails
     ok, summary = run_kernel(tmp_path, *args, seed=len(case), broken=broken, **tiles)
+    assert not ok, f"{broken} passed: {summary}"
+
+
+# the lab's wgmma variant: (heads, dqk, dv, q_lens, kv_lens, causal, block_n, broken)
+LAB_WGMMA_CASES = {
+    # V2-Lite, 64-key tiles: two query tiles, three key tiles, a single token, one of 33
+    "v2lite-bn64": (16, 192, 128, [70, 1, 33], None, True, 64, "unswizzled"),
+    # a chunk after a cached prefix, 128-key tiles (the prefix crosses tile edges)
+    "v2lite-prefix-bn128": (4, 192, 128, [48, 100], [348, 230], True, 128, "causal-limit"),
+    # small heads, non-causal
+    "small-full-bn64": (2, 64, 32, [45, 19], [50, 130], False, 64, "no-v-wait"),
+}
+
+
+@pytest.mark.lab
+@pytest.mark.parametrize("case", list(LAB_WGMMA_CASES))
+def test_lab_wgmma_prefill_matches_float64(case: str, tmp_path: Path) -> None:
+    heads, dqk, dv, q_lens, kv_lens, causal, block_n, broken = LAB_WGMMA_CASES[case]
+    args = (heads, dqk, dv, q_lens, kv_lens or q_lens, causal)
+    tiles = dict(block_m=64, block_n=block_n)
+    ok, summary = run_kernel(tmp_path, *args, seed=len(case), lab_wgmma=True, **tiles)
+    assert ok, summary
+    ok, summary = run_kernel(
+        tmp_path, *args, seed=len(case), broken=broken, lab_wgmma=True, **tiles
+    )
     assert not ok, f"{broken} passed: {summary}"

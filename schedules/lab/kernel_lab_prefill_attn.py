@@ -40,6 +40,9 @@ VARIANTS: dict[str, dict] = {
     "bn64": dict(block_n=64),
     "bm128": dict(block_m=128),
     "bn16": dict(block_n=16),
+    # the scores on wgmma, Q and K in swizzled shared tiles (schedules/lab/prefill_wgmma_cuda.py)
+    "wg_bn64": dict(block_m=64, block_n=64, wgmma=True),
+    "wg_bn128": dict(block_m=64, block_n=128, wgmma=True),
 }
 BAD_REL, BAD_LSE = 2e-3, 2e-3  # a result worse than this is flagged "!"
 
@@ -57,9 +60,13 @@ def prepare(args: argparse.Namespace) -> int:
 
     lab_common.fresh_lab_dir(LAB_DIR, "attn_*.so")
     funcs = {"tvm": _attention_prefill_ragged(HEADS, HEADS, D_QK, D_V, "float16", {}, target)}
+    from prefill_wgmma_cuda import build_prefill_wgmma
+
     for name, kwargs in VARIANTS.items():
+        kwargs = dict(kwargs)
+        build = build_prefill_wgmma if kwargs.pop("wgmma", False) else build_prefill_attention
         tiles = replace(tuned("prefill_attention"), **kwargs)
-        funcs[name] = build_prefill_attention(HEADS, HEADS, D_QK, D_V, "float16", tiles)
+        funcs[name] = build(HEADS, HEADS, D_QK, D_V, "float16", tiles)
     built = lab_common.build_libraries(
         funcs, LAB_DIR, "attn", args.arch, target, VARIANTS, "TVM _attention_prefill_ragged"
     )

@@ -1,0 +1,189 @@
+"""Lab: the ragged prefill flash kernel (:mod:`dsv2_mlc.schedules.prefill_attention_cuda`) with its
+scores on Hopper's warpgroup MMA (sm_90a), a first step towards the ~550 TFLOP/s the 128K TTFT
+goal needs (schedules/results/prefill_attention.md, "Next"). The product never imports this
+module; not yet measured on the GPU.
+
+What changes against the shipped kernel (64 query rows a block, 4 warps = one warpgroup, whose
+``wgmma.m64nNk16`` accumulator layout is the ``mma.sync`` C layout the kernel's softmax and P
+re-packing already use):
+
+* **Q in shared memory** instead of 48 registers a thread: a 64 x ``Dqk`` tile in
+  128-byte-swizzled atoms of 64 columns (1024-byte-aligned base), copied by ``cp.async`` with
+  the first K tile; rows past the sequence zero-filled.
+* **K tiles swizzled likewise** (``BN`` rows of ``Dqk``), so both operands of S = Q K^T are
+  K-major shared tiles: ``Dqk / 16`` ``wgmma.m64n<BN>k16`` (one commit group, one wait) instead
+  of ``Dqk / 16 x BN / 16`` ``ldmatrix`` + 2 ``mma.sync`` a warp. ``fence.proxy.async`` after a
+  tile's ``cp.async`` wait makes the copies visible to the MMA's (async) proxy.
+* The softmax, P V (``mma.sync`` with ``ldmatrix.trans`` over the padded V tile), the causal
+  tile skipping and the epilogue are the shipped kernel's text.
+
+Shared memory: ``(64 + BN) Dqk 2 + BN (Dv + 8) 2`` bytes + 1 KB of alignment (66 KB at V2-Lite's
+192 / 128 and ``BN`` 64: dynamic shared memory).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import replace
+
+from dsv2_mlc.schedules import prefill_attention_cuda as pfa
+
+__all__ = ["ATOM", "build_prefill_wgmma", "shared_bytes", "wgmma_prefill_source"]
+
+ATOM = 64  # columns of a swizzled atom (128 bytes of halves)
+_SHIPPED_SOURCE = pfa._cuda_source  # (the builder's is swapped for this module's while it builds)
+BLOCK_M = 64  # query rows of a block: wgmma's M, one warpgroup
+
+
+def _check(DQK: int, BM: int, BN: int) -> None:
+    if BM != BLOCK_M or BN not in (64, 128) or DQK % ATOM:
+        raise ValueError(
+            f"the wgmma prefill takes blocks of {BLOCK_M} rows, key tiles of 64 or 128 and Dqk a "
+            f"multiple of {ATOM}; got {BM}, {BN}, {DQK}"
+        )
+
+
+def shared_bytes(d_qk: int, d_v: int, block_n: int) -> int:
+    """Shared memory of one block (the Q and K tiles, the padded V tile, the base's alignment)."""
+    return (BLOCK_M + block_n) * d_qk * 2 + block_n * (d_v + pfa._PAD) * 2 + 1024
+
+
+def _helpers(tag: str, BN: int) -> str:
+    """The wgmma primitives (CPU emulation branches: the emulator's stand-ins)."""
+    regs = ",".join(f"%{i}" for i in range(BN // 2))
+    outs = ", ".join(f'"+f"(d[{i}])' for i in range(BN // 2))
+    return f"""
+__device__ __forceinline__ unsigned pfw_at_{tag}(int r, int c, int rows) {{
+  return (unsigned)((c >> 3) * rows * 128 + (r >> 3) * 1024 + (r & 7) * 128 +
+                    (((c & 7) ^ (r & 7)) << 4));
+}}
+__device__ __forceinline__ unsigned long long pfw_desc_{tag}(unsigned addr) {{
+  return (unsigned long long)((addr & 0x3FFFFu) >> 4) | (1ull << 16) | (64ull << 32) |
+         (1ull << 62);
+}}
+// d (64 x {BN}, f32) += A (64 x 16 at shared a) * B ({BN} x 16 at shared b)^T, both K-major,
+// 128-byte swizzle
+__device__ __forceinline__ void pfw_wgmma_{tag}(float* d, unsigned a, unsigned b) {{
+#if defined(__CUDA_ARCH__)
+  asm volatile(
+      "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{BN // 2 + 2}, 0;\\n"
+      "wgmma.mma_async.sync.aligned.m64n{BN}k16.f32.f16.f16 {{{regs}}}, %{BN // 2}, "
+      "%{BN // 2 + 1}, p, 1, 1, 0, 0;\\n}}\\n"
+      : {outs}
+      : "l"(pfw_desc_{tag}(a)), "l"(pfw_desc_{tag}(b)), "r"(1));
+#else
+  dsv2_emu_wgmma(d, a, b, {BN});
+#endif
+}}
+__device__ __forceinline__ void pfw_fence_{tag}() {{
+#if defined(__CUDA_ARCH__)
+  asm volatile("wgmma.fence.sync.aligned;\\n" ::: "memory");
+#endif
+}}
+__device__ __forceinline__ void pfw_commit_wait_{tag}() {{
+#if defined(__CUDA_ARCH__)
+  asm volatile("wgmma.commit_group.sync.aligned;\\n" ::: "memory");
+  asm volatile("wgmma.wait_group.sync.aligned 0;\\n" ::: "memory");
+#else
+  dsv2_emu_wg_commit();
+  dsv2_emu_wg_wait(0);
+#endif
+}}
+// this thread's completed cp.async copies -> visible to wgmma (the async proxy)
+__device__ __forceinline__ void pfw_proxy_{tag}() {{
+#if defined(__CUDA_ARCH__)
+  asm volatile("fence.proxy.async.shared::cta;\\n" ::: "memory");
+#endif
+}}
+"""
+
+
+def _swap(src: str, old: str, new: str, count: int = 1) -> str:
+    if src.count(old) != count:
+        raise ValueError(f"the shipped kernel's text changed: {old[:60]!r}")
+    return src.replace(old, new)
+
+
+def wgmma_prefill_source(tag: str, *, H: int, DQK: int, DV: int, BM: int, BN: int) -> str:
+    """CUDA of ``prefill_attn_<tag>`` (module docstring), the shipped kernel's text with Q and K
+    in swizzled shared tiles and S on ``wgmma``; the same arguments as the shipped
+    ``_cuda_source``."""
+    _check(DQK, BM, BN)
+    src = _SHIPPED_SOURCE(tag, H=H, DQK=DQK, DV=DV, BM=BM, BN=BN)
+    KS, NT, CK, KSTR = DQK // 16, BM // 16 * 32, DQK // 8, DQK + pfa._PAD
+    QT, KT = BLOCK_M * DQK * 2, BN * DQK * 2
+    fn = f"__device__ __forceinline__ void prefill_attn_{tag}("
+    src = _swap(src, fn, _helpers(tag, BN) + fn)
+    # Q: no register fragments; the shared tiles from a 1024-byte-aligned base
+    i = src.index(f"  unsigned qf[{KS}][4];")
+    j = src.index("  const half* kb = ")
+    src = (
+        src[:i]
+        + f"""  const unsigned s0 = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  const unsigned q_sa = (s0 + 1023u) & ~1023u;
+  const unsigned k_sa = q_sa + {QT};
+  const unsigned v_sa = k_sa + {KT};
+"""
+        + src[j:]
+    )
+    # Q's rows go with the first K tile's copies (one commit group)
+    first = "  if (n_tiles > 0) {\n"
+    src = _swap(
+        src,
+        first,
+        first
+        + f"""    for (int c = tx; c < {BLOCK_M * CK}; c += {NT}) {{
+      const int row = c / {CK}, col = c % {CK};
+      const bool ok = m0 + row < q_len;
+      pfa_cp_{tag}(q_sa + pfw_at_{tag}(row, col, {BLOCK_M}),
+                   ok ? (const void*)(q + ((long long)(q0 + m0 + row) * {H} + head) * {DQK}
+                                      + col * 8)
+                      : (const void*)q,
+                   ok ? 16 : 0);
+    }}
+""",
+    )
+    # the K tiles' copies: swizzled rows
+    src = _swap(
+        src,
+        f"pfa_cp_{tag}(k_sa + (row * {KSTR} + col * 8) * 2,",
+        f"pfa_cp_{tag}(k_sa + pfw_at_{tag}(row, col, {BN}),",
+        count=2,
+    )
+    # S = Q K^T on wgmma, after the copies are made visible to its proxy
+    src = _swap(
+        src,
+        f"    pfa_wait1_{tag}();  // K(it) has landed\n    __syncthreads();\n",
+        f"    pfa_wait1_{tag}();  // Q and K(it) have landed\n    pfw_proxy_{tag}();\n"
+        "    __syncthreads();\n",
+    )
+    a = src.index(f"#pragma unroll\n    for (int ks = 0; ks < {KS}; ++ks) {{")
+    b = src.index("    __syncthreads();  // every warp is done with K(it)")
+    src = (
+        src[:a]
+        + f"""    pfw_fence_{tag}();
+#pragma unroll
+    for (int ks = 0; ks < {KS}; ++ks)
+      pfw_wgmma_{tag}(&s[0][0], q_sa + (ks >> 2) * {BLOCK_M * 128} + (ks & 3) * 32,
+                      k_sa + (ks >> 2) * {BN * 128} + (ks & 3) * 32);
+    pfw_commit_wait_{tag}();
+"""
+        + src[b:]
+    )
+    return src.replace(f"DSV2_PREFILL_ATTN_{tag}", f"DSV2_PREFILL_WG_{tag}")
+
+
+def build_prefill_wgmma(h_kv, h_q, d_qk, d_v, dtype, tiles):
+    """:func:`~dsv2_mlc.schedules.prefill_attention_cuda.build_prefill_attention` with this
+    module's kernel (``tiles.block_m`` must be 64, ``block_n`` 64 or 128) and its shared memory
+    (dynamic: up to the 227 KB a block may opt into)."""
+    _check(d_qk, tiles.block_m, tiles.block_n)
+    with contextlib.ExitStack() as stack:
+        for name, value in (
+            ("_cuda_source", wgmma_prefill_source),
+            ("_shared_bytes", shared_bytes),
+            ("_MAX_SHARED_BYTES", 232448),
+        ):
+            stack.callback(setattr, pfa, name, getattr(pfa, name))
+            setattr(pfa, name, value)
+        return pfa.build_prefill_attention(h_kv, h_q, d_qk, d_v, dtype, replace(tiles))
