@@ -440,7 +440,10 @@ static inline void dsv2_emu_mma16816(float* c, const unsigned* a, const unsigned
 // Thread (warp w of its warpgroup, lane (g, t)) computes its d[4 j + v]: D row 16 w + g +
 // 8 (v >> 1), column 8 j + 2 t + (v & 1), D = A (64 x 16) B (N x 16)^T, products exact in
 // double, rounded once to float.
-struct EmuWg { float* d; unsigned a, b; int n; bool ra; half ar[2][16]; };
+struct EmuWg {
+  float* d; unsigned a, b; int n; bool ra; half ar[2][16];
+  bool bmn = false; unsigned lbo = 0, sbo = 0;  // B MN-major (the transpose bit), its strides
+};
 thread_local std::vector<std::vector<EmuWg>> t_wg_groups;
 thread_local std::vector<EmuWg> t_wg_open;
 thread_local unsigned long long t_wg_block = ~0ull;
@@ -456,6 +459,17 @@ static inline double emu_wg_elem(unsigned base, unsigned row, unsigned k) {
   memcpy(&h, dsv2_emu_smem(addr, 2), 2);
   return (double)h;
 }
+// B MN-major (the descriptor's transpose bit; 16-bit types): element (n, k) of atoms of 64 n
+// (128 bytes) x 8 k rows, n-atoms lbo bytes apart and 8-row k groups sbo bytes apart, under
+// the same 128-byte swizzle (CUTLASS's canonical GMMA MN-major SW128 layout)
+static inline double emu_wg_elem_mn(unsigned base, unsigned n, unsigned k, unsigned lbo,
+                                    unsigned sbo) {
+  unsigned addr = base + (n >> 6) * lbo + (k >> 3) * sbo + (k & 7u) * 128u + 2u * (n & 63u);
+  addr ^= ((addr >> 7) & 7u) << 4;
+  half h;
+  memcpy(&h, dsv2_emu_smem(addr, 2), 2);
+  return (double)h;
+}
 static inline void emu_wg_run(const EmuWg& op) {
   const unsigned w = (t_lin >> 5) & 3u, l = t_lin & 31u, g = l >> 2, tq = l & 3u;
   for (int j = 0; j < op.n / 8; ++j)
@@ -464,7 +478,9 @@ static inline void emu_wg_run(const EmuWg& op) {
       double acc = op.d[4 * j + v];
       for (unsigned k = 0; k < 16; ++k) {
         const double av = op.ra ? (double)op.ar[v >> 1][k] : emu_wg_elem(op.a, m, k);
-        acc += av * emu_wg_elem(op.b, c, k);
+        const double bv =
+            op.bmn ? emu_wg_elem_mn(op.b, c, k, op.lbo, op.sbo) : emu_wg_elem(op.b, c, k);
+        acc += av * bv;
       }
       op.d[4 * j + v] = (float)acc;
     }
@@ -494,6 +510,16 @@ static inline void dsv2_emu_wgmma_ra(float* d, const unsigned* a, unsigned b, in
         op.ar[r][2 * q + 8 * hi + 1] = h2[1];
       }
   t_wg_open.push_back(op);
+}
+// ... with B MN-major (lbo: bytes between its 64-wide n atoms, sbo: between its 8-row k groups)
+static inline void dsv2_emu_wgmma_ra_mn(float* d, const unsigned* a, unsigned b, int n,
+                                        unsigned lbo, unsigned sbo) {
+  if (lbo % 16 || sbo % 16) emu_fail("wgmma descriptor strides");
+  dsv2_emu_wgmma_ra(d, a, b, n);
+  EmuWg& op = t_wg_open.back();
+  op.bmn = true;
+  op.lbo = lbo;
+  op.sbo = sbo;
 }
 static inline void dsv2_emu_wgmma(float* d, unsigned a, unsigned b, int n) {
   if (a % 16 || b % 16) emu_fail("wgmma descriptor start alignment");

@@ -47,6 +47,8 @@ U16, U32 = 2.0**-11, 2.0**-24
 BROKEN = {
     # (the lab's wgmma variant) the Q and K tiles stored without the swizzle its MMAs read
     "unswizzled": ("(((c & 7) ^ (r & 7)) << 4)", "((c & 7) << 4)"),
+    # (... with P V on wgmma) the k-steps of P V 8 keys apart instead of 16
+    "pv-kstep": ("v_sa + kk * 2048", "v_sa + kk * 1024"),
     # query r sees one key past its causal limit
     "causal-limit": ("off + row_base + g + 8 * r + 1", "off + row_base + g + 8 * r + 2"),
     # the PV product reads the V tile before its cp.async group has landed
@@ -102,12 +104,13 @@ def run_kernel(
     causal: bool,
     seed: int,
     broken: str | None = None,
-    lab_wgmma: bool = False,
+    lab_wgmma: str | None = None,
     **tiles: int,
 ) -> tuple[bool, str]:
     """Emulate the kernel (``broken``: with that :data:`BROKEN` edit; ``lab_wgmma``: the lab's
-    variant with the scores on wgmma, schedules/lab/prefill_wgmma_cuda.py) on random fp16
-    inputs; (whether every element is within its bound, a summary of the worst ones)."""
+    variant with the scores, ``"scores"``, or both products, ``"pv"``, on wgmma,
+    schedules/lab/prefill_wgmma_cuda.py) on random fp16 inputs; (whether every element is
+    within its bound, a summary of the worst ones)."""
     rng = np.random.default_rng(seed)
     q_ptr, kv_ptr = [0, *np.cumsum(q_lens).tolist()], [0, *np.cumsum(kv_lens).tolist()]
     n, m = q_ptr[-1], kv_ptr[-1]
@@ -130,7 +133,9 @@ def run_kernel(
         patch.setattr(owner, name, source)
         if lab_wgmma:
             shape = PrefillAttentionTiles(**tiles)
-            func = owner.build_prefill_wgmma(heads, heads, dqk, dv, "float16", shape)
+            func = owner.build_prefill_wgmma(
+                heads, heads, dqk, dv, "float16", shape, pv=lab_wgmma == "pv"
+            )
         elif tiles:  # the builder with other tiles (as the lab sweeps them)
             shape = PrefillAttentionTiles(**tiles)
             func = pfa.build_prefill_attention(heads, heads, dqk, dv, "float16", shape)
@@ -196,26 +201,33 @@ def test_prefill_attention_matches_float64(case: str, tmp_path: Path) -> None:
     assert not ok, f"{broken} passed: {summary}"
 
 
-# the lab's wgmma variant: (heads, dqk, dv, q_lens, kv_lens, causal, block_n, broken)
+# the lab's wgmma variant: (heads, dqk, dv, q_lens, kv_lens, causal, block_n, P V on wgmma,
+# broken)
 LAB_WGMMA_CASES = {
     # V2-Lite, 64-key tiles: two query tiles, three key tiles, a single token, one of 33
-    "v2lite-bn64": (16, 192, 128, [70, 1, 33], None, True, 64, "unswizzled"),
+    "v2lite-bn64": (16, 192, 128, [70, 1, 33], None, True, 64, False, "unswizzled"),
     # a chunk after a cached prefix, 128-key tiles (the prefix crosses tile edges)
-    "v2lite-prefix-bn128": (4, 192, 128, [48, 100], [348, 230], True, 128, "causal-limit"),
+    "v2lite-prefix-bn128": (4, 192, 128, [48, 100], [348, 230], True, 128, False,
+                            "causal-limit"),
     # small heads, non-causal
-    "small-full-bn64": (2, 64, 32, [45, 19], [50, 130], False, 64, "no-v-wait"),
-}
+    "small-full-bn64": (2, 64, 32, [45, 19], [50, 130], False, 64, False, "no-v-wait"),
+    # P V on wgmma too (V MN-major): V2-Lite, both key tiles; small heads, non-causal
+    "pv-v2lite-bn64": (16, 192, 128, [70, 1, 33], None, True, 64, True, "unswizzled"),
+    "pv-v2lite-prefix-bn128": (4, 192, 128, [48, 100], [348, 230], True, 128, True,
+                               "pv-kstep"),
+    "pv-small-full-bn64": (2, 64, 64, [45, 19], [50, 130], False, 64, True, "no-v-wait"),
+}  # fmt: skip
 
 
 @pytest.mark.lab
 @pytest.mark.parametrize("case", list(LAB_WGMMA_CASES))
 def test_lab_wgmma_prefill_matches_float64(case: str, tmp_path: Path) -> None:
-    heads, dqk, dv, q_lens, kv_lens, causal, block_n, broken = LAB_WGMMA_CASES[case]
+    heads, dqk, dv, q_lens, kv_lens, causal, block_n, pv, broken = LAB_WGMMA_CASES[case]
     args = (heads, dqk, dv, q_lens, kv_lens or q_lens, causal)
     tiles = dict(block_m=64, block_n=block_n)
-    ok, summary = run_kernel(tmp_path, *args, seed=len(case), lab_wgmma=True, **tiles)
+    lab = "pv" if pv else "scores"
+    ok, summary = run_kernel(tmp_path, *args, seed=len(case), lab_wgmma=lab, **tiles)
     assert ok, summary
-    ok, summary = run_kernel(
-        tmp_path, *args, seed=len(case), broken=broken, lab_wgmma=True, **tiles
-    )
+    ok, summary = run_kernel(tmp_path, *args, seed=len(case), broken=broken, lab_wgmma=lab,
+                             **tiles)  # fmt: skip
     assert not ok, f"{broken} passed: {summary}"

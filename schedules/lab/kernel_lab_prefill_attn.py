@@ -43,6 +43,9 @@ VARIANTS: dict[str, dict] = {
     # the scores on wgmma, Q and K in swizzled shared tiles (schedules/lab/prefill_wgmma_cuda.py)
     "wg_bn64": dict(block_m=64, block_n=64, wgmma=True),
     "wg_bn128": dict(block_m=64, block_n=128, wgmma=True),
+    # ... and P V on wgmma too (A = P from registers, V MN-major)
+    "wg2_bn64": dict(block_m=64, block_n=64, wgmma=True, pv=True),
+    "wg2_bn128": dict(block_m=64, block_n=128, wgmma=True, pv=True),
 }
 BAD_REL, BAD_LSE = 2e-3, 2e-3  # a result worse than this is flagged "!"
 
@@ -64,9 +67,12 @@ def prepare(args: argparse.Namespace) -> int:
 
     for name, kwargs in VARIANTS.items():
         kwargs = dict(kwargs)
-        build = build_prefill_wgmma if kwargs.pop("wgmma", False) else build_prefill_attention
+        wgmma, pv = kwargs.pop("wgmma", False), kwargs.pop("pv", False)
         tiles = replace(tuned("prefill_attention"), **kwargs)
-        funcs[name] = build(HEADS, HEADS, D_QK, D_V, "float16", tiles)
+        if wgmma:
+            funcs[name] = build_prefill_wgmma(HEADS, HEADS, D_QK, D_V, "float16", tiles, pv=pv)
+        else:
+            funcs[name] = build_prefill_attention(HEADS, HEADS, D_QK, D_V, "float16", tiles)
     built = lab_common.build_libraries(
         funcs, LAB_DIR, "attn", args.arch, target, VARIANTS, "TVM _attention_prefill_ragged"
     )

@@ -14,11 +14,17 @@ re-packing already use):
   K-major shared tiles: ``Dqk / 16`` ``wgmma.m64n<BN>k16`` (one commit group, one wait) instead
   of ``Dqk / 16 x BN / 16`` ``ldmatrix`` + 2 ``mma.sync`` a warp. ``fence.proxy.async`` after a
   tile's ``cp.async`` wait makes the copies visible to the MMA's (async) proxy.
-* The softmax, P V (``mma.sync`` with ``ldmatrix.trans`` over the padded V tile), the causal
-  tile skipping and the epilogue are the shipped kernel's text.
+* ``pv=True``: **O += P V on wgmma too**: A = P from registers (the ``mma.sync`` A fragments
+  the kernel already packs, all of a tile's k-steps first: the MMAs read them asynchronously),
+  B = the V tile stored in the same swizzled atoms and read **MN-major** (the descriptor's
+  transpose bit; its leading byte offset the ``BN * 128`` bytes between 64-column atoms, its
+  stride byte offset the 1,024 between 8-key groups, as CUTLASS's canonical SW128 MN-major
+  layout); O's 64 accumulators a thread are the kernel's ``o`` in the same layout. Else P V is
+  the shipped ``mma.sync`` with ``ldmatrix.trans`` over a padded V tile.
+* The softmax, the causal tile skipping and the epilogue are the shipped kernel's text.
 
-Shared memory: ``(64 + BN) Dqk 2 + BN (Dv + 8) 2`` bytes + 1 KB of alignment (66 KB at V2-Lite's
-192 / 128 and ``BN`` 64: dynamic shared memory).
+Shared memory: ``(64 + BN) Dqk 2 + BN (Dv [+ 8]) 2`` bytes + 1 KB of alignment (65-66 KB at
+V2-Lite's 192 / 128 and ``BN`` 64: dynamic shared memory).
 """
 
 from __future__ import annotations
@@ -35,17 +41,19 @@ _SHIPPED_SOURCE = pfa._cuda_source  # (the builder's is swapped for this module'
 BLOCK_M = 64  # query rows of a block: wgmma's M, one warpgroup
 
 
-def _check(DQK: int, BM: int, BN: int) -> None:
-    if BM != BLOCK_M or BN not in (64, 128) or DQK % ATOM:
+def _check(DQK: int, BM: int, BN: int, DV: int = ATOM, pv: bool = False) -> None:
+    if BM != BLOCK_M or BN not in (64, 128) or DQK % ATOM or (pv and (DV % ATOM or DV > 256)):
         raise ValueError(
-            f"the wgmma prefill takes blocks of {BLOCK_M} rows, key tiles of 64 or 128 and Dqk a "
-            f"multiple of {ATOM}; got {BM}, {BN}, {DQK}"
+            f"the wgmma prefill takes blocks of {BLOCK_M} rows, key tiles of 64 or 128 and Dqk "
+            f"(and with P V on wgmma Dv <= 256) a multiple of {ATOM}; got {BM}, {BN}, {DQK}, {DV}"
         )
 
 
-def shared_bytes(d_qk: int, d_v: int, block_n: int) -> int:
-    """Shared memory of one block (the Q and K tiles, the padded V tile, the base's alignment)."""
-    return (BLOCK_M + block_n) * d_qk * 2 + block_n * (d_v + pfa._PAD) * 2 + 1024
+def shared_bytes(d_qk: int, d_v: int, block_n: int, pv: bool = False) -> int:
+    """Shared memory of one block (the Q and K tiles, the V tile: padded rows, or swizzled
+    atoms with ``pv``; the base's alignment)."""
+    v_row = d_v if pv else d_v + pfa._PAD
+    return (BLOCK_M + block_n) * d_qk * 2 + block_n * v_row * 2 + 1024
 
 
 def _helpers(tag: str, BN: int) -> str:
@@ -98,17 +106,45 @@ __device__ __forceinline__ void pfw_proxy_{tag}() {{
 """
 
 
+def _pv_helper(tag: str, BN: int, DV: int) -> str:
+    """``pfw_wgmma_pv``: O (64 x DV) += P (64 x 16, A from registers: the ``mma.sync`` A
+    fragments) V (16 keys x DV at shared v, MN-major: the transpose bit; atoms of 64 columns
+    ``BN * 128`` bytes apart, 8-key groups 1024 bytes apart)."""
+    n = DV // 2
+    regs = ",".join(f"%{i}" for i in range(n))
+    outs = ", ".join(f'"+f"(d[{i}])' for i in range(n))
+    lbo = BN * 128
+    return f"""
+__device__ __forceinline__ void pfw_wgmma_pv_{tag}(float* d, const unsigned* a, unsigned v) {{
+#if defined(__CUDA_ARCH__)
+  const unsigned long long desc = (unsigned long long)((v & 0x3FFFFu) >> 4) |
+      ((unsigned long long)({lbo} >> 4) << 16) | (64ull << 32) | (1ull << 62);
+  asm volatile(
+      "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{n + 5}, 0;\\n"
+      "wgmma.mma_async.sync.aligned.m64n{DV}k16.f32.f16.f16 {{{regs}}}, "
+      "{{%{n}, %{n + 1}, %{n + 2}, %{n + 3}}}, %{n + 4}, p, 1, 1, 1;\\n}}\\n"
+      : {outs}
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
+#else
+  dsv2_emu_wgmma_ra_mn(d, a, v, {DV}, {lbo}, 1024);
+#endif
+}}
+"""
+
+
 def _swap(src: str, old: str, new: str, count: int = 1) -> str:
     if src.count(old) != count:
         raise ValueError(f"the shipped kernel's text changed: {old[:60]!r}")
     return src.replace(old, new)
 
 
-def wgmma_prefill_source(tag: str, *, H: int, DQK: int, DV: int, BM: int, BN: int) -> str:
+def wgmma_prefill_source(
+    tag: str, *, H: int, DQK: int, DV: int, BM: int, BN: int, pv: bool = False
+) -> str:
     """CUDA of ``prefill_attn_<tag>`` (module docstring), the shipped kernel's text with Q and K
-    in swizzled shared tiles and S on ``wgmma``; the same arguments as the shipped
-    ``_cuda_source``."""
-    _check(DQK, BM, BN)
+    in swizzled shared tiles and S on ``wgmma`` (``pv``: O += P V too, V swizzled); the same
+    arguments as the shipped ``_cuda_source``."""
+    _check(DQK, BM, BN, DV, pv)
     src = _SHIPPED_SOURCE(tag, H=H, DQK=DQK, DV=DV, BM=BM, BN=BN)
     KS, NT, CK, KSTR = DQK // 16, BM // 16 * 32, DQK // 8, DQK + pfa._PAD
     QT, KT = BLOCK_M * DQK * 2, BN * DQK * 2
@@ -170,18 +206,65 @@ def wgmma_prefill_source(tag: str, *, H: int, DQK: int, DV: int, BM: int, BN: in
 """
         + src[b:]
     )
+    if pv:
+        src = _pv_on_wgmma(src, tag, BN, DV)
     return src.replace(f"DSV2_PREFILL_ATTN_{tag}", f"DSV2_PREFILL_WG_{tag}")
 
 
-def build_prefill_wgmma(h_kv, h_q, d_qk, d_v, dtype, tiles):
+def _pv_on_wgmma(src: str, tag: str, BN: int, DV: int) -> str:
+    """O += P V as ``wgmma`` with A = P from registers and V MN-major in swizzled atoms."""
+    fn = f"__device__ __forceinline__ void prefill_attn_{tag}("
+    src = _swap(src, fn, _pv_helper(tag, BN, DV) + fn)
+    vstr = DV + pfa._PAD
+    src = _swap(
+        src,
+        f"pfa_cp_{tag}(v_sa + (row * {vstr} + col * 8) * 2,",
+        f"pfa_cp_{tag}(v_sa + pfw_at_{tag}(row, col, {BN}),",
+        count=2,
+    )
+    src = _swap(
+        src,
+        f"    pfa_wait1_{tag}();  // V(it) has landed\n    __syncthreads();\n",
+        f"    pfa_wait1_{tag}();  // V(it) has landed\n    pfw_proxy_{tag}();\n"
+        "    __syncthreads();\n",
+    )
+    # P's A fragments of every k-step first (registers the MMAs read asynchronously), then the
+    # MMAs, one commit group
+    old = "      unsigned a[4];\n      a[0] = "
+    src = _swap(src, old, "      unsigned* a = pa[kk];\n      a[0] = ")
+    kloop = f"#pragma unroll\n    for (int kk = 0; kk < {BN // 16}; ++kk) {{\n"
+    src = _swap(src, kloop, f"    unsigned pa[{BN // 16}][4];\n" + kloop)
+    a = src.index(f"#pragma unroll\n      for (int np = 0; np < {DV // 16}; ++np) {{")
+    b = src.index("    __syncthreads();  // every warp is done with V(it)")
+    return (
+        src[:a]
+        + f"""    }}
+    pfw_fence_{tag}();
+#pragma unroll
+    for (int kk = 0; kk < {BN // 16}; ++kk)
+      pfw_wgmma_pv_{tag}(&o[0][0], pa[kk], v_sa + kk * 2048);
+    pfw_commit_wait_{tag}();
+"""
+        + src[b:]
+    )
+
+
+def build_prefill_wgmma(h_kv, h_q, d_qk, d_v, dtype, tiles, pv: bool = False):
     """:func:`~dsv2_mlc.schedules.prefill_attention_cuda.build_prefill_attention` with this
-    module's kernel (``tiles.block_m`` must be 64, ``block_n`` 64 or 128) and its shared memory
-    (dynamic: up to the 227 KB a block may opt into)."""
-    _check(d_qk, tiles.block_m, tiles.block_n)
+    module's kernel (``tiles.block_m`` must be 64, ``block_n`` 64 or 128; ``pv``: P V on
+    ``wgmma`` too) and its shared memory (dynamic: up to the 227 KB a block may opt into)."""
+    _check(d_qk, tiles.block_m, tiles.block_n, d_v, pv)
+
+    def source(tag, **shape):
+        return wgmma_prefill_source(tag, **shape, pv=pv)
+
+    def smem(d_qk_, d_v_, block_n):
+        return shared_bytes(d_qk_, d_v_, block_n, pv)
+
     with contextlib.ExitStack() as stack:
         for name, value in (
-            ("_cuda_source", wgmma_prefill_source),
-            ("_shared_bytes", shared_bytes),
+            ("_cuda_source", source),
+            ("_shared_bytes", smem),
             ("_MAX_SHARED_BYTES", 232448),
         ):
             stack.callback(setattr, pfa, name, getattr(pfa, name))
