@@ -82,6 +82,11 @@ def prefill_attention_cuda_supports(
     return True
 
 
+def _block_threads(block_m: int) -> int:
+    """Threads of a block: a warp for every 16 query rows."""
+    return block_m // 16 * 32
+
+
 def _shared_bytes(d_qk: int, d_v: int, block_n: int) -> int:
     """Shared memory of one block: a K and a V tile of ``block_n`` padded rows."""
     return block_n * (d_qk + _PAD + d_v + _PAD) * 2
@@ -414,7 +419,7 @@ def build_prefill_attention(
         raise ValueError(f"prefill_attention_cuda needs {smem} bytes of shared memory")
     smem_scope = "shared.dyn" if smem > _STATIC_SHARED_BYTES else "shared"
     H, BM, BN = h_q, block_m, block_n
-    NT = BM // 16 * 32
+    NT = _block_threads(BM)
     tag = f"{H}_{d_qk}_{d_v}_{BM}_{BN}"
     src = _cuda_source(tag, H=H, DQK=d_qk, DV=d_v, BM=BM, BN=BN)
     SMEM_N = smem // 2

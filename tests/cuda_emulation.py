@@ -161,6 +161,24 @@ static bool emu_shared(void* p, size_t n) {
   return true;
 }
 static inline void __syncthreads() { g_block_bar->arrive_and_wait(); }
+// named barriers (bar.sync / bar.arrive id, n; id 0 is __syncthreads'): one std::barrier an id,
+// of the thread count its first use names (blocks run one after another, and every phase of a
+// correct kernel completes inside its block); bar.arrive arrives without waiting
+static std::barrier<>* emu_named_bar(int id, int n) {
+  static std::barrier<>* bars[16] = {};
+  static int counts[16] = {};
+  static std::mutex mu;
+  if (id < 1 || id > 15 || n % 32) emu_fail("named barrier id or thread count");
+  std::lock_guard<std::mutex> lock(mu);
+  if (!bars[id]) { bars[id] = new std::barrier<>(n); counts[id] = n; }
+  if (counts[id] != n) emu_fail("a named barrier used with two thread counts");
+  return bars[id];
+}
+static inline void dsv2_emu_bar_sync(int id, int n) { emu_named_bar(id, n)->arrive_and_wait(); }
+static inline void dsv2_emu_bar_arrive(int id, int n) {
+  auto token = emu_named_bar(id, n)->arrive();
+  (void)token;
+}
 static inline void __threadfence_block() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 static inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 static inline unsigned atomicAdd(unsigned* p, unsigned v) {

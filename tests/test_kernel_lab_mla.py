@@ -78,11 +78,13 @@ def test_prologue_variants_compile(tmp_path: Path, variant: str) -> None:
 def test_prefill_attention_variants_compile(tmp_path: Path, variant: str) -> None:
     """The flash kernel's tiles, and the lab's wgmma variant (``wgmma=True``)."""
     fields = dict(_variants("kernel_lab_prefill_attn")[variant])
-    wgmma, pv = fields.pop("wgmma", False), fields.pop("pv", False)
+    wgmma, pv, ws = fields.pop("wgmma", False), fields.pop("pv", False), fields.pop("ws", False)
     tiles = replace(tuned("prefill_attention"), **fields)
-    if wgmma:
-        build = load_script("prefill_wgmma_cuda").build_prefill_wgmma
-        func = build(16, 16, 192, 128, "float16", tiles, pv=pv)
+    lab = load_script("prefill_wgmma_cuda")
+    if ws:
+        func = lab.build_prefill_ws(16, 16, 192, 128, "float16", tiles)
+    elif wgmma:
+        func = lab.build_prefill_wgmma(16, 16, 192, 128, "float16", tiles, pv=pv)
     else:
         func = build_prefill_attention(16, 16, 192, 128, "float16", tiles)
     _compiles(func, tmp_path)

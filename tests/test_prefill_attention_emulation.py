@@ -49,6 +49,9 @@ BROKEN = {
     "unswizzled": ("(((c & 7) ^ (r & 7)) << 4)", "((c & 7) << 4)"),
     # (... with P V on wgmma) the k-steps of P V 8 keys apart instead of 16
     "pv-kstep": ("v_sa + kk * 2048", "v_sa + kk * 1024"),
+    # (... warp-specialized) the producer fills stage 0 for every tile (V2-Lite's shapes)
+    "ws-one-stage": ("      const unsigned kt = k_sa + st * 40960, vt = kt + 24576;\n      if",
+                     "      const unsigned kt = k_sa + 0 * 40960, vt = kt + 24576;\n      if"),
     # query r sees one key past its causal limit
     "causal-limit": ("off + row_base + g + 8 * r + 1", "off + row_base + g + 8 * r + 2"),
     # the PV product reads the V tile before its cp.async group has landed
@@ -108,9 +111,9 @@ def run_kernel(
     **tiles: int,
 ) -> tuple[bool, str]:
     """Emulate the kernel (``broken``: with that :data:`BROKEN` edit; ``lab_wgmma``: the lab's
-    variant with the scores, ``"scores"``, or both products, ``"pv"``, on wgmma,
-    schedules/lab/prefill_wgmma_cuda.py) on random fp16 inputs; (whether every element is
-    within its bound, a summary of the worst ones)."""
+    variant with the scores, ``"scores"``, or both products, ``"pv"``, on wgmma, or the
+    warp-specialized one, ``"ws"``: schedules/lab/prefill_wgmma_cuda.py) on random fp16
+    inputs; (whether every element is within its bound, a summary of the worst ones)."""
     rng = np.random.default_rng(seed)
     q_ptr, kv_ptr = [0, *np.cumsum(q_lens).tolist()], [0, *np.cumsum(kv_lens).tolist()]
     n, m = q_ptr[-1], kv_ptr[-1]
@@ -118,7 +121,10 @@ def run_kernel(
     k = rng.standard_normal((m, heads, dqk)).astype(np.float16)
     v = rng.standard_normal((m, heads, dv)).astype(np.float16)
     sm = float(np.float32(1 / math.sqrt(dqk)))
-    owner, name = (_lab_wgmma(), "wgmma_prefill_source") if lab_wgmma else (pfa, "_cuda_source")
+    owner, name = pfa, "_cuda_source"
+    if lab_wgmma:
+        owner = _lab_wgmma()
+        name = "ws_prefill_source" if lab_wgmma == "ws" else "wgmma_prefill_source"
     source = original = getattr(owner, name)
     if broken is not None:
         old, new = BROKEN[broken]
@@ -131,7 +137,10 @@ def run_kernel(
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(owner, name, source)
-        if lab_wgmma:
+        if lab_wgmma == "ws":
+            shape = PrefillAttentionTiles(**tiles)
+            func = owner.build_prefill_ws(heads, heads, dqk, dv, "float16", shape)
+        elif lab_wgmma:
             shape = PrefillAttentionTiles(**tiles)
             func = owner.build_prefill_wgmma(
                 heads, heads, dqk, dv, "float16", shape, pv=lab_wgmma == "pv"
@@ -201,31 +210,35 @@ def test_prefill_attention_matches_float64(case: str, tmp_path: Path) -> None:
     assert not ok, f"{broken} passed: {summary}"
 
 
-# the lab's wgmma variant: (heads, dqk, dv, q_lens, kv_lens, causal, block_n, P V on wgmma,
-# broken)
+# the lab's wgmma variants: (heads, dqk, dv, q_lens, kv_lens, causal, block_n, variant, broken);
+# variant "scores": S on wgmma; "pv": P V too; "ws": both, a producer warpgroup, 128-row blocks
 LAB_WGMMA_CASES = {
     # V2-Lite, 64-key tiles: two query tiles, three key tiles, a single token, one of 33
-    "v2lite-bn64": (16, 192, 128, [70, 1, 33], None, True, 64, False, "unswizzled"),
+    "v2lite-bn64": (16, 192, 128, [70, 1, 33], None, True, 64, "scores", "unswizzled"),
     # a chunk after a cached prefix, 128-key tiles (the prefix crosses tile edges)
-    "v2lite-prefix-bn128": (4, 192, 128, [48, 100], [348, 230], True, 128, False,
+    "v2lite-prefix-bn128": (4, 192, 128, [48, 100], [348, 230], True, 128, "scores",
                             "causal-limit"),
     # small heads, non-causal
-    "small-full-bn64": (2, 64, 32, [45, 19], [50, 130], False, 64, False, "no-v-wait"),
+    "small-full-bn64": (2, 64, 32, [45, 19], [50, 130], False, 64, "scores", "no-v-wait"),
     # P V on wgmma too (V MN-major): V2-Lite, both key tiles; small heads, non-causal
-    "pv-v2lite-bn64": (16, 192, 128, [70, 1, 33], None, True, 64, True, "unswizzled"),
-    "pv-v2lite-prefix-bn128": (4, 192, 128, [48, 100], [348, 230], True, 128, True,
+    "pv-v2lite-bn64": (16, 192, 128, [70, 1, 33], None, True, 64, "pv", "unswizzled"),
+    "pv-v2lite-prefix-bn128": (4, 192, 128, [48, 100], [348, 230], True, 128, "pv",
                                "pv-kstep"),
-    "pv-small-full-bn64": (2, 64, 64, [45, 19], [50, 130], False, 64, True, "no-v-wait"),
+    "pv-small-full-bn64": (2, 64, 64, [45, 19], [50, 130], False, 64, "pv", "no-v-wait"),
+    # warp-specialized: blocks of 128 rows (a consumer warpgroup's 64 past the sequence end),
+    # up to 6 key tiles through the two stages; a chunk after a prefix; non-causal small heads
+    "ws-v2lite": (16, 192, 128, [70, 1, 200], None, True, 64, "ws", "ws-one-stage"),
+    "ws-v2lite-prefix": (4, 192, 128, [48, 130], [348, 330], True, 64, "ws", "causal-limit"),
+    "ws-small-full": (2, 64, 64, [45, 150], [50, 230], False, 64, "ws", "unswizzled"),
 }  # fmt: skip
 
 
 @pytest.mark.lab
 @pytest.mark.parametrize("case", list(LAB_WGMMA_CASES))
 def test_lab_wgmma_prefill_matches_float64(case: str, tmp_path: Path) -> None:
-    heads, dqk, dv, q_lens, kv_lens, causal, block_n, pv, broken = LAB_WGMMA_CASES[case]
+    heads, dqk, dv, q_lens, kv_lens, causal, block_n, lab, broken = LAB_WGMMA_CASES[case]
     args = (heads, dqk, dv, q_lens, kv_lens or q_lens, causal)
-    tiles = dict(block_m=64, block_n=block_n)
-    lab = "pv" if pv else "scores"
+    tiles = dict(block_m=128 if lab == "ws" else 64, block_n=block_n)
     ok, summary = run_kernel(tmp_path, *args, seed=len(case), lab_wgmma=lab, **tiles)
     assert ok, summary
     ok, summary = run_kernel(tmp_path, *args, seed=len(case), broken=broken, lab_wgmma=lab,

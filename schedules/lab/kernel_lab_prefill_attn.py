@@ -46,6 +46,8 @@ VARIANTS: dict[str, dict] = {
     # ... and P V on wgmma too (A = P from registers, V MN-major)
     "wg2_bn64": dict(block_m=64, block_n=64, wgmma=True, pv=True),
     "wg2_bn128": dict(block_m=64, block_n=128, wgmma=True, pv=True),
+    # ... warp-specialized: a producer warpgroup, two stages, two consumer warpgroups
+    "ws_bm128": dict(block_m=128, block_n=64, ws=True),
 }
 BAD_REL, BAD_LSE = 2e-3, 2e-3  # a result worse than this is flagged "!"
 
@@ -63,13 +65,15 @@ def prepare(args: argparse.Namespace) -> int:
 
     lab_common.fresh_lab_dir(LAB_DIR, "attn_*.so")
     funcs = {"tvm": _attention_prefill_ragged(HEADS, HEADS, D_QK, D_V, "float16", {}, target)}
-    from prefill_wgmma_cuda import build_prefill_wgmma
+    from prefill_wgmma_cuda import build_prefill_wgmma, build_prefill_ws
 
     for name, kwargs in VARIANTS.items():
         kwargs = dict(kwargs)
-        wgmma, pv = kwargs.pop("wgmma", False), kwargs.pop("pv", False)
+        wgmma, pv, ws = kwargs.pop("wgmma", False), kwargs.pop("pv", False), kwargs.pop("ws", 0)
         tiles = replace(tuned("prefill_attention"), **kwargs)
-        if wgmma:
+        if ws:
+            funcs[name] = build_prefill_ws(HEADS, HEADS, D_QK, D_V, "float16", tiles)
+        elif wgmma:
             funcs[name] = build_prefill_wgmma(HEADS, HEADS, D_QK, D_V, "float16", tiles, pv=pv)
         else:
             funcs[name] = build_prefill_attention(HEADS, HEADS, D_QK, D_V, "float16", tiles)

@@ -25,6 +25,11 @@ re-packing already use):
 
 Shared memory: ``(64 + BN) Dqk 2 + BN (Dv [+ 8]) 2`` bytes + 1 KB of alignment (65-66 KB at
 V2-Lite's 192 / 128 and ``BN`` 64: dynamic shared memory).
+
+:func:`ws_prefill_source` is the next step, warp-specialized (FlashAttention-3's structure
+without its ping-pong scheduling): 128-row blocks of 384 threads, a producer warpgroup filling
+two stages of K / V (and Q once) by ``cp.async`` and named barriers, two consumer warpgroups of
+64 rows running both products on ``wgmma`` (129 KB of shared memory, 149 registers).
 """
 
 from __future__ import annotations
@@ -265,6 +270,169 @@ def build_prefill_wgmma(h_kv, h_q, d_qk, d_v, dtype, tiles, pv: bool = False):
         for name, value in (
             ("_cuda_source", source),
             ("_shared_bytes", smem),
+            ("_MAX_SHARED_BYTES", 232448),
+        ):
+            stack.callback(setattr, pfa, name, getattr(pfa, name))
+            setattr(pfa, name, value)
+        return pfa.build_prefill_attention(h_kv, h_q, d_qk, d_v, dtype, replace(tiles))
+
+
+# -- warp-specialized: a producer warpgroup, two consumer warpgroups -----------------------------
+WS_BLOCK_M = 128  # query rows of a block: two consumer warpgroups of 64
+WS_THREADS = 384  # + a producer warpgroup
+
+
+def ws_shared_bytes(d_qk: int, d_v: int, block_n: int) -> int:
+    """Shared memory of the warp-specialized block: Q (128 rows), two stages of K and V
+    (swizzled), the base's alignment."""
+    return WS_BLOCK_M * d_qk * 2 + 2 * block_n * (d_qk + d_v) * 2 + 1024
+
+
+def _between(src: str, a: str, b: str) -> str:
+    i = src.index(a)
+    return src[i : src.index(b, i)]
+
+
+def ws_prefill_source(tag: str, *, H: int, DQK: int, DV: int, BM: int, BN: int) -> str:
+    """CUDA of the warp-specialized ``prefill_attn_<tag>`` (384 threads): warpgroup 2 copies Q
+    once and each K / V tile into one of two stages (``cp.async``, then ``fence.proxy.async``
+    and ``bar.arrive`` on the stage's "full" barrier; it waits on the stage's "free" barrier
+    before refilling it); warpgroups 0 and 1 take 64 query rows each and run S = Q K^T, the
+    softmax and O += P V on ``wgmma`` (as ``pv=True``) with no barrier between them. The
+    softmax, the causal masks and the epilogue are the shipped kernel's text."""
+    if BM != WS_BLOCK_M or BN != 64 or DQK % ATOM or DV % ATOM or DV > 256:
+        raise ValueError(
+            f"the warp-specialized prefill takes blocks of {WS_BLOCK_M} rows, key tiles of 64 "
+            f"and head dims multiples of {ATOM}; got {BM}, {BN}, {DQK}, {DV}"
+        )
+    ship = _SHIPPED_SOURCE(tag, H=H, DQK=DQK, DV=DV, BM=BM, BN=BN)
+    fn = f"__device__ __forceinline__ void prefill_attn_{tag}("
+    helpers = ship[: ship.index(fn)]
+    preamble = _between(ship, f"  const int head = bid % {H};", "  unsigned qf[")
+    softmax = _between(ship, "    const bool need_mask", f"    pfa_wait1_{tag}();  // V(it)")
+    epilogue = ship[ship.index("#pragma unroll\n  for (int r = 0; r < 2; ++r) {\n    float dt") :]
+    CK, CV, QT, KT, VT = DQK // 8, DV // 8, WS_BLOCK_M * DQK * 2, BN * DQK * 2, BN * DV * 2
+    prims = f"""
+__device__ __forceinline__ void pfw_bar_sync_{tag}(int id, int n) {{
+#if defined(__CUDA_ARCH__)
+  asm volatile("bar.sync %0, %1;\\n" ::"r"(id), "r"(n) : "memory");
+#else
+  dsv2_emu_bar_sync(id, n);
+#endif
+}}
+__device__ __forceinline__ void pfw_bar_arrive_{tag}(int id, int n) {{
+#if defined(__CUDA_ARCH__)
+  asm volatile("bar.arrive %0, %1;\\n" ::"r"(id), "r"(n) : "memory");
+#else
+  dsv2_emu_bar_arrive(id, n);
+#endif
+}}
+__device__ __forceinline__ void pfw_wait0_{tag}() {{
+#if defined(__CUDA_ARCH__)
+  asm volatile("cp.async.wait_group 0;" ::: "memory");
+#else
+  dsv2_emu_cp_wait(0);
+#endif
+}}
+"""
+    body = f"""{fn}
+    const half* __restrict__ q, const half* __restrict__ k, const half* __restrict__ v,
+    const int* __restrict__ q_indptr, const int* __restrict__ kv_indptr, half* __restrict__ out,
+    float* __restrict__ lse, int batch_size, int causal, float sm_scale, half* smem,
+    const half* smem_last, int bid, int tx) {{
+{preamble}  const unsigned s0 = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  const unsigned q_sa = (s0 + 1023u) & ~1023u;
+  const unsigned k_sa = q_sa + {QT};  // stage st: K at k_sa + st * {KT + VT}, then V
+  const half* kb = k + (long long)kv0 * {H * DQK} + head * {DQK};
+  const half* vb = v + (long long)kv0 * {H * DV} + head * {DV};
+  if (tx >= 256) {{  // the producer: Q with the first tile; tile it into stage it % 2
+    const int p = tx - 256;
+    for (int it = 0; it < n_tiles; ++it) {{
+      const int st = it & 1, nn = it * {BN};
+      if (it >= 2) pfw_bar_sync_{tag}(4 + st, 384);  // the consumers are done with it - 2
+      const unsigned kt = k_sa + st * {KT + VT}, vt = kt + {KT};
+      if (it == 0) {{
+        for (int c = p; c < {WS_BLOCK_M * CK}; c += 128) {{
+          const int row = c / {CK}, col = c % {CK};
+          const bool ok = m0 + row < q_len;
+          pfa_cp_{tag}(q_sa + pfw_at_{tag}(row, col, {WS_BLOCK_M}),
+                       ok ? (const void*)(q + ((long long)(q0 + m0 + row) * {H} + head) * {DQK}
+                                          + col * 8)
+                          : (const void*)q,
+                       ok ? 16 : 0);
+        }}
+      }}
+      for (int c = p; c < {BN * CK}; c += 128) {{
+        const int row = c / {CK}, col = c % {CK};
+        const bool ok = nn + row < kv_len;
+        pfa_cp_{tag}(kt + pfw_at_{tag}(row, col, {BN}),
+                     ok ? (const void*)(kb + (long long)(nn + row) * {H * DQK} + col * 8)
+                        : (const void*)k,
+                     ok ? 16 : 0);
+      }}
+      for (int c = p; c < {BN * CV}; c += 128) {{
+        const int row = c / {CV}, col = c % {CV};
+        const bool ok = nn + row < kv_len;
+        pfa_cp_{tag}(vt + pfw_at_{tag}(row, col, {BN}),
+                     ok ? (const void*)(vb + (long long)(nn + row) * {H * DV} + col * 8)
+                        : (const void*)v,
+                     ok ? 16 : 0);
+      }}
+      pfa_commit_{tag}();
+      pfw_wait0_{tag}();
+      pfw_proxy_{tag}();
+      pfw_bar_arrive_{tag}(2 + st, 384);  // stage st is full
+    }}
+    return;
+  }}
+  const int wg = tx >> 7;
+  float o[{DV // 8}][4];
+#pragma unroll
+  for (int j = 0; j < {DV // 8}; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+  float m[2] = {{-INFINITY, -INFINITY}};
+  float d[2] = {{0.f, 0.f}};
+  for (int it = 0; it < n_tiles; ++it) {{
+    const int st = it & 1, n0 = it * {BN};
+    const unsigned kt = k_sa + st * {KT + VT}, vt = kt + {KT};
+    pfw_bar_sync_{tag}(2 + st, 384);  // the producer has filled stage st
+    float s[{BN // 8}][4];
+#pragma unroll
+    for (int j = 0; j < {BN // 8}; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+    pfw_fence_{tag}();
+#pragma unroll
+    for (int ks = 0; ks < {DQK // 16}; ++ks)
+      pfw_wgmma_{tag}(&s[0][0], q_sa + (ks >> 2) * {WS_BLOCK_M * 128} + wg * 8192 + (ks & 3) * 32,
+                      kt + (ks >> 2) * {BN * 128} + (ks & 3) * 32);
+    pfw_commit_wait_{tag}();
+{softmax}    unsigned pa[{BN // 16}][4];
+#pragma unroll
+    for (int kk = 0; kk < {BN // 16}; ++kk) {{
+      pa[kk][0] = pfa_pack_{tag}(s[2 * kk][0], s[2 * kk][1]);
+      pa[kk][1] = pfa_pack_{tag}(s[2 * kk][2], s[2 * kk][3]);
+      pa[kk][2] = pfa_pack_{tag}(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+      pa[kk][3] = pfa_pack_{tag}(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+    }}
+    pfw_fence_{tag}();
+#pragma unroll
+    for (int kk = 0; kk < {BN // 16}; ++kk)
+      pfw_wgmma_pv_{tag}(&o[0][0], pa[kk], vt + kk * 2048);
+    pfw_commit_wait_{tag}();
+    if (it + 2 < n_tiles) pfw_bar_arrive_{tag}(4 + st, 384);  // stage st is free
+  }}
+{epilogue}"""
+    src = helpers + _helpers(tag, BN) + _pv_helper(tag, BN, DV) + prims + body
+    return src.replace(f"DSV2_PREFILL_ATTN_{tag}", f"DSV2_PREFILL_WS_{tag}")
+
+
+def build_prefill_ws(h_kv, h_q, d_qk, d_v, dtype, tiles):
+    """:func:`~dsv2_mlc.schedules.prefill_attention_cuda.build_prefill_attention` with the
+    warp-specialized kernel (``tiles.block_m`` 128, ``block_n`` 64; 384 threads, dynamic shared
+    memory)."""
+    with contextlib.ExitStack() as stack:
+        for name, value in (
+            ("_cuda_source", ws_prefill_source),
+            ("_shared_bytes", ws_shared_bytes),
+            ("_block_threads", lambda block_m: WS_THREADS),
             ("_MAX_SHARED_BYTES", 232448),
         ):
             stack.callback(setattr, pfa, name, getattr(pfa, name))
