@@ -218,6 +218,28 @@ __device__ __forceinline__ void mlaw_store_${tag}(const mlaw_raw_${tag}& x, char
     *reinterpret_cast<uint4*>(tile + mlaw_at_${tag}((p >> 3) + 16 * k, ${dl} / 8 + (p & 7),
                                                      ${tokens})) = x.r[k];
 }
+// this warpgroup's score k-steps of the key tile at kt against Q (consumer 0: the first half
+// of the latent dims; consumer 1: the rest into sa, the rope dims into sr), issued and committed
+__device__ __forceinline__ void mlaw_scores_${tag}(float* sa, float* sr, unsigned kt, unsigned qt,
+                                                  int wg) {
+  mlaw_fence_${tag}();
+  if (wg == 0) {
+#pragma unroll
+    for (int k = 0; k < ${ks0}; ++k)
+      mlaw_wgmma_${tag}(sa, kt + (k >> 2) * ${atom_a} + (k & 3) * 32,
+                        qt + (k >> 2) * 2048 + (k & 3) * 32);
+  } else {
+#pragma unroll
+    for (int k = ${ks0}; k < ${ksl}; ++k)
+      mlaw_wgmma_${tag}(sa, kt + (k >> 2) * ${atom_a} + (k & 3) * 32,
+                        qt + (k >> 2) * 2048 + (k & 3) * 32);
+#pragma unroll
+    for (int k = ${ksl}; k < ${ks}; ++k)
+      mlaw_wgmma_${tag}(sr, kt + (k >> 2) * ${atom_a} + (k & 3) * 32,
+                        qt + (k >> 2) * 2048 + (k & 3) * 32);
+  }
+  mlaw_commit_${tag}();
+}
 __device__ __forceinline__ void mla_split_wg_${tag}(
     const half* __restrict__ q, const half* __restrict__ pages, const int* __restrict__ ids,
     int npg, int tok0, int n_vis, float scale, int final_, half* __restrict__ out,
@@ -291,23 +313,7 @@ LOOP = r"""  for (int i = 0; i < ngr; ++i) {
 #pragma unroll
     for (int e = 0; e < 8; ++e) { sa[e] = 0.f; sr[e] = 0.f; }
     // <scores>
-    mlaw_fence_${tag}();
-    if (wg == 0) {
-#pragma unroll
-      for (int k = 0; k < ${ks0}; ++k)
-        mlaw_wgmma_${tag}(sa, kt + (k >> 2) * ${atom_a} + (k & 3) * 32,
-                          qt + (k >> 2) * 2048 + (k & 3) * 32);
-    } else {
-#pragma unroll
-      for (int k = ${ks0}; k < ${ksl}; ++k)
-        mlaw_wgmma_${tag}(sa, kt + (k >> 2) * ${atom_a} + (k & 3) * 32,
-                          qt + (k >> 2) * 2048 + (k & 3) * 32);
-#pragma unroll
-      for (int k = ${ksl}; k < ${ks}; ++k)
-        mlaw_wgmma_${tag}(sr, kt + (k >> 2) * ${atom_a} + (k & 3) * 32,
-                          qt + (k >> 2) * 2048 + (k & 3) * 32);
-    }
-    mlaw_commit_${tag}();
+    mlaw_scores_${tag}(sa, sr, kt, qt, wg);
     mlaw_wait0_${tag}();
     // </scores>
     if (wg == 1) {

@@ -94,7 +94,7 @@ def _shared_bytes(d_qk: int, d_v: int, block_n: int) -> int:
 
 def _cuda_source(tag: str, *, H: int, DQK: int, DV: int, BM: int, BN: int) -> str:
     """The CUDA device code of the kernel (module docstring), specialised for the shapes."""
-    NT = BM // 16 * 32
+    NT = _block_threads(BM)
     KS = DQK // 16  # k-steps of S = Q K^T
     KSTR = DQK + _PAD
     VSTR = DV + _PAD

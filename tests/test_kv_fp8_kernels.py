@@ -226,8 +226,7 @@ def _rope_scaled_too(src: str) -> str:
 
 # The wgmma block's PTX (schedules/mla_wgmma_cuda.py, sm_90's FP8 entry) as the emulator's
 # stand-ins: wgmma on shared addresses (computed at the wait that completes it), cvt of two
-# e4m3 bytes to their float16 values, the named barriers (bar.sync waits, bar.arrive arrives;
-# one block at a time, so one barrier an id, of the thread count its first use names)
+# e4m3 bytes to their float16 values, the named barriers (the emulator's bar.sync / bar.arrive)
 _WG_PRIM = re.compile(
     r"__device__ __forceinline__ (\w+) mlaw_(wgmma|fence|commit|wait0|proxy|cvt|bar0|sync|arrive)"
     r"_(\w+)"
@@ -240,9 +239,9 @@ _WG_CALLS = {
     "commit": "dsv2_emu_wg_commit();",
     "wait0": "dsv2_emu_wg_wait(0);",
     "proxy": "",
-    "bar0": "emu_named(1, 128)->arrive_and_wait();",
-    "sync": "emu_named(id, n)->arrive_and_wait();",
-    "arrive": "auto token = emu_named(id, n)->arrive(); (void)token;",
+    "bar0": "dsv2_emu_bar_sync(1, 128);",
+    "sync": "dsv2_emu_bar_sync(id, n);",
+    "arrive": "dsv2_emu_bar_arrive(id, n);",
     "cvt": "unsigned r = 0; for (int i = 0; i < 2; ++i) { const unsigned b = (w >> (8 * i)) & "
     "0xffu; const unsigned short u = (unsigned short)(((b & 0x80u) << 8) | ((b & 0x7fu) << 7)); "
     "half h; memcpy(&h, &u, 2); const half v = (half)((float)h * 256.f); unsigned short o; "
@@ -250,22 +249,9 @@ _WG_CALLS = {
 }
 
 
-_NAMED = r"""static std::barrier<>* emu_named(int id, int n) {
-  static std::barrier<>* bars[16] = {};
-  static int counts[16] = {};
-  static std::mutex mu;
-  std::lock_guard<std::mutex> lock(mu);
-  if (!bars[id]) { bars[id] = new std::barrier<>(n); counts[id] = n; }
-  if (counts[id] != n) emu_fail("a named barrier used with two thread counts");
-  return bars[id];
-}
-"""
-
-
 def _wg_prim(m) -> str:
     ret, kind, tag, params = m.groups()
-    pre = _NAMED if kind == "bar0" else ""
-    return f"{pre}static inline {ret} mlaw_{kind}_{tag}({params}) {{ {_WG_CALLS[kind]} }}\n"
+    return f"static inline {ret} mlaw_{kind}_{tag}({params}) {{ {_WG_CALLS[kind]} }}\n"
 
 
 def _split_kv_fp8(

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import replace
-from string import Template
 
 from dsv2_mlc.schedules.mla_cuda_helpers import SPLIT_STORE
 from dsv2_mlc.schedules.mla_wgmma_cuda import ATOM, LOOP, PRODUCERS, TOKENS, check_shape
@@ -51,30 +50,6 @@ def wgmma_shared_halves(D: int, DL: int) -> int:
     """Shared memory (halves) of one block."""
     return layout(D, DL)["bytes"] // 2
 
-
-# this warpgroup's score k-steps (the overlapped loop's helper), then the register-staged body
-SCORES = r"""// this warpgroup's score k-steps of the key tile at kt against Q, issued and committed
-__device__ __forceinline__ void mlaw_scores_${tag}(float* sa, float* sr, unsigned kt, unsigned qt,
-                                                  int wg) {
-  mlaw_fence_${tag}();
-  if (wg == 0) {
-#pragma unroll
-    for (int k = 0; k < ${ks0}; ++k)
-      mlaw_wgmma_${tag}(sa, kt + (k >> 2) * ${atom_a} + (k & 3) * 32,
-                        qt + (k >> 2) * 2048 + (k & 3) * 32);
-  } else {
-#pragma unroll
-    for (int k = ${ks0}; k < ${ksl}; ++k)
-      mlaw_wgmma_${tag}(sa, kt + (k >> 2) * ${atom_a} + (k & 3) * 32,
-                        qt + (k >> 2) * 2048 + (k & 3) * 32);
-#pragma unroll
-    for (int k = ${ksl}; k < ${ks}; ++k)
-      mlaw_wgmma_${tag}(sr, kt + (k >> 2) * ${atom_a} + (k & 3) * 32,
-                        qt + (k >> 2) * 2048 + (k & 3) * 32);
-  }
-  mlaw_commit_${tag}();
-}
-"""
 
 BODY = r"""
 // byte offset of (row r, 16-byte chunk c) of a swizzled tile of ${rows} rows (atoms of 64 cols)
@@ -356,15 +331,10 @@ def ws_variant_source(
     producers: int = PRODUCERS,
 ) -> str:
     """The shipped block's CUDA (:func:`~dsv2_mlc.schedules.mla_wgmma_cuda.wgmma_source`) with
-    its consumers' loop swapped (``overlap``: ``LOOP_OVERLAP``, with its scores helper) and
+    its consumers' loop swapped (``overlap``: ``LOOP_OVERLAP``) and
     ``producers`` producer warpgroups."""
     loop = LOOP_OVERLAP if overlap else LOOP
-    src = ws_source(tag, D, DL, kscale, prims=prims, loop=loop, producers=producers)
-    helper = Template(SCORES).substitute(
-        tag=tag, ks0=D // 32, ksl=DL // 16, ks=D // 16, atom_a=TOKENS * 128
-    )
-    fn = "__device__ __forceinline__ void mla_split_wg_"
-    return src.replace(fn, helper + fn, 1)
+    return ws_source(tag, D, DL, kscale, prims=prims, loop=loop, producers=producers)
 
 
 def build_ws_variant(
